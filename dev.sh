@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# One entry point for a fresh machine.
+#   ./dev.sh main   install everything, then run the main job
+#   ./dev.sh test   install everything (browser included), then run the whole test suite
+# Everything goes into ./.venv; torch 2.13.0 (CPU build) is installed first so that the
+# `torch>=2.4` requirement never pulls a multi-GB CUDA build onto a CPU machine.
+set -euo pipefail
+cd "$(dirname "$0")"
+ROOT=$(pwd)
+PY=${PYTHON:-python3}
+VENV="$ROOT/.venv"
+
+bootstrap() {
+    [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+    "$VENV/bin/python" -c "import torch" 2>/dev/null || "$VENV/bin/pip" install -q torch==2.13.0
+    echo "[dev.sh] installing sdp_jupyter and its test dependencies into .venv (compiles native/)"
+    "$VENV/bin/pip" install -q -e ".[test]"
+}
+
+install_browser() {
+    # Debian's chromium for the JupyterLab browser tests (Playwright drives it via executable_path).
+    if ! command -v chromium >/dev/null 2>&1; then
+        echo "[dev.sh] installing Debian's chromium for the browser tests"
+        if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+        $SUDO apt-get update -q >/dev/null
+        DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q chromium >/dev/null
+    fi
+}
+
+case "${1:-}" in
+    main)
+        bootstrap
+        exec "$VENV/bin/python" -m sdp_jupyter.main_job
+        ;;
+    test)
+        bootstrap
+        install_browser
+        shift
+        exec "$VENV/bin/python" -m pytest -ra "$@"
+        ;;
+    *)
+        echo "usage: ./dev.sh main | ./dev.sh test [pytest args]" >&2
+        exit 2
+        ;;
+esac

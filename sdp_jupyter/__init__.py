@@ -1,0 +1,44 @@
+"""sdp_jupyter: distributed data-parallel training from a Jupyter notebook.
+
+Importing the package is cheap: it imports neither torch nor ipywidgets. The public names below
+are loaded on first use.
+"""
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+# public name -> "module:attribute"
+_LAZY = {
+    "launch": "sdp_jupyter.launch:launch",
+    "Job": "sdp_jupyter.launch:Job",
+    "JobSpec": "sdp_jupyter.launch:JobSpec",
+    "report": "sdp_jupyter.monitor.reporter:report",
+    "JobSetup": "sdp_jupyter.ui.setup:JobSetup",
+}
+
+__all__ = sorted(_LAZY) + ["load_ipython_extension", "unload_ipython_extension"]
+
+
+def __getattr__(name: str):
+    target = _LAZY.get(name)
+    if target is None:
+        raise AttributeError(f"module 'sdp_jupyter' has no attribute {name!r}")
+    module_name, attr = target.split(":")
+    value = getattr(importlib.import_module(module_name), attr)
+    globals()[name] = value
+    return value
+
+
+def load_ipython_extension(ipython):
+    """`%load_ext sdp_jupyter` registers %%sdp_train and friends."""
+    from sdp_jupyter.magics import load_ipython_extension as _load
+
+    _load(ipython)
+
+
+def unload_ipython_extension(ipython):
+    from sdp_jupyter.magics import unload_ipython_extension as _unload
+
+    _unload(ipython)

@@ -1,0 +1,1 @@
+"""Worker-side reporter, per-node system sampler, and the kernel-side reader of job metrics."""
