@@ -1,0 +1,491 @@
+"""Kernel side: metrics events in, frames out.
+
+Two halves, so that another source (a SageMaker job read through CloudWatch) plugs in without the UI
+knowing where numbers come from:
+
+- A **source** yields *events*: plain dicts shaped like the metrics lines of docs/jobs.md
+  (`{"t", "kind": "step" | "system" | "sampler" | ..., ...}`). It implements `MetricsSource`:
+  `poll() -> list[dict]` (new events since the last call, never raises on bad data), `done() -> bool`
+  (no more events will come) and `info() -> dict` (best effort: `name`, `state`, `total_steps`,
+  `world_size`). `JobDirSource` tails a local job directory.
+- A `Metrics` folds events into bounded per-rank / per-device windows and returns a `Frame`: the
+  columns the dashboard draws (steps, throughput, utilization, loss, compute vs exposed comm) and
+  the header figures (samples/s, mean utilization, ETA, input-bound share).
+
+`Reader(source)` ties them together; `read(job_or_dir)` is the one-shot form for a finished job.
+"""
+from __future__ import annotations
+
+import bisect
+import glob
+import json
+import os
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Protocol, runtime_checkable
+
+__all__ = ["MetricsSource", "JobDirSource", "Metrics", "Frame", "Reader", "open_source", "read", "job_dir_of"]
+
+FINAL_STATES = ("succeeded", "failed", "stopped")
+STEP_COLUMNS = ("step", "t", "loss", "samples", "step_time", "comm_time", "exposed_comm", "data_wait",
+                "bytes_reduced")
+SYSTEM_COLUMNS = ("t", "util", "mem_used", "mem_total", "power_w", "proc_util", "ncpu")
+
+
+@runtime_checkable
+class MetricsSource(Protocol):
+    def poll(self) -> list[dict]:
+        """New events since the last call (possibly none). Bad data is skipped, not raised."""
+
+    def done(self) -> bool:
+        """True when the job has ended and every event has been returned."""
+
+    def info(self) -> dict:
+        """Best-effort facts: name, state, total_steps, world_size (missing keys are unknown)."""
+
+
+def job_dir_of(job_or_dir: Any) -> str:
+    """A job directory from a path or from a launcher Job (any object with a directory attribute)."""
+    if isinstance(job_or_dir, (str, os.PathLike)):
+        return os.fspath(job_or_dir)
+    for attr in ("dir", "job_dir", "path", "directory", "root"):
+        value = getattr(job_or_dir, attr, None)
+        if isinstance(value, (str, os.PathLike)):
+            return os.fspath(value)
+    raise TypeError(f"cannot find a job directory in {job_or_dir!r}: pass a Job, a path or a MetricsSource")
+
+
+class _Tail:
+    """Follows one JSON-lines file: keeps a partial last line until its newline arrives, starts over
+    when the file shrinks or is replaced."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.offset = 0
+        self.ino = None
+        self.rest = b""
+
+    def read(self, out: list, bad: list, final: bool) -> None:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return  # missing or removed: nothing to read
+        if st.st_ino != self.ino or st.st_size < self.offset:
+            self.ino, self.offset, self.rest = st.st_ino, 0, b""
+        if st.st_size > self.offset:
+            try:
+                with open(self.path, "rb") as f:
+                    f.seek(self.offset)
+                    data = f.read(st.st_size - self.offset)
+            except OSError:
+                return
+            self.offset += len(data)
+            data = self.rest + data
+            lines = data.split(b"\n")
+            self.rest = lines.pop()
+            for line in lines:
+                _parse(line, out, bad)
+        if final and self.rest:
+            _parse(self.rest, out, bad)  # a finished job's unterminated line: keep it if it is whole
+            self.rest = b""
+
+
+def _parse(line: bytes, out: list, bad: list) -> None:
+    line = line.strip()
+    if not line:
+        return
+    try:
+        ev = json.loads(line)
+    except ValueError:  # a cut line, NUL bytes from a crash, text from elsewhere
+        bad.append(line[:200])
+        return
+    if isinstance(ev, dict) and isinstance(ev.get("t"), (int, float)):
+        out.append(ev)
+    else:
+        bad.append(line[:200])
+
+
+def _load_json(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+        return value if isinstance(value, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+class JobDirSource:
+    """Events from a local job directory: metrics/rank-*.jsonl and metrics/system-node-*.jsonl."""
+
+    def __init__(self, job_dir: str):
+        self.job_dir = os.path.abspath(job_dir)
+        self.tails: dict[str, _Tail] = {}
+        self.skipped = 0
+        self._done = False
+
+    def _state(self) -> str | None:
+        return _load_json(os.path.join(self.job_dir, "status.json")).get("state")
+
+    def poll(self) -> list[dict]:
+        if self._done:
+            return []
+        final = self._state() in FINAL_STATES  # read the state first: lines written before it count
+        for path in sorted(glob.glob(os.path.join(self.job_dir, "metrics", "*.jsonl"))):
+            if path not in self.tails:
+                self.tails[path] = _Tail(path)
+        events: list[dict] = []
+        bad: list = []
+        for tail in self.tails.values():
+            tail.read(events, bad, final)
+        self.skipped += len(bad)
+        self._done = final
+        return events
+
+    def done(self) -> bool:
+        return self._done
+
+    def info(self) -> dict:
+        spec = _load_json(os.path.join(self.job_dir, "spec.json"))
+        info = {"name": spec.get("name") or os.path.basename(self.job_dir), "state": self._state(),
+                "skipped_lines": self.skipped}
+        nodes = _first(spec, "nodes", "num_nodes", "instance_count")
+        per_node = _first(spec, "procs_per_node", "nproc_per_node", "gpus_per_node", "processes_per_node")
+        if isinstance(nodes, int) and isinstance(per_node, int):
+            info["world_size"] = nodes * per_node
+        if isinstance(nodes, int):
+            info["nodes"] = nodes
+        total = _first(spec, "total_steps", "max_steps")
+        if total is None and isinstance(spec.get("hyperparameters"), dict):
+            total = _first(spec["hyperparameters"], "total_steps", "max_steps")
+        if isinstance(total, int):
+            info["total_steps"] = total
+        return info
+
+
+def _first(d: dict, *keys):
+    for k in keys:
+        if d.get(k) is not None:
+            return d[k]
+    return None
+
+
+def open_source(obj: Any) -> MetricsSource:
+    """A MetricsSource from a job directory, a Job (its `metrics_source()` if it has one, else its
+    directory) or an object that already is a source."""
+    if isinstance(obj, (str, os.PathLike)):
+        return JobDirSource(os.fspath(obj))
+    make = getattr(obj, "metrics_source", None)
+    if callable(make):
+        return make()
+    try:
+        return JobDirSource(job_dir_of(obj))
+    except TypeError:
+        if isinstance(obj, MetricsSource):
+            return obj
+        raise
+
+
+@dataclass
+class Frame:
+    """What the dashboard draws at one moment. Times are seconds since `t0` (the first event)."""
+
+    t0: float | None = None
+    now: float | None = None                       # latest event time (unix)
+    ranks: list = field(default_factory=list)
+    steps: dict = field(default_factory=dict)      # rank -> column -> list (STEP_COLUMNS + "compute")
+    throughput: dict = field(default_factory=dict)  # rank -> (x, rate)
+    throughput_total: tuple = ((), ())
+    unit: str = "samples/s"
+    system: dict = field(default_factory=dict)     # (node, device) -> column -> list (SYSTEM_COLUMNS)
+    system_sources: dict = field(default_factory=dict)  # node -> "nvml" | "psutil"
+    samples_per_s: float | None = None             # current, over the last few seconds
+    steady_samples_per_s: float | None = None      # whole run after warm-up (for scaling efficiency)
+    mean_util: float | None = None                 # recent mean over devices, percent
+    util_kind: str | None = None                   # "GPU", "CPU" or "GPU+CPU"
+    last_step: Any = None
+    total_steps: int | None = None
+    eta_s: float | None = None
+    input_bound: float | None = None               # recent share of step time spent waiting for data
+    comm_share: float | None = None                # recent share of step time in exposed communication
+    state: str | None = None
+    done: bool = False
+    world_size: int | None = None
+    events: int = 0
+    skipped_lines: int = 0
+
+    def rank_steps(self, rank: int) -> list:
+        """Step numbers recorded for `rank` (within the window)."""
+        return list(self.steps.get(rank, {}).get("step", ()))
+
+
+class Metrics:
+    """Folds events into bounded windows. `window` bounds the points kept per rank and per device,
+    so a long job costs the kernel the same as a short one; totals used by the header are running
+    sums over the whole job."""
+
+    WARMUP_STEPS = 3  # steps left out of the steady samples/s (start-up, first allreduce)
+
+    def __init__(self, window: int = 600, smooth_s: float = 1.0, recent_s: float = 5.0):
+        self.window = window
+        self.smooth_s = smooth_s
+        self.recent_s = recent_s
+        self.t0: float | None = None
+        self.now: float | None = None
+        self.ranks: dict[int, OrderedDict] = {}  # rank -> step -> merged record
+        self.agg: dict[int, dict] = {}           # rank -> running totals
+        self.system: dict[tuple, deque] = {}
+        self.sources: dict[int, str] = {}
+        self.total_steps: int | None = None
+        self.events = 0
+        self.has_samples = False
+
+    def update(self, events: Iterable[dict]) -> int:
+        n = 0
+        for ev in events:
+            t = ev.get("t")
+            if not isinstance(t, (int, float)):
+                continue
+            kind = ev.get("kind")
+            if kind == "step":
+                self._step(ev, t)
+            elif kind == "system":
+                node = ev.get("node", 0)
+                key = (node, str(ev.get("device", "?")))
+                q = self.system.get(key)
+                if q is None:
+                    q = self.system[key] = deque(maxlen=self.window)
+                q.append(ev)
+                self.sources.setdefault(node, ev.get("source", "?"))
+            elif kind == "sampler":
+                self.sources[ev.get("node", 0)] = ev.get("source", "?")
+            else:
+                continue
+            n += 1
+            self.t0 = t if self.t0 is None else min(self.t0, t)
+            self.now = t if self.now is None else max(self.now, t)
+        self.events += n
+        return n
+
+    def _step(self, ev: dict, t: float) -> None:
+        rank = ev.get("rank", 0)
+        steps = self.ranks.get(rank)
+        if steps is None:
+            steps = self.ranks[rank] = OrderedDict()
+            self.agg[rank] = {"n": 0, "samples": 0.0, "warm_t": None, "warm_samples": 0.0, "last_t": None}
+        key = ev.get("step")
+        rec = steps.get(key)
+        if rec is None:
+            steps[key] = rec = dict(ev)
+            a = self.agg[rank]
+            a["n"] += 1
+            s = ev.get("samples")
+            if isinstance(s, (int, float)):
+                self.has_samples = True
+                a["samples"] += s
+                if a["n"] > self.WARMUP_STEPS + 1:
+                    a["warm_samples"] += s
+            if a["n"] == self.WARMUP_STEPS + 1:
+                a["warm_t"] = t
+            a["last_t"] = t if a["last_t"] is None else max(a["last_t"], t)
+            if len(steps) > self.window:
+                steps.popitem(last=False)
+        else:  # a second line for the same step (re-read file, late automatic fields): merge
+            rec.update(ev)
+        total = ev.get("total_steps")
+        if isinstance(total, int):
+            self.total_steps = total
+
+    # ---- frames -------------------------------------------------------------------------------
+
+    def frame(self, info: dict | None = None) -> Frame:
+        info = info or {}
+        fr = Frame(t0=self.t0, now=self.now, events=self.events, state=info.get("state"),
+                   skipped_lines=info.get("skipped_lines", 0))
+        fr.unit = "samples/s" if self.has_samples else "steps/s"
+        fr.total_steps = self.total_steps if self.total_steps is not None else info.get("total_steps")
+        fr.ranks = sorted(self.ranks, key=_sort_key)
+        fr.world_size = info.get("world_size") or (len(fr.ranks) or None)
+        t0 = self.t0 or 0.0
+        rates_now, waits, comms = [], [], []
+        for rank in fr.ranks:
+            recs = sorted(self.ranks[rank].values(), key=lambda r: r["t"])
+            cols = {c: [r.get(c) for r in recs] for c in STEP_COLUMNS}
+            ts = cols["t"]
+            # step_time missing (no wrapper): the time between this rank's consecutive lines
+            st = cols["step_time"]
+            for i in range(len(st)):
+                if st[i] is None and i > 0:
+                    st[i] = ts[i] - ts[i - 1]
+            cols["compute"] = [
+                None if s is None else max(0.0, s - (e or 0.0) - (w or 0.0))
+                for s, e, w in zip(st, cols["exposed_comm"], cols["data_wait"])
+            ]
+            cols["t"] = [x - t0 for x in ts]
+            fr.steps[rank] = cols
+            x, y = self._rates(ts, cols["samples"] if self.has_samples else [1] * len(ts))
+            fr.throughput[rank] = ([v - t0 for v in x], y)
+            if y and self.now is not None and self.now - x[-1] <= self.recent_s:
+                rates_now.append(self._recent_rate(ts, cols["samples"] if self.has_samples else None))
+            recent = [i for i, tv in enumerate(ts) if self.now - tv <= self.recent_s and st[i]]
+            for i in recent:
+                waits.append((cols["data_wait"][i] or 0.0, st[i]))
+                comms.append((cols["exposed_comm"][i] or 0.0, st[i]))
+            if recs:
+                last = recs[-1].get("step")
+                if fr.last_step is None or (isinstance(last, (int, float)) and last > fr.last_step):
+                    fr.last_step = last
+        fr.throughput_total = self._total(fr)
+        rates_now = [r for r in rates_now if r is not None]
+        fr.samples_per_s = sum(rates_now) if rates_now else None
+        fr.steady_samples_per_s = self._steady()
+        if waits and any(w for w, _ in waits):
+            fr.input_bound = sum(w for w, _ in waits) / sum(s for _, s in waits)
+        if comms and any(c for c, _ in comms):
+            fr.comm_share = sum(c for c, _ in comms) / sum(s for _, s in comms)
+        self._system_frame(fr, t0)
+        fr.eta_s = self._eta(fr)
+        return fr
+
+    def _rates(self, ts: list, samples: list) -> tuple[list, list]:
+        """Per-line rate over a trailing span of at least smooth_s: exact in steady state, no
+        bin jitter."""
+        x, y = [], []
+        j = 0
+        acc = 0.0
+        for i in range(1, len(ts)):
+            acc += samples[i] or 0.0
+            while j < i - 1 and ts[i] - ts[j + 1] >= self.smooth_s:
+                acc -= samples[j + 1] or 0.0
+                j += 1
+            span = ts[i] - ts[j]
+            if span > 0:
+                x.append(ts[i])
+                y.append(acc / span)
+        return x, y
+
+    def _recent_rate(self, ts: list, samples: list | None) -> float | None:
+        lo = bisect.bisect_left(ts, self.now - self.recent_s)
+        lo = max(0, min(lo, len(ts) - 2))
+        span = ts[-1] - ts[lo]
+        if span <= 0:
+            return None
+        got = sum((s or 0.0) for s in samples[lo + 1:]) if samples is not None else len(ts) - 1 - lo
+        return got / span
+
+    def _total(self, fr: Frame) -> tuple:
+        """Sum of the per-rank rates on a grid of smooth_s; a rank counts at T while its latest
+        line before T is recent (so ranks that finished drop out)."""
+        series = [(fr.throughput[r][0], fr.throughput[r][1]) for r in fr.ranks if fr.throughput[r][0]]
+        if not series:
+            return ((), ())
+        start = max(x[0] for x, _ in series)  # from when every rank has a rate: no ramp-up artefact
+        end = max(x[-1] for x, _ in series)
+        stale = max(3 * self.smooth_s, 2.0)
+        n = int((end - start) / self.smooth_s) + 1
+        n0 = max(0, n - self.window)
+        gx, gy = [], []
+        for k in range(n0, n):
+            T = start + k * self.smooth_s
+            total, any_rank = 0.0, False
+            for x, y in series:
+                i = bisect.bisect_right(x, T + 1e-9) - 1
+                if i >= 0 and T - x[i] <= stale:
+                    total += y[i]
+                    any_rank = True
+            if any_rank:
+                gx.append(T)
+                gy.append(total)
+        if gx and gx[-1] < end:  # always end at the latest point
+            gx.append(end)
+            gy.append(sum(y[-1] for x, y in series if end - x[-1] <= stale))
+        return gx, gy
+
+    def _steady(self) -> float | None:
+        total = 0.0
+        for a in self.agg.values():
+            if a["warm_t"] is None or a["last_t"] is None or a["last_t"] <= a["warm_t"]:
+                continue
+            total += (a["warm_samples"] if self.has_samples else a["n"] - self.WARMUP_STEPS - 1) / (
+                a["last_t"] - a["warm_t"])
+        return total or None
+
+    def _system_frame(self, fr: Frame, t0: float) -> None:
+        utils, kinds = [], set()
+        for key in sorted(self.system, key=lambda k: (_sort_key(k[0]), _device_key(k[1]))):
+            recs = list(self.system[key])
+            cols = {c: [r.get(c) for r in recs] for c in SYSTEM_COLUMNS}
+            cols["t"] = [x - t0 for x in cols["t"]]
+            fr.system[key] = cols
+            recent = [r.get("util") for r in recs
+                      if self.now - r["t"] <= self.recent_s and isinstance(r.get("util"), (int, float))]
+            utils.extend(recent)
+            if recent:
+                kinds.add("CPU" if key[1] == "cpu" else "GPU")
+        fr.system_sources = dict(self.sources)
+        fr.mean_util = sum(utils) / len(utils) if utils else None
+        fr.util_kind = "+".join(sorted(kinds, reverse=True)) or None
+
+    def _eta(self, fr: Frame) -> float | None:
+        if not fr.total_steps or not isinstance(fr.last_step, (int, float)) or not fr.ranks:
+            return None
+        rank = fr.ranks[0]
+        recs = list(self.ranks[rank].values())
+        ts = [r["t"] for r in recs]
+        lo = bisect.bisect_left(ts, self.now - max(self.recent_s, 1e-9))
+        lo = max(0, min(lo, len(recs) - 2))
+        if len(recs) < 2 or ts[-1] <= ts[lo]:
+            return None
+        per_step = (ts[-1] - ts[lo]) / (len(recs) - 1 - lo)
+        # steps may be numbered from 0 or from 1: the step after the last is fr.last_step + 1
+        left = max(0, fr.total_steps - 1 - fr.last_step) if fr.last_step < fr.total_steps else 0
+        return 0.0 if fr.done else left * per_step
+
+
+def _sort_key(v):
+    return (0, v, "") if isinstance(v, (int, float)) else (1, 0, str(v))
+
+
+def _device_key(d: str):
+    return (d == "cpu", int(d[3:]) if d.startswith("gpu") and d[3:].isdigit() else 0, d)
+
+
+class Reader:
+    """A source plus the folded state. `poll()` returns a new Frame when events arrived (or the job
+    just ended), else None; `frame()` always returns the current one."""
+
+    def __init__(self, source: Any, window: int = 600, smooth_s: float = 1.0):
+        self.source = open_source(source)
+        self.metrics = Metrics(window=window, smooth_s=smooth_s)
+        self._was_done = False
+        self._frame: Frame | None = None
+
+    def poll(self) -> Frame | None:
+        events = self.source.poll()
+        self.metrics.update(events)
+        done = self.source.done()
+        if events or (done and not self._was_done) or self._frame is None:
+            self._was_done = done
+            self._frame = self._make(done)
+            return self._frame
+        return None
+
+    def _make(self, done: bool) -> Frame:
+        fr = self.metrics.frame(self.source.info())
+        fr.done = done
+        if done and fr.eta_s is not None:
+            fr.eta_s = 0.0
+        return fr
+
+    def frame(self) -> Frame:
+        return self._frame if self._frame is not None else self.poll() or self._frame
+
+    def done(self) -> bool:
+        return self.source.done()
+
+
+def read(job_or_dir: Any, window: int = 100_000) -> Frame:
+    """Everything a (finished or running) job has recorded so far, as one Frame."""
+    reader = Reader(job_or_dir, window=window)
+    reader.poll()
+    return reader.frame()
