@@ -1,0 +1,91 @@
+"""Launch distributed jobs: JobSpec -> launcher -> Job. See docs/launcher.md and docs/jobs.md.
+
+    job = sdp_jupyter.launch("train.py", nodes=4, backend="gloo")
+    job.wait(); job.logs(0); job.result()
+
+`launch` accepts a JobSpec, a path to a .py file, or `code="..."`, plus JobSpec fields as keywords.
+`target="sagemaker"` hands the spec to sdp_jupyter.launch.sagemaker (its `SageMakerLauncher`).
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import threading
+from pathlib import Path
+
+from sdp_jupyter.launch import jobdir
+from sdp_jupyter.launch.job import Job, JobError
+from sdp_jupyter.launch.local import LocalLauncher
+from sdp_jupyter.launch.spec import OPTIONS, JobSpec, Option, SpecError
+
+__all__ = ["launch", "Job", "JobSpec", "JobError", "SpecError", "LocalLauncher", "Option", "OPTIONS",
+           "get_launcher", "jobs", "get_job", "list_jobs"]
+
+_JOBS: dict[str, Job] = {}  # jobs launched by this process, by name (latest last)
+_JOBS_LOCK = threading.Lock()
+
+
+def get_launcher(target: str):
+    """The launcher object for `target` ("local" or "sagemaker")."""
+    if target == "local":
+        return LocalLauncher()
+    if target == "sagemaker":
+        if importlib.util.find_spec("sdp_jupyter.launch.sagemaker") is None:
+            raise SpecError("--target", "sagemaker is not available yet in this installation "
+                                        "(sdp_jupyter.launch.sagemaker is missing). Fix: --target local")
+        module = importlib.import_module("sdp_jupyter.launch.sagemaker")
+        cls = getattr(module, "SageMakerLauncher", None)
+        if cls is None:
+            raise SpecError("--target", "sagemaker is not available yet: sdp_jupyter.launch.sagemaker has "
+                                        "no SageMakerLauncher. Fix: --target local")
+        return cls()
+    raise SpecError("--target", f"{target!r} is not one of local, sagemaker")
+
+
+def launch(spec_or_script: JobSpec | str | os.PathLike | None = None, *, push: dict | None = None,
+           **fields) -> Job:
+    """Start a job and return its handle at once (use job.wait() to block).
+
+    spec_or_script: a JobSpec, or the path of a .py file; or leave it out and pass code="...".
+    fields: JobSpec fields (nodes=4, backend="gloo", hyperparameters={...}, ...) overriding the spec.
+    push: values of the variables named in the spec's `push` list, sent to every rank.
+    """
+    if isinstance(spec_or_script, JobSpec):
+        spec = spec_or_script.replace(**fields) if fields else spec_or_script
+    elif spec_or_script is not None:
+        spec = JobSpec(script=str(spec_or_script), **fields)
+    else:
+        spec = JobSpec(**fields)
+    if push and not spec.push:
+        spec = spec.replace(push=list(push))
+    job = get_launcher(spec.target).start(spec, push=push)
+    with _JOBS_LOCK:
+        _JOBS.pop(job.name, None)
+        _JOBS[job.name] = job
+    return job
+
+
+def jobs() -> list[Job]:
+    """Jobs launched by this process, oldest first."""
+    with _JOBS_LOCK:
+        return list(_JOBS.values())
+
+
+def get_job(name: str | None = None, root: str | os.PathLike | None = None) -> Job:
+    """A job of this process by name (the latest if name is None), else reopened from disk."""
+    with _JOBS_LOCK:
+        if name is None:
+            if not _JOBS:
+                raise JobError("no job has been launched in this kernel yet")
+            return list(_JOBS.values())[-1]
+        if name in _JOBS:
+            return _JOBS[name]
+    return Job.open(name, root)
+
+
+def list_jobs(root: str | os.PathLike | None = None) -> list[Job]:
+    """This process's jobs plus every job found under the jobs root, oldest first."""
+    mine = {job.dir: job for job in jobs()}
+    found = [mine.pop(d, None) or Job.open(d) for d in jobdir.list_job_dirs(root)]
+    return found + [j for j in mine.values() if j.dir.exists()]

@@ -1,0 +1,308 @@
+"""Job: the handle of one distributed job, live in this process or reopened from its directory.
+
+A Job is a view over its job directory plus, while it runs in this process, the run that owns the
+worker processes (see local.py). Everything a Job reports (state, exit codes, logs, result,
+metrics) can be read back from the directory alone, so a finished job can be reopened in a new kernel.
+"""
+from __future__ import annotations
+
+import collections
+import importlib
+import importlib.util
+import json
+import os
+import pickle
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+from sdp_jupyter.launch import jobdir
+from sdp_jupyter.launch.spec import JobSpec
+
+TAIL_LINES = 2000  # lines per rank kept in memory for views opened late; the log file has them all
+
+
+class JobError(RuntimeError):
+    """The job failed, was stopped or cannot do what was asked. Shown without our internals' traceback."""
+
+    def __init__(self, message: str, job: "Job | None" = None):
+        super().__init__(message)
+        self.job = job
+
+    def _render_traceback_(self):  # IPython: show the message, not a traceback through the launcher
+        return [f"{type(self).__name__}: {line}" if i == 0 else line
+                for i, line in enumerate(str(self).splitlines())]
+
+
+def _pid_alive(pid) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (OSError, TypeError, ValueError):
+        return False
+    return True
+
+
+class Job:
+    """Handle of a job. Use `sdp_jupyter.launch(...)` to start one, `Job.open(name)` to reopen one."""
+
+    def __init__(self, spec: JobSpec, job_dir: str | os.PathLike, run=None):
+        self.spec = spec
+        self.dir = Path(job_dir).absolute()
+        self.name = self.dir.name
+        self._run = run  # object with stop(), world_size; None for a reopened job
+        self._lock = threading.RLock()
+        self._status: dict = jobdir.read_json(self.dir / jobdir.STATUS, {}) or {}
+        self._listeners: list[Callable[[int, str], None]] = []
+        self._done_callbacks: list[Callable[["Job"], None]] = []
+        self._tails: dict[int, collections.deque] = {}
+        self._done = threading.Event()
+        if self._status.get("state") in jobdir.FINAL_STATES:
+            self._done.set()
+
+    # ------------------------------------------------------------------ reopening
+    @classmethod
+    def open(cls, name_or_dir: str | os.PathLike, root: str | os.PathLike | None = None) -> "Job":
+        """Reopen a job from its directory (a path, or a name under the jobs root)."""
+        path = Path(name_or_dir)
+        if not (path / jobdir.SPEC).is_file():
+            path = jobdir.jobs_root(root) / str(name_or_dir)
+        spec_file = path / jobdir.SPEC
+        if not spec_file.is_file():
+            raise JobError(f"no job {str(name_or_dir)!r}: {spec_file} does not exist. "
+                           f"List jobs with %sdp_jobs or sdp_jupyter.launch.list_jobs()")
+        return cls(JobSpec.from_json(spec_file.read_text()), path)
+
+    # ------------------------------------------------------------------ status
+    @property
+    def live(self) -> bool:
+        """True when this process owns the job's workers."""
+        return self._run is not None
+
+    @property
+    def status(self) -> dict:
+        with self._lock:
+            if self._run is None and not self._done.is_set():
+                self._status = jobdir.read_json(self.dir / jobdir.STATUS, self._status) or {}
+                st = self._status
+                if st.get("state") in ("pending", "running") and st.get("launcher_pid") \
+                        and not _pid_alive(st["launcher_pid"]):
+                    st = dict(st, state="failed",
+                              error=f"the launcher (pid {st['launcher_pid']}) is gone; the job did not finish")
+                    self._status = st
+                if st.get("state") in jobdir.FINAL_STATES:
+                    self._done.set()
+            return dict(self._status)
+
+    @property
+    def state(self) -> str:
+        return self.status.get("state", "pending")
+
+    @property
+    def error(self) -> str | None:
+        return self.status.get("error")
+
+    @property
+    def exit_codes(self) -> list:
+        return self.status.get("exit_codes") or []
+
+    @property
+    def restarts(self) -> int:
+        return int(self.status.get("restarts") or 0)
+
+    @property
+    def done(self) -> bool:
+        return self.state in jobdir.FINAL_STATES
+
+    @property
+    def world_size(self) -> int:
+        st = self.status
+        if st.get("world_size"):
+            return int(st["world_size"])
+        return self.spec.nodes * (self.spec.procs_per_node or 1)
+
+    @property
+    def elapsed(self) -> float:
+        st = self.status
+        start = st.get("started") or st.get("created")
+        if not start:
+            return 0.0
+        return float((st.get("ended") or time.time()) - start)
+
+    # ------------------------------------------------------------------ control
+    def wait(self, timeout: float | None = None, *, raise_on_failure: bool = False) -> str:
+        """Block until the job ends (or `timeout` seconds pass); return the state."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.done:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                break
+            # a live job sets the event; a reopened one is polled from disk
+            self._done.wait(0.5 if left is None else min(0.5, left))
+        if raise_on_failure:
+            self.raise_for_state()
+        return self.state
+
+    def raise_for_state(self) -> None:
+        state = self.state
+        if state == "failed":
+            raise JobError(f"job {self.name} failed: {self.error or 'see its logs'}", self)
+        if state == "stopped":
+            raise JobError(f"job {self.name} was stopped{': ' + self.error if self.error else ''}", self)
+
+    def stop(self, wait: bool = True) -> str:
+        """Stop every rank (SIGINT, then SIGTERM, then SIGKILL after a grace period)."""
+        if self.done:
+            return self.state
+        if self._run is None:
+            raise JobError(f"job {self.name} is not running in this process, so it cannot be stopped here")
+        self._run.stop()
+        if wait:
+            self.wait()
+        return self.state
+
+    # ------------------------------------------------------------------ outputs
+    def logs(self, rank: int = 0, tail: int | None = None) -> str:
+        """Rank `rank`'s merged stdout/stderr (the last `tail` lines if given)."""
+        if not 0 <= int(rank) < max(self.world_size, 1):
+            raise JobError(f"rank {rank} does not exist: job {self.name} has ranks 0..{self.world_size - 1}")
+        path = jobdir.log_path(self.dir, int(rank))
+        try:
+            text = path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+        if tail is not None:
+            lines = text.splitlines(keepends=True)
+            text = "".join(lines[-int(tail):]) if int(tail) > 0 else ""
+        return text
+
+    def result(self):
+        """What rank 0's code returned (its last expression), unpickled."""
+        path = self.dir / jobdir.RESULT
+        if not path.is_file():
+            state = self.state
+            if state in ("pending", "running"):
+                raise JobError(f"job {self.name} is still {state}: call job.wait() first")
+            raise JobError(f"job {self.name} ({state}) left no result: rank 0's code must end with an "
+                           "expression (like `model.state_dict()`); see job.logs(0)")
+        with open(path, "rb") as f:
+            return pickle.load(f)
+
+    def metrics(self):
+        """The job's metrics lines (docs/jobs.md), through the monitor's reader when it is installed."""
+        if importlib.util.find_spec("sdp_jupyter.monitor.reader") is not None:
+            reader = importlib.import_module("sdp_jupyter.monitor.reader")
+            for fn_name in ("read_metrics", "read_job", "read"):
+                fn = getattr(reader, fn_name, None)
+                if callable(fn):
+                    return fn(self.dir)
+        return read_metrics_lines(self.dir)
+
+    def dashboard(self):
+        """The live dashboard of this job (sdp_jupyter.ui.dashboard)."""
+        if importlib.util.find_spec("sdp_jupyter.ui.dashboard") is None:
+            raise JobError("the dashboard is not installed (sdp_jupyter.ui.dashboard is missing)")
+        from sdp_jupyter.ui.dashboard import dashboard
+
+        return dashboard(self)
+
+    def view(self):
+        """The live job view widget (state, elapsed time, per-rank output, Stop button)."""
+        from sdp_jupyter.ui.jobview import JobView
+
+        return JobView(self)
+
+    # ------------------------------------------------------------------ streaming to views
+    def subscribe(self, listener: Callable[[int, str], None]) -> dict[int, list[str]]:
+        """Call listener(rank, text) for every new output line; return the lines seen so far."""
+        with self._lock:
+            snapshot = {rank: list(lines) for rank, lines in self._tails.items()}
+            if self._run is None and not snapshot:
+                snapshot = {r: self.logs(r, tail=TAIL_LINES).splitlines(keepends=True)
+                            for r in range(self.world_size)}
+            self._listeners.append(listener)
+            return snapshot
+
+    def unsubscribe(self, listener) -> None:
+        with self._lock:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
+
+    def on_done(self, callback: Callable[["Job"], None]) -> None:
+        """Call callback(job) once the job has ended (at once if it already has)."""
+        with self._lock:
+            if not self._done.is_set():
+                self._done_callbacks.append(callback)
+                return
+        callback(self)
+
+    # ------------------------------------------------------------------ used by runs
+    def _emit(self, rank: int, text: str) -> None:
+        with self._lock:
+            self._tails.setdefault(rank, collections.deque(maxlen=TAIL_LINES)).append(text)
+            listeners = list(self._listeners)
+        for listener in listeners:
+            try:
+                listener(rank, text)
+            except Exception:  # a broken view must not stop the job's output
+                pass
+
+    def _update(self, **fields) -> None:
+        with self._lock:
+            self._status.update(fields)
+            jobdir.write_json_atomic(self.dir / jobdir.STATUS, self._status)
+            final = self._status.get("state") in jobdir.FINAL_STATES
+            callbacks = []
+            if final and not self._done.is_set():
+                self._done.set()
+                callbacks, self._done_callbacks = self._done_callbacks, []
+        for cb in callbacks:
+            try:
+                cb(self)
+            except Exception as e:  # shown, never raised into the supervisor thread
+                print(f"sdp_jupyter: a callback of job {self.name} failed: {e!r}")
+
+    # ------------------------------------------------------------------ display
+    def summary(self) -> str:
+        st = self.status
+        line = (f"Job {self.name}: {st.get('state', 'pending')} after {self.elapsed:.1f} s "
+                f"({self.spec.nodes} node(s) x {self.spec.procs_per_node or 1} proc(s), backend "
+                f"{self.spec.backend}, restarts {st.get('restarts', 0)}) in {self.dir}")
+        if st.get("error"):
+            line += "\n" + st["error"]
+        return line
+
+    def __repr__(self) -> str:
+        return f"<Job {self.name} {self.state} {self.elapsed:.1f}s>"
+
+    def _repr_pretty_(self, p, cycle):
+        p.text(self.summary())
+
+    def _ipython_display_(self):
+        from IPython.display import display
+
+        from sdp_jupyter.ui.jobview import widgets_enabled
+
+        if widgets_enabled():
+            display(self.view())
+        else:
+            print(self.summary())
+
+
+def read_metrics_lines(job_dir: str | os.PathLike) -> list[dict]:
+    """Every JSON line under metrics/, sorted by time; tolerates partial and bad lines."""
+    rows = []
+    for path in sorted((Path(job_dir) / jobdir.METRICS).glob("*.jsonl")):
+        try:
+            text = path.read_text(errors="replace")
+        except OSError:
+            continue
+        for line in text.splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(row, dict):
+                rows.append(row)
+    rows.sort(key=lambda r: r.get("t", 0))
+    return rows

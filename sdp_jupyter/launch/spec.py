@@ -1,0 +1,302 @@
+"""JobSpec: the plain, validated, JSON-serialisable record every job starts from.
+
+A cell (`%%sdp_train`), the setup widget's Launch button and `sdp-train` all build a JobSpec; a
+launcher turns it into running workers. Every bad value is rejected here, before any process starts,
+with a message that names the option and how to fix it.
+
+The option table (`OPTIONS`) is the single description of the command-line options: the magic, the
+CLI and `JobSpec.to_magic_line()` are all generated from it. To add an option, add a JobSpec field
+and one `Option` row.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import shlex
+from dataclasses import dataclass, field
+from typing import Any
+
+BACKENDS = ("smddp", "gloo", "nccl")
+TARGETS = ("local", "sagemaker")
+RANKS_OUTPUT = ("0", "all")
+
+# Variables the launcher sets itself; --env may not override them (the job would not start right).
+RESERVED_ENV = frozenset(
+    "RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE GROUP_RANK MASTER_ADDR MASTER_PORT "
+    "SM_HOSTS SM_CURRENT_HOST SM_HPS SDP_JOB_DIR SDP_JOB_NAME SDP_JOB_SECRET SDP_NUM_NODES "
+    "SDP_BACKEND SDP_RESTART".split()
+)
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+_ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_IDENT_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class SpecError(ValueError):
+    """A bad job option. The message names the option and the fix; nothing was launched."""
+
+    def __init__(self, option: str, message: str):
+        self.option = option
+        super().__init__(f"{option}: {message}")
+
+
+@dataclass(frozen=True)
+class Option:
+    """One command-line option of %%sdp_train / sdp-train.
+
+    `field` is the JobSpec field it fills (None for options that only steer the magic, like --wait).
+    `kind`: "value" (one string), "flag" (store_true), "append" (repeatable), "csv" (a,b,c).
+    """
+
+    flag: str
+    field: str | None
+    help: str
+    kind: str = "value"
+    metavar: str | None = None
+
+    def argparse_kwargs(self) -> dict:
+        kw: dict[str, Any] = {"help": self.help}
+        if self.kind == "flag":
+            kw["action"] = "store_true"
+        else:
+            kw["metavar"] = self.metavar or self.flag.lstrip("-").upper().replace("-", "_")
+            kw["default"] = None
+            if self.kind == "append":
+                kw["action"] = "append"
+        kw["dest"] = self.flag.lstrip("-").replace("-", "_")
+        return kw
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("--nodes", "nodes", "number of nodes (default 1)", metavar="N"),
+    Option("--procs-per-node", "procs_per_node",
+           "processes per node (default: GPUs per node, or 1 on a CPU-only machine)", metavar="P"),
+    Option("--backend", "backend", "torch.distributed backend: smddp (default), gloo or nccl"),
+    Option("--name", "name", "job name, also the job directory's name (default: job-<time>-<id>)"),
+    Option("--target", "target", "where to run: local (default) or sagemaker"),
+    Option("--wait", None, "block until the job ends (Ctrl-C stops it); raise if it failed", kind="flag"),
+    Option("--env", "env", "environment variable for every rank (repeatable)", kind="append",
+           metavar="KEY=VALUE"),
+    Option("--args", "args", 'command-line arguments for the script, e.g. --args "--epochs 3"'),
+    Option("--hp", "hyperparameters",
+           "hyperparameter (repeatable): passed as --KEY VALUE and in SM_HPS", kind="append",
+           metavar="KEY=VALUE"),
+    Option("--push", "push", "notebook variables to send to every rank, e.g. --push X,y", kind="csv",
+           metavar="A,B,C"),
+    Option("--result", "result", "notebook variable that receives what rank 0's cell returned",
+           metavar="NAME"),
+    Option("--max-restarts", "max_restarts", "restart the whole job up to K times when a rank fails",
+           metavar="K"),
+    Option("--checkpoint-dir", "checkpoint_dir",
+           "checkpoint directory, SDP_CHECKPOINT_DIR (default: <job dir>/checkpoints)", metavar="DIR"),
+    Option("--timeout", "timeout", "stop the job after this many seconds", metavar="SECONDS"),
+    Option("--ranks-output", "ranks_output",
+           "ranks whose output is shown: 0 (default) or all; every rank's log is kept on disk",
+           metavar="0|all"),
+    Option("--jobs-dir", "jobs_dir", "root of job directories (default: $SDP_JOBS_DIR or ./sdp_jobs)",
+           metavar="DIR"),
+)
+
+OPTIONS_BY_FIELD = {o.field: o for o in OPTIONS if o.field}
+
+
+def _flag(field_name: str) -> str:
+    opt = OPTIONS_BY_FIELD.get(field_name)
+    return opt.flag if opt else field_name
+
+
+def _whole(field_name: str, value: Any, minimum: int, example: str) -> int:
+    flag = _flag(field_name)
+    if isinstance(value, bool):
+        raise SpecError(flag, f"must be a whole number, got {value!r}. Fix: {flag} {example}")
+    if isinstance(value, int):
+        n = value
+    elif isinstance(value, float) and value.is_integer():
+        n = int(value)
+    elif isinstance(value, str) and re.fullmatch(r"\s*[+-]?\d+\s*", value):
+        n = int(value)
+    else:
+        raise SpecError(flag, f"must be a whole number, got {value!r}. Fix: {flag} {example}")
+    if n < minimum:
+        raise SpecError(flag, f"must be {minimum} or more, got {n}. Fix: {flag} {example}")
+    return n
+
+
+def parse_key_values(field_name: str, items: Any, *, json_values: bool) -> dict:
+    """KEY=VALUE strings (or a dict) -> dict. With json_values, '0.1' becomes 0.1 and 'true' True."""
+    flag = _flag(field_name)
+    if items is None:
+        return {}
+    if isinstance(items, dict):
+        pairs = list(items.items())
+    elif isinstance(items, (list, tuple)):
+        pairs = []
+        for item in items:
+            if not isinstance(item, str) or "=" not in item:
+                raise SpecError(flag, f"expected KEY=VALUE, got {item!r}. Fix: {flag} KEY=VALUE")
+            key, _, raw = item.partition("=")
+            value: Any = raw
+            if json_values:
+                try:
+                    value = json.loads(raw)
+                except ValueError:
+                    value = raw
+            pairs.append((key.strip(), value))
+    else:
+        raise SpecError(flag, f"expected KEY=VALUE pairs, got {items!r}")
+    out = {}
+    for key, value in pairs:
+        if not isinstance(key, str) or not _ENV_KEY_RE.match(key):
+            raise SpecError(flag, f"{key!r} is not a valid name (letters, digits, _). Fix: {flag} KEY=VALUE")
+        out[key] = value
+    return out
+
+
+@dataclass
+class JobSpec:
+    """What to run and how. Build it with keywords; bad values raise SpecError at construction.
+
+    Exactly one of `code` (the cell's source) or `script` (path to a .py file) says what runs.
+    `sagemaker` holds options only the SageMaker target reads (owned by sdp_jupyter.launch.sagemaker).
+    """
+
+    code: str | None = None
+    script: str | None = None
+    name: str | None = None
+    nodes: int = 1
+    procs_per_node: int | None = None
+    backend: str = "smddp"
+    target: str = "local"
+    env: dict = field(default_factory=dict)
+    args: list = field(default_factory=list)
+    hyperparameters: dict = field(default_factory=dict)
+    push: list = field(default_factory=list)
+    result: str | None = None
+    max_restarts: int = 0
+    checkpoint_dir: str | None = None
+    timeout: float | None = None
+    ranks_output: str = "0"
+    jobs_dir: str | None = None
+    sagemaker: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.nodes = _whole("nodes", self.nodes, 1, "4")
+        if self.procs_per_node is not None:
+            self.procs_per_node = _whole("procs_per_node", self.procs_per_node, 1, "1")
+        self.max_restarts = _whole("max_restarts", self.max_restarts, 0, "2")
+        self.backend = self._choice("backend", self.backend, BACKENDS)
+        self.target = self._choice("target", self.target, TARGETS)
+        self.ranks_output = self._choice("ranks_output", str(self.ranks_output), RANKS_OUTPUT)
+        if self.name is not None and not _NAME_RE.match(str(self.name)):
+            raise SpecError("--name", f"{self.name!r} is not a valid job name: use 1-63 letters, digits, "
+                                      "'-', '_' or '.', starting with a letter or digit (e.g. --name mnist-4n)")
+        if self.timeout is not None:
+            try:
+                self.timeout = float(self.timeout)
+            except (TypeError, ValueError):
+                raise SpecError("--timeout", f"must be a number of seconds, got {self.timeout!r}. "
+                                             "Fix: --timeout 600") from None
+            if not self.timeout > 0:
+                raise SpecError("--timeout", f"must be more than 0 seconds, got {self.timeout}. Fix: --timeout 600")
+        self.env = {k: str(v) for k, v in parse_key_values("env", self.env, json_values=False).items()}
+        reserved = sorted(set(self.env) & RESERVED_ENV)
+        if reserved:
+            raise SpecError("--env", f"{', '.join(reserved)} is set by the launcher and cannot be overridden; "
+                                     "remove it from --env")
+        self.hyperparameters = parse_key_values("hyperparameters", self.hyperparameters, json_values=True)
+        for key, value in self.hyperparameters.items():
+            try:
+                json.dumps(value)
+            except (TypeError, ValueError):
+                raise SpecError("--hp", f"value of {key!r} is not JSON-serialisable; use numbers, strings "
+                                        "or lists") from None
+        if isinstance(self.args, str):
+            try:
+                self.args = shlex.split(self.args)
+            except ValueError as e:
+                raise SpecError("--args", f"cannot split {self.args!r} ({e}); check the quotes") from None
+        self.args = [str(a) for a in self.args]
+        if isinstance(self.push, str):
+            self.push = [p.strip() for p in self.push.split(",") if p.strip()]
+        self.push = list(self.push)
+        for name in self.push:
+            if not isinstance(name, str) or not _IDENT_RE.match(name):
+                raise SpecError("--push", f"{name!r} is not a variable name. Fix: --push X,y (comma-separated names)")
+        if self.result is not None and not _IDENT_RE.match(str(self.result)):
+            raise SpecError("--result", f"{self.result!r} is not a variable name. Fix: --result weights")
+        if (self.code is None) == (self.script is None):
+            raise SpecError("code", "give exactly one of code= (the training code) or script= (a .py file)")
+        if self.code is not None and not str(self.code).strip():
+            raise SpecError("code", "the training code is empty: put the code below the %%sdp_train line")
+        if not isinstance(self.sagemaker, dict):
+            raise SpecError("sagemaker", f"must be a dict of SageMaker options, got {type(self.sagemaker).__name__}")
+
+    @staticmethod
+    def _choice(field_name: str, value: Any, allowed: tuple) -> str:
+        if value not in allowed:
+            flag = _flag(field_name)
+            raise SpecError(flag, f"{value!r} is not one of {', '.join(allowed)}. Fix: {flag} {allowed[0]}")
+        return value
+
+    # ---------------------------------------------------------------- serialisation
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self, **kw) -> str:
+        return json.dumps(self.to_dict(), **({"indent": 2} | kw))
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "JobSpec":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise SpecError(unknown[0], f"unknown JobSpec field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**data)
+
+    @classmethod
+    def from_json(cls, text: str) -> "JobSpec":
+        return cls.from_dict(json.loads(text))
+
+    def replace(self, **changes) -> "JobSpec":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_options(cls, values: dict, **extra) -> "JobSpec":
+        """Build from parsed option values keyed by argparse dest (None = not given)."""
+        fields: dict[str, Any] = dict(extra)
+        for opt in OPTIONS:
+            if opt.field is None:
+                continue
+            value = values.get(opt.flag.lstrip("-").replace("-", "_"))
+            if value is not None:
+                fields[opt.field] = value
+        return cls(**fields)
+
+    def to_magic_line(self, *, wait: bool = False) -> str:
+        """The `%%sdp_train ...` line that builds this spec (the cell's code goes below it)."""
+        default = JobSpec(code="pass")
+        parts = ["%%sdp_train"]
+        for opt in OPTIONS:
+            if opt.field is None:
+                if opt.flag == "--wait" and wait:
+                    parts.append("--wait")
+                continue
+            value = getattr(self, opt.field)
+            if value == getattr(default, opt.field):
+                continue
+            if opt.field == "env":
+                parts += [tok for k, v in value.items() for tok in ("--env", shlex.quote(f"{k}={v}"))]
+            elif opt.field == "hyperparameters":
+                parts += [tok for k, v in value.items()
+                          for tok in ("--hp", shlex.quote(f"{k}={v if isinstance(v, str) else json.dumps(v)}"))]
+            elif opt.field == "args":
+                # "--args=..." so that a value starting with "--" is not taken for an option
+                parts.append("--args=" + shlex.quote(shlex.join(value)))
+            elif opt.field == "push":
+                parts += ["--push", ",".join(value)]
+            elif opt.field == "timeout":
+                parts += ["--timeout", f"{value:g}"]
+            else:
+                parts += [opt.flag, shlex.quote(str(value))]
+        return " ".join(parts)

@@ -1,0 +1,139 @@
+"""Worker bootstrap: `python -m sdp_jupyter.launch.worker`, started by LocalLauncher once per rank.
+
+It arms the parent-death signal (the worker dies if the kernel dies), makes the `smddp` backend
+available when the job asks for it, loads the variables sent with --push, and runs the job's script
+as `__main__` with the job's arguments. Rank 0 pickles the value of the script's last expression
+into result.pkl (what `--result` / `job.result()` return).
+
+Everything it needs comes from the environment set by the launcher and from spec.json.
+"""
+from __future__ import annotations
+
+import ast
+import ctypes
+import json
+import os
+import pickle
+import signal
+import sys
+import traceback
+import types
+
+PR_SET_PDEATHSIG = 1
+
+
+def arm_parent_death_signal(sig: int = signal.SIGKILL) -> None:
+    """Linux: get `sig` when the launching thread's process goes away; exit if it already has."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the atexit hook in the launcher still applies
+        pass
+    launcher = os.environ.get("SDP_LAUNCHER_PID")
+    if launcher and os.getppid() != int(launcher):
+        os._exit(1)  # the launcher died between fork and prctl
+
+
+def script_arguments(spec: dict) -> list[str]:
+    """The script's argv[1:]: --args, then each hyperparameter as --KEY VALUE (SageMaker's convention)."""
+    argv = [str(a) for a in spec.get("args") or []]
+    for key, value in (spec.get("hyperparameters") or {}).items():
+        argv += [f"--{key}", value if isinstance(value, str) else json.dumps(value)]
+    return argv
+
+
+def _load_backend(backend: str) -> None:
+    if backend != "smddp":
+        return
+    try:
+        import sdp_jupyter.torch  # noqa: F401  registers the "smddp" torch.distributed backend
+    except ImportError as e:
+        print(f"[sdp_jupyter] warning: the smddp backend is not available ({e}); "
+              "init_process_group('smddp') will fail. Run with --backend gloo", file=sys.stderr)
+
+
+def _strip_our_frames(tb):
+    """Start the traceback at the script's own frames: the bootstrap is not the user's problem."""
+    here = os.path.abspath(__file__)
+    while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) == here:
+        tb = tb.tb_next
+    return tb
+
+
+def run_script(path: str, argv: list[str], push: dict, want_result: bool):
+    """Run `path` as __main__ (like `python path argv...`); return its last expression's value."""
+    with open(path, "rb") as f:
+        source = f.read()
+    tree = ast.parse(source, filename=path)
+    last = None
+    if tree.body and isinstance(tree.body[-1], ast.Expr) and want_result:
+        last = ast.Expression(tree.body.pop().value)
+    main = types.ModuleType("__main__")
+    main.__dict__.update({"__file__": path, "__builtins__": __builtins__, "__cached__": None})
+    main.__dict__.update(push)
+    sys.modules["__main__"] = main
+    sys.argv = [path] + argv
+    script_dir = os.path.dirname(os.path.abspath(path))
+    sys.path[:0] = [p for p in (script_dir, os.getcwd()) if p not in sys.path[:2]]
+    exec(compile(tree, path, "exec"), main.__dict__)
+    if last is not None:
+        return eval(compile(last, path, "eval"), main.__dict__)
+    return None
+
+
+def _save_result(job_dir: str, value, required: bool) -> int:
+    path = os.path.join(job_dir, "result.pkl")
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "wb") as f:
+            pickle.dump(value, f)
+        os.replace(tmp, path)
+    except Exception as e:
+        print(f"[sdp_jupyter] rank 0's result ({type(value).__name__}) could not be pickled: {e}",
+              file=sys.stderr)
+        return 1 if required else 0
+    return 0
+
+
+def _finish_distributed() -> None:
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+def main() -> int:
+    arm_parent_death_signal()
+    job_dir = os.environ["SDP_JOB_DIR"]
+    with open(os.path.join(job_dir, "spec.json")) as f:
+        spec = json.load(f)
+    _load_backend(os.environ.get("SDP_BACKEND", spec.get("backend", "smddp")))
+    push = {}
+    push_path = os.path.join(job_dir, "push.pkl")
+    if os.path.exists(push_path):
+        with open(push_path, "rb") as f:
+            push = pickle.load(f)
+    rank0 = os.environ.get("RANK", "0") == "0"
+    try:
+        value = run_script(os.environ["SDP_SCRIPT"], script_arguments(spec), push, want_result=rank0)
+    except SystemExit:
+        _finish_distributed()
+        raise
+    except BaseException as e:
+        traceback.print_exception(type(e), e, _strip_our_frames(e.__traceback__))
+        sys.stderr.flush()
+        if isinstance(e, KeyboardInterrupt):
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
+        return 1
+    code = 0
+    if rank0 and value is not None:
+        code = _save_result(job_dir, value, required=bool(spec.get("result")))
+    _finish_distributed()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
