@@ -1,0 +1,184 @@
+"""The JobSetup form driven from Python: set values, read the hints, launch a real job."""
+import argparse
+import html
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+import sdp_jupyter
+from sdp_jupyter.ui import setup as setup_mod
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOK = ROOT / "notebooks" / "02_job_setup.ipynb"
+
+# The training code of notebooks/02_job_setup.ipynb (its %%sdp_cell train cell), read from the notebook
+# so the test runs what a user runs.
+
+
+def notebook_training_code() -> str:
+    import nbformat
+
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    for cell in nb.cells:
+        if cell.cell_type == "code" and cell.source.startswith("%%sdp_cell train"):
+            return cell.source.split("\n", 1)[1]
+    raise AssertionError("the notebook has no '%%sdp_cell train' cell")
+
+
+def text(html_widget) -> str:
+    """What a person reads in an HTML widget: tags dropped, entities decoded."""
+    return html.unescape(re.sub(r"<[^>]+>", "", html_widget.value))
+
+
+def make(**kw):
+    base = dict(code="print('hi')", backend="gloo", cpus=64)
+    base.update(kw)
+    return sdp_jupyter.JobSetup(**base)
+
+
+def test_presets_show_global_batch_lr_and_iterations():
+    s = make(nodes=2, gpus_per_node=2, per_gpu_batch=64, reference_batch=64, reference_lr=0.05,
+             dataset_size=10_000, epochs=4)
+    assert "global batch 256 = 2 nodes x 2 GPUs x 64 per GPU" in text(s.w_global)
+    assert "learning rate 0.2 (linear rule: x4" in text(s.w_lr)
+    assert "iterations / epoch39" in text(s.w_hints)  # 10000 // 256
+    assert not s.w_launch.disabled and s.w_reason.value == ""
+
+
+def test_changing_nodes_updates_the_hints_live():
+    s = make(per_gpu_batch=32, reference_batch=32, reference_lr=0.01, dataset_size=100_000)
+    assert "global batch 32" in text(s.w_global) and "learning rate 0.01" in text(s.w_lr)
+    s.w_nodes.value = 4
+    assert "global batch 128" in text(s.w_global)
+    assert "learning rate 0.04" in text(s.w_lr)
+    assert s.spec.hyperparameters["lr"] == 0.04 and s.spec.nodes == 4
+    s.w_rule.value = "sqrt"
+    assert "learning rate 0.02" in text(s.w_lr)
+
+
+def test_keep_global_mode_shows_the_seed_batchnorm_warning():
+    s = make(mode="keep_global", reference_batch=64, nodes=4, gpus_per_node=8, batchnorm=True, dataset_size=50_000)
+    assert s.w_per_gpu.disabled
+    assert "global batch 64 = 4 nodes x 8 GPUs x 2 per GPU" in text(s.w_global)
+    assert "data-code='batchnorm_small_batch'" in s.w_warnings.value
+    assert "per-GPU batch 2 is below 16" in text(s.w_warnings)
+    assert not s.w_launch.disabled  # a warning, not an error
+    s.w_mode.value = "keep per-GPU batch"
+    assert not s.w_per_gpu.disabled and "batchnorm_small_batch" not in s.w_warnings.value
+
+
+def test_invalid_combinations_disable_launch_and_say_why():
+    s = make(per_gpu_batch=64, dataset_size=50)
+    assert s.w_launch.disabled
+    assert "global batch 64 is larger than the dataset (50 samples)" in text(s.w_reason)
+    with pytest.raises(ValueError, match="larger than the dataset"):
+        s.spec
+    s.w_dataset.value = 6400
+    assert not s.w_launch.disabled
+    s.w_warmup.value = "five"
+    assert s.w_launch.disabled and "warm-up epochs: 'five' is not a number" in text(s.w_reason)
+    s.w_warmup.value = "1.5"
+    assert not s.w_launch.disabled and s.spec.hyperparameters["warmup_epochs"] == 1.5
+    s.w_nodes.value = 100
+    assert "oversubscribed" in s.w_warnings.value and "100 local worker processes on 64" in text(s.w_warnings)
+
+
+def test_sagemaker_target_takes_gpus_from_the_instance_and_checks_smddp():
+    s = make(backend="smddp", nodes=2, per_gpu_batch=32, dataset_size=1_000_000)
+    s.w_target.value = "sagemaker"
+    assert s.w_instance.value == "ml.p4d.24xlarge" and s.w_gpus.value == 8 and s.w_gpus.disabled
+    assert "8 x NVIDIA A100 40 GB" in text(s.w_instance_info)
+    assert "global batch 512 = 2 nodes x 8 GPUs x 32 per GPU" in text(s.w_global)
+    spec = s.spec
+    assert spec.target == "sagemaker" and spec.procs_per_node == 8
+    assert spec.sagemaker == {"instance_type": "ml.p4d.24xlarge"}
+    s.w_instance.value = "ml.g5.48xlarge"
+    assert s.w_launch.disabled and "does not support ml.g5.48xlarge" in text(s.w_reason)
+    s.w_target.value = "local"
+    assert s.w_instance.value == "local" and not s.w_gpus.disabled
+
+
+def test_estimates_follow_throughput_efficiency_and_price():
+    s = make(target="sagemaker", instance_type="ml.p4d.24xlarge", backend="smddp", nodes=2, per_gpu_batch=64,
+             dataset_size=1_024_000, epochs=10)
+    assert "enter a measured throughput" in text(s.w_hints)
+    s.w_throughput.value = "1000"  # 16 GPUs x 1000 x 0.9 = 14400 samples/s; 1000 steps x 1024 samples
+    assert "71.1 s / epoch" in text(s.w_hints) and "unknown (enter USD per node-hour)" in text(s.w_hints)
+    s.w_price.value = "36"
+    est = s.outcome.estimate
+    assert est.cost_per_epoch == pytest.approx(1_024_000 / 14_400 / 3600 * 2 * 36)
+    assert f"${est.cost_per_epoch:,.2f} / epoch" in text(s.w_hints)
+    s.w_efficiency.value = 0.5
+    assert s.outcome.estimate.epoch_seconds == pytest.approx(1_024_000 / 8000)
+
+
+def test_magic_line_reproduces_the_spec():
+    from sdp_jupyter.launch import OPTIONS, JobSpec
+
+    s = make(nodes=3, per_gpu_batch=16, reference_batch=16, reference_lr=0.02, dataset_size=4800,
+             hyperparameters={"momentum": 0.9}, name="mnist-3n")
+    line = s.magic_line()
+    assert line.startswith("%%sdp_train") and "--hp momentum=0.9" in line and "--hp lr=0.06" in line
+    parser = argparse.ArgumentParser()
+    for opt in OPTIONS:
+        parser.add_argument(opt.flag, **opt.argparse_kwargs())
+    ns = parser.parse_args(shlex.split(line)[1:])
+    again = JobSpec.from_options(vars(ns), code="print('hi')")
+    assert again == s.spec
+
+
+def test_magic_line_for_a_script_runs_it(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("print('x')\n")
+    s = make(code=None, script=str(script))
+    assert s.spec.script == str(script)
+    assert s.magic_line().splitlines()[1] == f"import runpy; runpy.run_path({str(script)!r}, run_name='__main__')"
+    missing = make(code=None, script=str(tmp_path / "nope.py"))
+    assert missing.w_launch.disabled and "nope.py' not found" in text(missing.w_reason)
+
+
+def test_cells_by_name_and_the_magics():
+    setup_mod.sdp_cell_magic("demo_cell", "x = 1\nprint(x)\n")
+    s = sdp_jupyter.JobSetup(cell="demo_cell", backend="gloo", cpus=64)
+    assert s.spec.code == "x = 1\nprint(x)\n"
+    with pytest.raises(SyntaxError):
+        setup_mod.sdp_cell_magic("broken", "def f(:\n")
+    with pytest.raises(KeyError, match="%%sdp_cell nope"):
+        sdp_jupyter.JobSetup(cell="nope")
+    t = setup_mod.sdp_setup_magic("--cell demo_cell --nodes 3 --per-gpu-batch 8 --batchnorm yes --backend gloo")
+    assert t.plan.nodes == 3 and t.plan.batchnorm and "global batch 24" in text(t.w_global)
+    with pytest.raises(ValueError, match="usage"):
+        setup_mod.sdp_setup_magic("--nodes many")
+    with pytest.raises(TypeError, match="unknown field"):
+        sdp_jupyter.JobSetup(code="pass", node=2)
+
+
+def test_magics_register_on_a_real_shell():
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    setup_mod.register_magics(shell)
+    shell.run_cell("%%sdp_cell shell_cell\nprint('from the shell')\n")
+    assert setup_mod.CELLS["shell_cell"] == "print('from the shell')\n"
+    res = shell.run_cell("%sdp_setup --cell shell_cell --nodes 2 --backend gloo")
+    assert isinstance(res.result, sdp_jupyter.JobSetup) and res.result.plan.nodes == 2
+
+
+@pytest.mark.slow
+def test_launch_runs_a_real_job_with_the_hyperparameters(tmp_path):
+    """Click Launch: two gloo ranks run the notebook's training code, read --lr and SM_HPS, succeed."""
+    s = sdp_jupyter.JobSetup(code=notebook_training_code(), backend="gloo", nodes=1, gpus_per_node=1,
+                             per_gpu_batch=32, reference_batch=32, reference_lr=0.01, dataset_size=2048, epochs=2,
+                             jobs_dir=str(tmp_path), name="setup-widget-test")
+    s.w_nodes.value = 2  # global batch 64, linear rule: LR 0.02
+    assert s.spec.hyperparameters["lr"] == 0.02
+    s.w_launch.click()
+    job = s.job
+    assert job is not None and len(s.w_job.children) == 1
+    assert job.wait(180) == "succeeded", job.logs(0) + job.logs(1)
+    log = job.logs(0)
+    assert "lr 0.02 world 2 batch 32 steps 32" in log, log
+    assert "succeeded" in s.w_status.value and not s.w_launch.disabled
+    assert Path(job.dir, "spec.json").is_file()
