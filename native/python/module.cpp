@@ -1,6 +1,101 @@
+// The Python face of the engine: converts arguments, releases the GIL around anything that
+// blocks, and turns sdp::Error into sdp_jupyter._engine.EngineError. Nothing else lives here.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "sdp/engine.h"
+#include "sdp/hmac.h"
+#include "sdp/reduce.h"
+
 namespace py = pybind11;
+using namespace sdp;
+
+namespace {
+
+DType to_dtype(int t) {
+  if (!valid_dtype(t)) throw Error("invalid dtype code " + std::to_string(t));
+  return DType(t);
+}
+ReduceOp to_op(int op) {
+  if (!valid_op(op)) throw Error("invalid reduce op code " + std::to_string(op));
+  return ReduceOp(op);
+}
+
+}  // namespace
+
 PYBIND11_MODULE(_engine, m) {
-    m.doc() = "sdp_jupyter native AllReduce engine";
-    m.attr("__version__") = "0.1.0";
+  m.doc() = "sdp_jupyter native AllReduce engine (works on raw buffers; no torch headers)";
+  m.attr("__version__") = "0.1.0";
+  py::register_exception<Error>(m, "EngineError", PyExc_RuntimeError);
+
+  m.def("kernel_isa", &kernel_isa, "Which reduction kernels are in use: 'avx2+f16c' or 'portable'.");
+  m.def("hmac_sha256", [](py::bytes key, py::bytes msg) {
+    std::string k = key, s = msg;
+    Digest d = hmac_sha256(k, reinterpret_cast<const uint8_t*>(s.data()), s.size());
+    return py::bytes(reinterpret_cast<const char*>(d.data()), d.size());
+  });
+  m.def(
+      "reduce_buffers",
+      [](int dtype, int op, uintptr_t dst, std::vector<uintptr_t> srcs, size_t count) {
+        std::vector<const void*> p;
+        for (auto s : srcs) p.push_back(reinterpret_cast<const void*>(s));
+        py::gil_scoped_release nogil;
+        reduce_many(to_dtype(dtype), to_op(op), reinterpret_cast<void*>(dst), p.data(), int(p.size()), count);
+      },
+      "Run one reduction kernel on raw pointers (for tests and benchmarks of the kernels alone).");
+  m.def(
+      "copy_scaled",
+      [](int dtype, uintptr_t dst, uintptr_t src, size_t count, double divisor) {
+        py::gil_scoped_release nogil;
+        copy_scaled(to_dtype(dtype), reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), count, divisor);
+      });
+
+  py::class_<Engine>(m, "Engine")
+      .def(py::init([](int rank, std::vector<int> node_of_rank, py::bytes secret, std::string bind_addr,
+                       double timeout, size_t chunk_bytes, int spin) {
+             EngineConfig c;
+             c.rank = rank;
+             c.node_of_rank = std::move(node_of_rank);
+             c.secret = secret;
+             c.bind_addr = std::move(bind_addr);
+             c.timeout_s = timeout;
+             c.chunk_bytes = chunk_bytes;
+             c.spin = spin;
+             return new Engine(std::move(c));
+           }),
+           py::arg("rank"), py::arg("node_of_rank"), py::arg("secret"), py::arg("bind_addr") = "127.0.0.1",
+           py::arg("timeout") = 300.0, py::arg("chunk_bytes") = size_t(4 << 20), py::arg("spin") = 2000)
+      .def("prepare", &Engine::prepare, py::call_guard<py::gil_scoped_release>())
+      .def("connect", &Engine::connect, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "submit",
+          [](Engine& e, int coll, uintptr_t ptr, size_t count, int dtype, int op, int root) {
+            if (coll != int(Coll::ALLREDUCE) && coll != int(Coll::BROADCAST)) throw Error("invalid collective code");
+            return e.submit(Coll(coll), reinterpret_cast<void*>(ptr), count, to_dtype(dtype), to_op(op), root);
+          },
+          py::arg("coll"), py::arg("ptr"), py::arg("count"), py::arg("dtype"), py::arg("op") = 0, py::arg("root") = 0)
+      .def("wait", &Engine::wait, py::arg("handle"), py::arg("timeout") = 0.0, py::call_guard<py::gil_scoped_release>())
+      .def("test", &Engine::test)
+      .def("shutdown", &Engine::shutdown, py::call_guard<py::gil_scoped_release>())
+      .def("broken_message", &Engine::broken_message)
+      .def("stats",
+           [](Engine& e) {
+             Stats s = e.stats();
+             py::dict d;
+             d["collectives"] = s.collectives;
+             d["bytes"] = s.bytes;
+             d["busy_s"] = s.busy_s;
+             return d;
+           })
+      .def_property_readonly("rank", &Engine::rank)
+      .def_property_readonly("world_size", &Engine::world_size)
+      .def_property_readonly("node", &Engine::node)
+      .def_property_readonly("num_nodes", &Engine::num_nodes)
+      .def_property_readonly("local_rank", &Engine::local_rank)
+      .def_property_readonly("local_size", &Engine::local_size)
+      .def_property_readonly("is_leader", &Engine::is_leader)
+      .def_property_readonly("port", &Engine::listen_port);
 }

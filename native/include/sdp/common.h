@@ -1,0 +1,37 @@
+// Shared vocabulary of the engine: element types, reduction ops, errors, clocks.
+#pragma once
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+namespace sdp {
+
+enum class DType : uint8_t { F32 = 0, F64 = 1, F16 = 2, BF16 = 3, I32 = 4, I64 = 5, U8 = 6, I8 = 7 };
+enum class ReduceOp : uint8_t { SUM = 0, AVG = 1, MAX = 2, MIN = 3, PRODUCT = 4 };
+// What a collective is; travels in every frame header so that ranks calling different
+// collectives are caught before anything is reduced.
+enum class Coll : uint8_t { ALLREDUCE = 1, BROADCAST = 2 };
+
+size_t dtype_size(DType t);
+const char* dtype_name(DType t);
+const char* op_name(ReduceOp op);
+const char* coll_name(Coll c);
+bool valid_dtype(int t);
+bool valid_op(int op);
+
+// Every failure the engine reports to Python. The message is complete and names ranks.
+class Error : public std::runtime_error {
+ public:
+  explicit Error(const std::string& m) : std::runtime_error(m) {}
+};
+
+inline double now_s() {
+  using namespace std::chrono;
+  return duration<double>(steady_clock::now().time_since_epoch()).count();
+}
+
+void log_warning(const std::string& msg);
+
+}  // namespace sdp

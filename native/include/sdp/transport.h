@@ -1,0 +1,62 @@
+// TCP transport: listening, authenticated connection set-up, and framed messages.
+//
+// Every connection starts with a mutual HMAC-SHA256 challenge over two fresh nonces, so a
+// process that does not know the job's secret can neither join nor inject data. After the
+// handshake, sockets are non-blocking and carry frames: a fixed header followed by a payload.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "sdp/common.h"
+
+namespace sdp {
+
+constexpr uint32_t kFrameMagic = 0x46504453;  // "SDPF"
+constexpr uint32_t kHelloMagic = 0x48504453;  // "SDPH"
+constexpr uint32_t kProtocolVersion = 1;
+
+enum class FrameType : uint8_t { DATA = 1, ERROR = 2, BYE = 3 };
+enum class Role : uint8_t { NODE = 1, LOCAL = 2 };
+
+#pragma pack(push, 1)
+struct FrameHeader {
+  uint32_t magic;
+  uint8_t type;
+  uint8_t coll;
+  uint8_t dtype;
+  uint8_t op;
+  uint32_t src_rank;  // global rank of the sender
+  uint32_t root;      // broadcast root (0 otherwise)
+  uint64_t seq;       // collective sequence number on this process group
+  uint64_t count;     // total elements of the collective
+  uint64_t offset;    // first element of this payload within the collective
+  uint64_t nbytes;    // payload bytes that follow
+};
+#pragma pack(pop)
+static_assert(sizeof(FrameHeader) == 48, "frame header layout");
+
+// Who is on the other end, as proved during the handshake.
+struct PeerIdentity {
+  Role role;
+  uint32_t node;
+  uint32_t local_rank;
+  uint32_t rank;
+};
+
+int listen_on(const std::string& addr, int* port_out);
+// Connects (retrying until deadline), then runs the client half of the handshake.
+int connect_to(const std::string& addr, int port, const std::string& secret, const PeerIdentity& me,
+               double deadline);
+// Server half of the handshake on an accepted socket. Returns false (and fills why) if the
+// peer did not prove knowledge of the secret or spoke garbage.
+bool accept_handshake(int fd, const std::string& secret, PeerIdentity* who, std::string* why);
+
+void set_nonblocking(int fd);
+void set_socket_options(int fd);
+// Blocking helpers with a deadline, used during set-up and for error frames.
+bool write_all(int fd, const void* buf, size_t len, double deadline);
+bool read_all(int fd, void* buf, size_t len, double deadline);
+std::string peer_address(int fd);
+
+}  // namespace sdp

@@ -1,0 +1,45 @@
+#include "sdp/common.h"
+
+#include <cstdio>
+
+namespace sdp {
+
+size_t dtype_size(DType t) {
+  switch (t) {
+    case DType::F32: case DType::I32: return 4;
+    case DType::F64: case DType::I64: return 8;
+    case DType::F16: case DType::BF16: return 2;
+    case DType::U8: case DType::I8: return 1;
+  }
+  return 0;
+}
+
+const char* dtype_name(DType t) {
+  static const char* names[] = {"float32", "float64", "float16", "bfloat16", "int32", "int64", "uint8", "int8"};
+  auto i = static_cast<unsigned>(t);
+  return i < 8 ? names[i] : "invalid-dtype";
+}
+
+const char* op_name(ReduceOp op) {
+  static const char* names[] = {"SUM", "AVG", "MAX", "MIN", "PRODUCT"};
+  auto i = static_cast<unsigned>(op);
+  return i < 5 ? names[i] : "invalid-op";
+}
+
+const char* coll_name(Coll c) {
+  switch (c) {
+    case Coll::ALLREDUCE: return "all_reduce";
+    case Coll::BROADCAST: return "broadcast";
+  }
+  return "invalid-collective";
+}
+
+bool valid_dtype(int t) { return t >= 0 && t <= 7; }
+bool valid_op(int op) { return op >= 0 && op <= 4; }
+
+void log_warning(const std::string& msg) {
+  std::fprintf(stderr, "[smddp] warning: %s\n", msg.c_str());
+  std::fflush(stderr);
+}
+
+}  // namespace sdp

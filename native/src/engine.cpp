@@ -1,0 +1,877 @@
+#include "sdp/engine.h"
+
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <poll.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <climits>
+#include <cstring>
+#include <sstream>
+
+#include "sdp/hmac.h"
+#include "sdp/reduce.h"
+
+namespace sdp {
+
+constexpr int kMaxLocal = 256;
+constexpr uint32_t kShmMagic = 0x4d484453;  // "SDHM"
+
+// Description of the collective a local rank is about to run, compared across the node.
+struct CollDesc {
+  uint64_t seq;
+  uint64_t count;
+  uint32_t root;
+  uint8_t coll, dtype, op, valid;
+};
+
+struct ShmHeader {
+  uint32_t magic;
+  uint32_t local_size;
+  uint64_t chunk_bytes;
+  alignas(64) std::atomic<uint64_t> arrivals;
+  alignas(64) std::atomic<uint32_t> wake;  // futex word, bumped by the last rank into a barrier
+  alignas(64) std::atomic<uint32_t> error_state;  // 0 none, 1 being written, 2 published
+  uint32_t error_remote;                          // 1: the error came from another node
+  char error_msg[2048];
+  alignas(64) std::atomic<uint64_t> rank_arrivals[kMaxLocal];
+  CollDesc desc[kMaxLocal];
+};
+
+namespace {
+
+size_t round_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
+
+void futex_wait(std::atomic<uint32_t>* addr, uint32_t val, int timeout_us) {
+  timespec ts{timeout_us / 1000000, (timeout_us % 1000000) * 1000L};
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(addr), FUTEX_WAIT, val, &ts, nullptr, 0);
+}
+
+void futex_wake_all(std::atomic<uint32_t>* addr) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(addr), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+}
+
+inline void cpu_relax() { __builtin_ia32_pause(); }
+
+std::string fmt_seconds(double s) {
+  std::ostringstream o;
+  o << s;
+  return o.str();
+}
+
+}  // namespace
+
+Engine::Engine(EngineConfig cfg) : cfg_(std::move(cfg)) {
+  int w = int(cfg_.node_of_rank.size());
+  if (w <= 0) throw Error("world size must be at least 1");
+  if (cfg_.rank < 0 || cfg_.rank >= w) throw Error("rank " + std::to_string(cfg_.rank) + " outside world of " + std::to_string(w));
+  int nn = 0;
+  for (int n : cfg_.node_of_rank) {
+    if (n < 0) throw Error("negative node index");
+    nn = std::max(nn, n + 1);
+  }
+  ranks_of_node_.assign(nn, {});
+  for (int r = 0; r < w; ++r) ranks_of_node_[cfg_.node_of_rank[r]].push_back(r);
+  for (int n = 0; n < nn; ++n)
+    if (ranks_of_node_[n].empty()) throw Error("node " + std::to_string(n) + " has no ranks: node indices must be 0..N-1");
+  node_ = cfg_.node_of_rank[cfg_.rank];
+  auto& mine = ranks_of_node_[node_];
+  local_ = int(std::find(mine.begin(), mine.end(), cfg_.rank) - mine.begin());
+  if (int(mine.size()) > kMaxLocal) throw Error("at most 256 ranks per node are supported");
+  if (cfg_.chunk_bytes < 4096) cfg_.chunk_bytes = 4096;
+  cfg_.chunk_bytes = round_up(cfg_.chunk_bytes, 64);
+  peers_.resize(nn);
+  local_fds_.assign(mine.size(), -1);
+  local_gone_.assign(mine.size(), false);
+}
+
+Engine::~Engine() {
+  try { shutdown(); } catch (...) {}
+}
+
+std::string Engine::rank_name(int r) const {
+  return "rank " + std::to_string(r) + " (node " + std::to_string(cfg_.node_of_rank[r]) + ")";
+}
+
+std::string Engine::ranks_list(const std::vector<int>& ranks) const {
+  std::string s;
+  for (size_t i = 0; i < ranks.size(); ++i) s += (i ? ", " : "") + std::to_string(ranks[i]);
+  return s;
+}
+
+char* Engine::slot(int local) const { return shm_data_ + size_t(local) * cfg_.chunk_bytes; }
+char* Engine::red_area() const { return slot(local_size()); }
+
+std::pair<int, std::string> Engine::prepare() {
+  int L = local_size();
+  if (is_leader()) {
+    if (L > 1) {
+      uint8_t rnd[8];
+      random_bytes(rnd, sizeof(rnd));
+      char name[64];
+      std::snprintf(name, sizeof(name), "/sdp-%d-%02x%02x%02x%02x%02x%02x", getpid(), rnd[0], rnd[1], rnd[2], rnd[3], rnd[4], rnd[5]);
+      shm_name_ = name;
+      size_t hdr = round_up(sizeof(ShmHeader), 4096);
+      shm_size_ = hdr + size_t(L + 1) * cfg_.chunk_bytes;
+      int fd = shm_open(shm_name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+      if (fd < 0) throw Error("cannot create shared memory " + shm_name_ + ": " + std::strerror(errno));
+      if (ftruncate(fd, off_t(shm_size_)) != 0) {
+        ::close(fd);
+        shm_unlink(shm_name_.c_str());
+        throw Error("cannot size shared memory (" + std::to_string(shm_size_) + " bytes): " + std::strerror(errno) +
+                    " (is /dev/shm large enough? lower SDP_CHUNK_BYTES)");
+      }
+      void* p = mmap(nullptr, shm_size_, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+      ::close(fd);
+      if (p == MAP_FAILED) {
+        shm_unlink(shm_name_.c_str());
+        throw Error(std::string("cannot map shared memory: ") + std::strerror(errno));
+      }
+      std::memset(p, 0, shm_size_);  // touch every page once, now, not during the first collective
+      shm_ = new (p) ShmHeader();
+      shm_->magic = kShmMagic;
+      shm_->local_size = uint32_t(L);
+      shm_->chunk_bytes = cfg_.chunk_bytes;
+      shm_data_ = static_cast<char*>(p) + hdr;
+    }
+    if (num_nodes() > 1 || L > 1) {
+      listen_fd_ = listen_on(cfg_.bind_addr, &port_);
+      acceptor_ = std::thread([this] { acceptor_loop(); });
+    }
+  }
+  return {port_, shm_name_};
+}
+
+void Engine::acceptor_loop() {
+  while (true) {
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      if (stopping_) return;
+    }
+    pollfd p{listen_fd_, POLLIN, 0};
+    int r = ::poll(&p, 1, 100);
+    if (r <= 0) continue;
+    int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd < 0) continue;
+    std::string from = peer_address(fd);
+    PeerIdentity who{};
+    std::string why;
+    if (!accept_handshake(fd, cfg_.secret, &who, &why)) {
+      log_warning("rank " + std::to_string(cfg_.rank) + " dropped a connection from " + from + ": it " + why);
+      ::close(fd);
+      continue;
+    }
+    if (setup_done_.load()) {
+      log_warning("rank " + std::to_string(cfg_.rank) + " dropped an authenticated connection from " + from +
+                  " that arrived after set-up");
+      ::close(fd);
+      continue;
+    }
+    std::lock_guard<std::mutex> g(accept_mu_);
+    accepted_.push_back({who, fd});
+    accept_cv_.notify_all();
+  }
+}
+
+void Engine::connect(const std::vector<std::string>& addrs, const std::vector<int>& ports, const std::string& node_shm) {
+  int N = num_nodes(), L = local_size();
+  if (int(addrs.size()) != N || int(ports.size()) != N) throw Error("connect: need one leader address per node");
+  double deadline = now_s() + cfg_.timeout_s;
+  PeerIdentity me{is_leader() ? Role::NODE : Role::LOCAL, uint32_t(node_), uint32_t(local_), uint32_t(cfg_.rank)};
+  if (!is_leader()) {
+    int fd = shm_open(node_shm.c_str(), O_RDWR, 0600);
+    if (fd < 0) throw Error("cannot open the node's shared memory " + node_shm + ": " + std::strerror(errno));
+    struct stat st{};
+    fstat(fd, &st);
+    shm_size_ = size_t(st.st_size);
+    void* p = mmap(nullptr, shm_size_, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+    ::close(fd);
+    if (p == MAP_FAILED) throw Error(std::string("cannot map the node's shared memory: ") + std::strerror(errno));
+    shm_ = static_cast<ShmHeader*>(p);
+    if (shm_->magic != kShmMagic || int(shm_->local_size) != L || shm_->chunk_bytes != cfg_.chunk_bytes)
+      throw Error("the node's shared memory was made for another layout (SDP_CHUNK_BYTES differs between ranks?)");
+    shm_data_ = static_cast<char*>(p) + round_up(sizeof(ShmHeader), 4096);
+    leader_fd_ = connect_to(addrs[node_], ports[node_], cfg_.secret, me, deadline);
+    set_nonblocking(leader_fd_);
+  } else {
+    // Connect to the leaders of higher nodes; lower nodes and our own local ranks connect to us.
+    for (int n = node_ + 1; n < N; ++n) {
+      peers_[n].fd = connect_to(addrs[n], ports[n], cfg_.secret, me, deadline);
+      peers_[n].node = n;
+      peers_[n].rank = ranks_of_node_[n][0];
+    }
+    int expected = node_ + (L - 1);
+    int got = 0;
+    std::unique_lock<std::mutex> lk(accept_mu_);
+    while (got < expected) {
+      for (auto& [who, fd] : accepted_) {
+        bool ok = false;
+        if (who.role == Role::NODE && int(who.node) < node_ && peers_[who.node].fd < 0 &&
+            int(who.rank) == ranks_of_node_[who.node][0]) {
+          peers_[who.node].fd = fd;
+          peers_[who.node].node = int(who.node);
+          peers_[who.node].rank = int(who.rank);
+          ok = true;
+        } else if (who.role == Role::LOCAL && int(who.node) == node_ && int(who.local_rank) > 0 &&
+                   int(who.local_rank) < L && local_fds_[who.local_rank] < 0 &&
+                   int(who.rank) == ranks_of_node_[node_][who.local_rank]) {
+          local_fds_[who.local_rank] = fd;
+          ok = true;
+        }
+        if (ok) {
+          ++got;
+        } else {
+          log_warning("rank " + std::to_string(cfg_.rank) + " dropped a connection claiming to be rank " +
+                      std::to_string(who.rank) + " that it did not expect");
+          ::close(fd);
+        }
+      }
+      accepted_.clear();
+      if (got >= expected) break;
+      if (accept_cv_.wait_until(lk, std::chrono::steady_clock::now() + std::chrono::milliseconds(200)) ==
+              std::cv_status::timeout &&
+          now_s() > deadline) {
+        std::vector<int> missing;
+        for (int n = 0; n < node_; ++n)
+          if (peers_[n].fd < 0) missing.push_back(ranks_of_node_[n][0]);
+        for (int l = 1; l < L; ++l)
+          if (local_fds_[l] < 0) missing.push_back(ranks_of_node_[node_][l]);
+        throw Error("timed out after " + fmt_seconds(cfg_.timeout_s) + " s waiting for rank(s) " + ranks_list(missing) +
+                    " to connect to rank " + std::to_string(cfg_.rank));
+      }
+    }
+    lk.unlock();
+    setup_done_.store(true);
+    for (auto& p : peers_)
+      if (p.fd >= 0) set_nonblocking(p.fd);
+    for (int fd : local_fds_)
+      if (fd >= 0) set_nonblocking(fd);
+    // Every local rank has mapped the segment before connecting: nothing is left in /dev/shm
+    // even if the whole job is killed later.
+    if (!shm_name_.empty()) shm_unlink(shm_name_.c_str());
+    if (N > 1) recv_buf_.assign(size_t(N) * (cfg_.chunk_bytes / size_t(N) + 64), 0);
+  }
+  srcs_.resize(std::max(L, N) + 1);
+  connected_ = true;
+  progress_ = std::thread([this] { progress_loop(); });
+}
+
+uint64_t Engine::submit(Coll c, void* buf, size_t count, DType t, ReduceOp op, int root) {
+  if (root < 0 || root >= world_size()) throw Error("root " + std::to_string(root) + " is not a rank of this group");
+  std::lock_guard<std::mutex> g(mu_);
+  if (!connected_) throw Error("engine is not connected");
+  if (stopping_) throw Error("the process group has been shut down");
+  uint64_t id = next_id_++;
+  queue_.push_back(Work{id, c, static_cast<char*>(buf), count, t, op, root});
+  work_cv_.notify_one();
+  return id;
+}
+
+void Engine::wait(uint64_t h, double timeout_s) {
+  std::unique_lock<std::mutex> lk(mu_);
+  auto pred = [&] { return completed_ >= h || (failed_from_ && h >= failed_from_) || stopping_; };
+  if (timeout_s > 0) {
+    if (!done_cv_.wait_for(lk, std::chrono::duration<double>(timeout_s), pred))
+      throw Error("timed out after " + fmt_seconds(timeout_s) + " s waiting for collective handle " + std::to_string(h));
+  } else {
+    done_cv_.wait(lk, pred);
+  }
+  if (failed_from_ && h >= failed_from_) throw Error(broken_);
+  if (completed_ < h) throw Error("the process group was shut down before this collective ran");
+}
+
+bool Engine::test(uint64_t h) {
+  std::lock_guard<std::mutex> g(mu_);
+  if (failed_from_ && h >= failed_from_) throw Error(broken_);
+  return completed_ >= h;
+}
+
+std::string Engine::broken_message() {
+  std::lock_guard<std::mutex> g(mu_);
+  return broken_;
+}
+
+Stats Engine::stats() {
+  std::lock_guard<std::mutex> g(mu_);
+  return stats_;
+}
+
+void Engine::progress_loop() {
+  for (;;) {
+    Work w;
+    {
+      std::unique_lock<std::mutex> lk(mu_);
+      if (queue_.empty() && !stopping_) work_cv_.wait_for(lk, std::chrono::milliseconds(20));
+      if (queue_.empty()) {
+        if (stopping_) return;
+        bool broken = failed_from_ != 0;
+        lk.unlock();
+        if (!broken) {
+          try { idle_check(); } catch (const Error& e) {
+            std::lock_guard<std::mutex> g(mu_);
+            if (!failed_from_) { failed_from_ = next_id_; broken_ = e.what(); }
+            done_cv_.notify_all();
+          }
+        }
+        continue;
+      }
+      w = queue_.front();
+    }
+    std::string err;
+    double t0 = now_s();
+    bool already_broken;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      already_broken = failed_from_ != 0;
+    }
+    if (!already_broken) {
+      try {
+        run(w);
+      } catch (const Error& e) {
+        err = e.what();
+      } catch (const std::exception& e) {
+        err = std::string("internal error: ") + e.what();
+      }
+    }
+    std::lock_guard<std::mutex> g(mu_);
+    queue_.pop_front();
+    if (!err.empty() && !failed_from_) {
+      failed_from_ = w.id;
+      broken_ = err;
+    }
+    if (!failed_from_) {
+      completed_ = w.id;
+      stats_.collectives++;
+      stats_.bytes += w.count * dtype_size(w.dtype);
+      stats_.busy_s += now_s() - t0;
+    }
+    done_cv_.notify_all();
+  }
+}
+
+void Engine::run(const Work& w) {
+  seq_++;
+  std::ostringstream d;
+  d << coll_name(w.coll) << " #" << seq_ << " (" << w.count << " x " << dtype_name(w.dtype);
+  if (w.coll == Coll::ALLREDUCE) d << ", " << op_name(w.op);
+  else d << ", root " << w.root;
+  d << ")";
+  cur_desc_ = d.str();
+  op_deadline_ = now_s() + cfg_.timeout_s;
+  if (world_size() == 1) {
+    if (w.coll == Coll::ALLREDUCE && w.op == ReduceOp::AVG) copy_scaled(w.dtype, w.buf, w.buf, w.count, 1.0);
+    return;
+  }
+  if (w.coll == Coll::ALLREDUCE) run_allreduce(w);
+  else run_broadcast(w);
+}
+
+// ---------------------------------------------------------------- node-level synchronisation
+
+void Engine::publish_desc(const Work& w) {
+  CollDesc& d = shm_->desc[local_];
+  d.seq = seq_;
+  d.count = w.count;
+  d.root = uint32_t(w.root);
+  d.coll = uint8_t(w.coll);
+  d.dtype = uint8_t(w.dtype);
+  d.op = uint8_t(w.op);
+  d.valid = 1;
+}
+
+void Engine::check_descs(const Work& w) {
+  // Every local rank runs the same comparison against the same data, so all of them fail together.
+  const CollDesc& a = shm_->desc[0];
+  int ra = ranks_of_node_[node_][0];
+  for (int l = 1; l < local_size(); ++l) {
+    const CollDesc& b = shm_->desc[l];
+    int rb = ranks_of_node_[node_][l];
+    std::string field, va, vb;
+    if (a.seq != b.seq) { field = "collective number"; va = std::to_string(a.seq); vb = std::to_string(b.seq); }
+    else if (a.coll != b.coll) { field = "collective"; va = coll_name(Coll(a.coll)); vb = coll_name(Coll(b.coll)); }
+    else if (a.count != b.count) { field = "element count"; va = std::to_string(a.count); vb = std::to_string(b.count); }
+    else if (a.dtype != b.dtype) { field = "dtype"; va = dtype_name(DType(a.dtype)); vb = dtype_name(DType(b.dtype)); }
+    else if (a.coll == uint8_t(Coll::ALLREDUCE) && a.op != b.op) { field = "reduce op"; va = op_name(ReduceOp(a.op)); vb = op_name(ReduceOp(b.op)); }
+    else if (a.coll == uint8_t(Coll::BROADCAST) && a.root != b.root) { field = "root"; va = std::to_string(a.root); vb = std::to_string(b.root); }
+    if (!field.empty())
+      fail("collective mismatch at " + cur_desc_ + ": " + field + " differs: rank " + std::to_string(ra) + " has " + va +
+           ", rank " + std::to_string(rb) + " has " + vb + "; nothing was reduced");
+  }
+  (void)w;
+}
+
+void Engine::node_barrier() {
+  int L = local_size();
+  uint64_t mine = ++barrier_count_;
+  uint64_t target = mine * uint64_t(L);
+  shm_->rank_arrivals[local_].store(mine, std::memory_order_release);
+  uint64_t v = shm_->arrivals.fetch_add(1, std::memory_order_acq_rel) + 1;
+  if (v == target) {
+    shm_->wake.fetch_add(1, std::memory_order_acq_rel);
+    futex_wake_all(&shm_->wake);
+    return;
+  }
+  for (int i = 0; i < cfg_.spin; ++i) {
+    if (shm_->arrivals.load(std::memory_order_acquire) >= target) return;
+    cpu_relax();
+  }
+  for (;;) {
+    uint32_t w = shm_->wake.load(std::memory_order_acquire);
+    if (shm_->arrivals.load(std::memory_order_acquire) >= target) return;
+    check_health();
+    if (now_s() > op_deadline_) {
+      std::vector<int> late;
+      for (int l = 0; l < L; ++l)
+        if (shm_->rank_arrivals[l].load() < mine) late.push_back(ranks_of_node_[node_][l]);
+      fail("timed out after " + fmt_seconds(cfg_.timeout_s) + " s in " + cur_desc_ + " waiting for rank(s) " +
+           ranks_list(late) + " of node " + std::to_string(node_) + " (stalled or not calling this collective)");
+    }
+    futex_wait(&shm_->wake, w, 2000);
+  }
+}
+
+// ---------------------------------------------------------------- health and errors
+
+void Engine::fail(const std::string& msg, bool remote) {
+  std::string final_msg = msg;
+  if (shm_) {
+    uint32_t expected = 0;
+    if (shm_->error_state.compare_exchange_strong(expected, 1)) {
+      std::snprintf(shm_->error_msg, sizeof(shm_->error_msg), "%s", msg.c_str());
+      shm_->error_remote = remote ? 1 : 0;
+      shm_->error_state.store(2, std::memory_order_release);
+      shm_->wake.fetch_add(1);
+      futex_wake_all(&shm_->wake);
+    } else {
+      for (int i = 0; i < 1000 && shm_->error_state.load(std::memory_order_acquire) != 2; ++i) cpu_relax();
+      final_msg = shm_->error_msg;
+      remote = shm_->error_remote != 0;
+    }
+  }
+  if (is_leader() && !remote) send_error_frames(final_msg);
+  throw Error(final_msg);
+}
+
+void Engine::send_error_frames(const std::string& msg) {
+  if (error_frames_sent_) return;
+  error_frames_sent_ = true;
+  double deadline = now_s() + 1.0;
+  for (auto& p : peers_) {
+    if (p.fd < 0 || p.bye) continue;
+    if (p.send_active) {  // finish the frame in flight so the peer can parse what follows
+      size_t hdr_left = p.sdone < sizeof(FrameHeader) ? sizeof(FrameHeader) - p.sdone : 0;
+      bool ok = true;
+      if (hdr_left) ok = write_all(p.fd, reinterpret_cast<const char*>(&p.shdr) + p.sdone, hdr_left, deadline);
+      size_t data_done = p.sdone > sizeof(FrameHeader) ? p.sdone - sizeof(FrameHeader) : 0;
+      if (ok && p.slen > data_done) ok = write_all(p.fd, p.sdata + data_done, p.slen - data_done, deadline);
+      p.send_active = false;
+      if (!ok) continue;
+    }
+    FrameHeader h{};
+    h.magic = kFrameMagic;
+    h.type = uint8_t(FrameType::ERROR);
+    h.src_rank = uint32_t(cfg_.rank);
+    h.seq = seq_;
+    h.nbytes = std::min<size_t>(msg.size(), 2000);
+    if (write_all(p.fd, &h, sizeof(h), deadline)) write_all(p.fd, msg.data(), h.nbytes, deadline);
+  }
+}
+
+void Engine::check_health() {
+  if (shm_ && shm_->error_state.load(std::memory_order_acquire) == 2) {
+    std::string m = shm_->error_msg;
+    if (is_leader() && !shm_->error_remote) send_error_frames(m);
+    throw Error(m);
+  }
+  auto probe = [&](int fd, int who_rank, bool* gone_flag) {
+    if (fd < 0) return;
+    pollfd p{fd, POLLIN, 0};
+    if (::poll(&p, 1, 0) <= 0) return;
+    char c;
+    ssize_t n = ::recv(fd, &c, 1, MSG_PEEK);
+    if (n < 0 && (errno == EAGAIN || errno == EINTR)) return;
+    if (n == 1 && c == 'B') {  // a clean goodbye from a rank that shut down its process group
+      ::recv(fd, &c, 1, 0);
+      if (gone_flag) *gone_flag = true;
+      return;
+    }
+    if (n == 1) return;
+    bool clean = gone_flag && *gone_flag;
+    fail(rank_name(who_rank) + (clean ? " had shut down its process group" : " exited or closed its connection") +
+         (cur_desc_.empty() ? std::string(" while this rank was idle") : " during " + cur_desc_));
+  };
+  if (is_leader()) {
+    for (int l = 1; l < local_size(); ++l) {
+      bool gone = local_gone_[l];
+      probe(local_fds_[l], ranks_of_node_[node_][l], &gone);
+      local_gone_[l] = gone;
+    }
+  } else {
+    probe(leader_fd_, ranks_of_node_[node_][0], nullptr);
+  }
+}
+
+void Engine::idle_check() {
+  // Between collectives: notice dead ranks and error frames early, so the next call fails fast.
+  std::string saved = cur_desc_;
+  cur_desc_.clear();
+  try {
+    check_health();
+    if (is_leader()) {
+      for (auto& p : peers_) {
+        if (p.fd < 0 || p.bye) continue;
+        FrameHeader h{};
+        ssize_t n = ::recv(p.fd, &h, sizeof(h), MSG_PEEK);
+        if (n < 0) {
+          if (errno == EAGAIN || errno == EINTR) continue;
+          fail(rank_name(p.rank) + " (leader of node " + std::to_string(p.node) + ") lost its connection while this rank was idle");
+        }
+        if (n == 0) fail(rank_name(p.rank) + " (leader of node " + std::to_string(p.node) + ") exited or closed its connection while this rank was idle");
+        if (size_t(n) < sizeof(h) || h.magic != kFrameMagic) continue;
+        if (h.type == uint8_t(FrameType::BYE)) {
+          ::recv(p.fd, &h, sizeof(h), 0);
+          p.bye = true;
+        } else if (h.type == uint8_t(FrameType::ERROR)) {
+          p.recv_active = false;
+          pump_recv(p);  // reads and raises the peer's message
+        }
+      }
+    }
+  } catch (...) {
+    cur_desc_ = saved;
+    throw;
+  }
+  cur_desc_ = saved;
+}
+
+// ---------------------------------------------------------------- TCP exchange between node leaders
+
+bool Engine::pump_send(Peer& p) {
+  while (p.send_active) {
+    iovec iov[2];
+    int n = 0;
+    if (p.sdone < sizeof(FrameHeader)) {
+      iov[n++] = {reinterpret_cast<char*>(&p.shdr) + p.sdone, sizeof(FrameHeader) - p.sdone};
+      if (p.slen) iov[n++] = {const_cast<char*>(p.sdata), p.slen};
+    } else {
+      size_t dd = p.sdone - sizeof(FrameHeader);
+      iov[n++] = {const_cast<char*>(p.sdata) + dd, p.slen - dd};
+    }
+    msghdr mh{};
+    mh.msg_iov = iov;
+    mh.msg_iovlen = size_t(n);
+    ssize_t r = ::sendmsg(p.fd, &mh, MSG_NOSIGNAL);
+    if (r < 0) {
+      if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return false;
+      fail("connection to " + rank_name(p.rank) + " failed during " + cur_desc_ + " (" + std::strerror(errno) +
+           "): that rank exited or its host is unreachable");
+    }
+    p.sdone += size_t(r);
+    if (p.sdone == sizeof(FrameHeader) + p.slen) p.send_active = false;
+  }
+  return true;
+}
+
+void Engine::check_frame(const Peer& p) {
+  const FrameHeader& g = p.rhdr;
+  const FrameHeader& e = p.expect;
+  std::string field, va, vb;
+  if (g.seq != e.seq) { field = "collective number"; va = std::to_string(e.seq); vb = std::to_string(g.seq); }
+  else if (g.coll != e.coll) { field = "collective"; va = coll_name(Coll(e.coll)); vb = coll_name(Coll(g.coll)); }
+  else if (g.count != e.count) { field = "element count"; va = std::to_string(e.count); vb = std::to_string(g.count); }
+  else if (g.dtype != e.dtype) { field = "dtype"; va = dtype_name(DType(e.dtype)); vb = dtype_name(DType(g.dtype)); }
+  else if (e.coll == uint8_t(Coll::ALLREDUCE) && g.op != e.op) { field = "reduce op"; va = op_name(ReduceOp(e.op)); vb = op_name(ReduceOp(g.op)); }
+  else if (e.coll == uint8_t(Coll::BROADCAST) && g.root != e.root) { field = "root"; va = std::to_string(e.root); vb = std::to_string(g.root); }
+  else if (g.offset != e.offset || g.nbytes != e.nbytes) {
+    fail("protocol error in " + cur_desc_ + ": " + rank_name(p.rank) + " sent bytes " + std::to_string(g.offset) + "+" +
+         std::to_string(g.nbytes) + " where " + std::to_string(e.offset) + "+" + std::to_string(e.nbytes) + " was expected");
+  }
+  if (!field.empty())
+    fail("collective mismatch at " + cur_desc_ + ": " + field + " differs: rank " + std::to_string(cfg_.rank) + " has " + va +
+         ", " + rank_name(p.rank) + " has " + vb + "; nothing was reduced");
+}
+
+bool Engine::pump_recv(Peer& p) {
+  for (;;) {
+    if (p.rhdr_done < sizeof(FrameHeader)) {
+      ssize_t r = ::recv(p.fd, reinterpret_cast<char*>(&p.rhdr) + p.rhdr_done, sizeof(FrameHeader) - p.rhdr_done, 0);
+      if (r == 0) fail(rank_name(p.rank) + " exited or closed its connection during " + cur_desc_);
+      if (r < 0) {
+        if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return false;
+        fail("connection to " + rank_name(p.rank) + " failed during " + cur_desc_ + " (" + std::strerror(errno) + ")");
+      }
+      p.rhdr_done += size_t(r);
+      if (p.rhdr_done < sizeof(FrameHeader)) continue;
+      const FrameHeader& g = p.rhdr;
+      if (g.magic != kFrameMagic)
+        fail("protocol error: " + rank_name(p.rank) + " sent a malformed frame during " + cur_desc_);
+      if (g.type == uint8_t(FrameType::ERROR)) {
+        std::string m(std::min<uint64_t>(g.nbytes, 4096), '\0');
+        read_all(p.fd, m.data(), m.size(), now_s() + 2.0);
+        fail(m, /*remote=*/true);
+      }
+      if (g.type == uint8_t(FrameType::BYE)) {
+        p.bye = true;
+        fail(rank_name(p.rank) + " shut down its process group while this rank was in " + cur_desc_);
+      }
+      if (g.type != uint8_t(FrameType::DATA))
+        fail("protocol error: " + rank_name(p.rank) + " sent an unknown frame type during " + cur_desc_);
+      if (!p.recv_active)
+        fail("protocol error: " + rank_name(p.rank) + " sent data this rank did not expect during " + cur_desc_);
+      check_frame(p);
+    }
+    if (!p.recv_active) return true;
+    size_t want = p.rhdr.nbytes - p.rdone;
+    if (want == 0) {
+      p.recv_active = false;
+      return true;
+    }
+    ssize_t r = ::recv(p.fd, p.rdata + p.rdone, want, 0);
+    if (r == 0) fail(rank_name(p.rank) + " exited or closed its connection during " + cur_desc_);
+    if (r < 0) {
+      if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return false;
+      fail("connection to " + rank_name(p.rank) + " failed during " + cur_desc_ + " (" + std::strerror(errno) + ")");
+    }
+    p.rdone += size_t(r);
+  }
+}
+
+void Engine::exchange() {
+  std::vector<pollfd> pfds;
+  std::vector<Peer*> who;
+  for (;;) {
+    pfds.clear();
+    who.clear();
+    for (auto& p : peers_) {
+      if (p.fd < 0) continue;
+      if (p.send_active) pump_send(p);
+      if (p.recv_active) pump_recv(p);
+      short ev = short((p.send_active ? POLLOUT : 0) | (p.recv_active ? POLLIN : 0));
+      if (ev) {
+        pfds.push_back({p.fd, ev, 0});
+        who.push_back(&p);
+      }
+    }
+    if (pfds.empty()) return;
+    int r = ::poll(pfds.data(), nfds_t(pfds.size()), 50);
+    if (r == 0 || (r < 0 && errno == EINTR)) {
+      check_health();
+      if (now_s() > op_deadline_) {
+        std::vector<int> late;
+        for (Peer* p : who) late.push_back(p->rank);
+        fail("timed out after " + fmt_seconds(cfg_.timeout_s) + " s in " + cur_desc_ + " waiting for node leader rank(s) " +
+             ranks_list(late) + " (that node is stalled, or a rank there is not calling this collective)");
+      }
+    }
+  }
+}
+
+void Engine::inter_node_allreduce(const Work& w, char* red, size_t off, size_t n) {
+  int N = num_nodes();
+  size_t esz = dtype_size(w.dtype);
+  auto lo = [&](int k) { return n * size_t(k) / size_t(N); };
+  size_t my_lo = lo(node_), my_n = lo(node_ + 1) - my_lo;
+  size_t slot_bytes = cfg_.chunk_bytes / size_t(N) + 64;
+  FrameHeader base{};
+  base.magic = kFrameMagic;
+  base.type = uint8_t(FrameType::DATA);
+  base.coll = uint8_t(w.coll);
+  base.dtype = uint8_t(w.dtype);
+  base.op = uint8_t(w.op);
+  base.src_rank = uint32_t(cfg_.rank);
+  base.root = uint32_t(w.root);
+  base.seq = seq_;
+  base.count = w.count;
+  // Phase 1: scatter. Node k receives shard k of every node's chunk.
+  for (int k = 0; k < N; ++k) {
+    if (k == node_) continue;
+    Peer& p = peers_[k];
+    p.shdr = base;
+    p.shdr.offset = off + lo(k);
+    p.shdr.nbytes = (lo(k + 1) - lo(k)) * esz;
+    p.sdata = red + lo(k) * esz;
+    p.slen = p.shdr.nbytes;
+    p.sdone = 0;
+    p.send_active = true;
+    p.expect = base;
+    p.expect.offset = off + my_lo;
+    p.expect.nbytes = my_n * esz;
+    p.rdata = recv_buf_.data() + size_t(k) * slot_bytes;
+    p.rhdr_done = p.rdone = 0;
+    p.recv_active = true;
+  }
+  exchange();
+  int ns = 0;
+  srcs_[ns++] = red + my_lo * esz;
+  for (int k = 0; k < N; ++k)
+    if (k != node_) srcs_[ns++] = recv_buf_.data() + size_t(k) * slot_bytes;
+  reduce_many(w.dtype, w.op, red + my_lo * esz, srcs_.data(), ns, my_n);
+  // Phase 2: gather. Every node gets every reduced shard.
+  for (int k = 0; k < N; ++k) {
+    if (k == node_) continue;
+    Peer& p = peers_[k];
+    p.shdr = base;
+    p.shdr.offset = off + my_lo;
+    p.shdr.nbytes = my_n * esz;
+    p.sdata = red + my_lo * esz;
+    p.slen = p.shdr.nbytes;
+    p.sdone = 0;
+    p.send_active = true;
+    p.expect = base;
+    p.expect.offset = off + lo(k);
+    p.expect.nbytes = (lo(k + 1) - lo(k)) * esz;
+    p.rdata = red + lo(k) * esz;
+    p.rhdr_done = p.rdone = 0;
+    p.recv_active = true;
+  }
+  exchange();
+}
+
+// ---------------------------------------------------------------- collectives
+
+void Engine::run_allreduce(const Work& w) {
+  int L = local_size(), N = num_nodes();
+  size_t esz = dtype_size(w.dtype);
+  size_t chunk = std::max<size_t>(1, cfg_.chunk_bytes / esz);
+  double divisor = w.op == ReduceOp::AVG ? double(world_size()) : 1.0;
+  for (size_t off = 0; off < w.count; off += chunk) {
+    size_t n = std::min(chunk, w.count - off);
+    char* user = w.buf + off * esz;
+    char* red = user;
+    if (L > 1) {
+      std::memcpy(slot(local_), user, n * esz);
+      if (off == 0) publish_desc(w);
+      node_barrier();
+      if (off == 0) check_descs(w);
+      size_t p0 = n * size_t(local_) / size_t(L), p1 = n * size_t(local_ + 1) / size_t(L);
+      for (int l = 0; l < L; ++l) srcs_[l] = slot(l) + p0 * esz;
+      red = red_area();
+      reduce_many(w.dtype, w.op, red + p0 * esz, srcs_.data(), L, p1 - p0);
+      node_barrier();
+    }
+    if (N > 1) {
+      if (is_leader()) inter_node_allreduce(w, red, off, n);
+      if (L > 1) node_barrier();
+    }
+    copy_scaled(w.dtype, user, red, n, divisor);
+  }
+}
+
+void Engine::run_broadcast(const Work& w) {
+  int L = local_size(), N = num_nodes();
+  size_t esz = dtype_size(w.dtype);
+  size_t chunk = std::max<size_t>(1, cfg_.chunk_bytes / esz);
+  int root_node = cfg_.node_of_rank[w.root];
+  auto& rn = ranks_of_node_[root_node];
+  int root_local = int(std::find(rn.begin(), rn.end(), w.root) - rn.begin());
+  bool i_am_root = cfg_.rank == w.root;
+  for (size_t off = 0; off < w.count; off += chunk) {
+    size_t n = std::min(chunk, w.count - off);
+    char* user = w.buf + off * esz;
+    char* src = user;  // where this node's copy of the chunk lives
+    if (L > 1) {
+      src = node_ == root_node ? slot(root_local) : red_area();
+      if (i_am_root) std::memcpy(src, user, n * esz);
+      if (off == 0) publish_desc(w);
+      node_barrier();
+      if (off == 0) check_descs(w);
+    }
+    if (N > 1 && is_leader()) {
+      FrameHeader h{};
+      h.magic = kFrameMagic;
+      h.type = uint8_t(FrameType::DATA);
+      h.coll = uint8_t(w.coll);
+      h.dtype = uint8_t(w.dtype);
+      h.op = uint8_t(w.op);
+      h.src_rank = uint32_t(cfg_.rank);
+      h.root = uint32_t(w.root);
+      h.seq = seq_;
+      h.count = w.count;
+      h.offset = off;
+      h.nbytes = n * esz;
+      if (node_ == root_node) {
+        for (int k = 0; k < N; ++k) {
+          if (k == node_) continue;
+          Peer& p = peers_[k];
+          p.shdr = h;
+          p.sdata = src;
+          p.slen = h.nbytes;
+          p.sdone = 0;
+          p.send_active = true;
+        }
+      } else {
+        Peer& p = peers_[root_node];
+        p.expect = h;
+        p.expect.src_rank = uint32_t(ranks_of_node_[root_node][0]);
+        p.rdata = src;
+        p.rhdr_done = p.rdone = 0;
+        p.recv_active = true;
+      }
+      exchange();
+    }
+    if (L > 1) {
+      if (N > 1) node_barrier();
+      if (!i_am_root) std::memcpy(user, src, n * esz);
+      node_barrier();  // the root may overwrite its slot only when everyone has read it
+    }
+  }
+}
+
+// ---------------------------------------------------------------- shutdown
+
+void Engine::shutdown() {
+  {
+    std::unique_lock<std::mutex> lk(mu_);
+    if (stopping_ && !progress_.joinable() && !acceptor_.joinable()) return;
+    // Let queued collectives finish (or fail) before stopping.
+    double deadline = now_s() + std::min(cfg_.timeout_s, 30.0);
+    while (!queue_.empty() && !failed_from_ && now_s() < deadline)
+      done_cv_.wait_for(lk, std::chrono::milliseconds(50));
+    stopping_ = true;
+    work_cv_.notify_all();
+    done_cv_.notify_all();
+  }
+  if (progress_.joinable()) progress_.join();
+  if (acceptor_.joinable()) acceptor_.join();
+  double deadline = now_s() + 1.0;
+  for (auto& p : peers_) {
+    if (p.fd < 0) continue;
+    if (!p.send_active) {
+      FrameHeader h{};
+      h.magic = kFrameMagic;
+      h.type = uint8_t(FrameType::BYE);
+      h.src_rank = uint32_t(cfg_.rank);
+      write_all(p.fd, &h, sizeof(h), deadline);
+    }
+    ::close(p.fd);
+    p.fd = -1;
+  }
+  for (int& fd : local_fds_) {
+    if (fd >= 0) ::close(fd);
+    fd = -1;
+  }
+  if (leader_fd_ >= 0) {
+    char b = 'B';
+    write_all(leader_fd_, &b, 1, deadline);
+    ::close(leader_fd_);
+    leader_fd_ = -1;
+  }
+  if (listen_fd_ >= 0) {
+    ::close(listen_fd_);
+    listen_fd_ = -1;
+  }
+  if (shm_) {
+    if (is_leader() && !setup_done_.load() && !shm_name_.empty()) shm_unlink(shm_name_.c_str());
+    munmap(shm_, shm_size_);
+    shm_ = nullptr;
+  }
+}
+
+}  // namespace sdp

@@ -1,0 +1,253 @@
+#include "sdp/transport.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "sdp/hmac.h"
+
+namespace sdp {
+namespace {
+
+#pragma pack(push, 1)
+struct ServerHello {
+  uint32_t magic;
+  uint32_t version;
+  uint8_t nonce[32];
+};
+struct ClientProof {
+  uint32_t magic;
+  uint32_t version;
+  uint8_t role;
+  uint8_t pad[3];
+  uint32_t node;
+  uint32_t local_rank;
+  uint32_t rank;
+  uint8_t nonce[32];
+  uint8_t mac[32];
+};
+struct ServerProof {
+  uint32_t magic;
+  uint8_t mac[32];
+};
+#pragma pack(pop)
+
+Digest client_mac(const std::string& secret, const uint8_t* server_nonce, const ClientProof& p) {
+  std::vector<uint8_t> msg;
+  msg.push_back('C');
+  msg.insert(msg.end(), server_nonce, server_nonce + 32);
+  const uint8_t* body = reinterpret_cast<const uint8_t*>(&p);
+  msg.insert(msg.end(), body, body + offsetof(ClientProof, mac));
+  return hmac_sha256(secret, msg.data(), msg.size());
+}
+
+Digest server_mac(const std::string& secret, const uint8_t* server_nonce, const uint8_t* client_nonce) {
+  uint8_t msg[1 + 64];
+  msg[0] = 'S';
+  std::memcpy(msg + 1, client_nonce, 32);
+  std::memcpy(msg + 33, server_nonce, 32);
+  return hmac_sha256(secret, msg, sizeof(msg));
+}
+
+bool wait_fd(int fd, short events, double deadline) {
+  for (;;) {
+    double left = deadline - now_s();
+    if (left <= 0) return false;
+    pollfd p{fd, events, 0};
+    int r = ::poll(&p, 1, int(left * 1000) + 1);
+    if (r > 0) return true;
+    if (r < 0 && errno != EINTR) return false;
+  }
+}
+
+}  // namespace
+
+void set_nonblocking(int fd) {
+  int fl = fcntl(fd, F_GETFL, 0);
+  fcntl(fd, F_SETFL, fl | O_NONBLOCK);
+}
+
+void set_socket_options(int fd) {
+  int one = 1;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+}
+
+bool write_all(int fd, const void* buf, size_t len, double deadline) {
+  const char* p = static_cast<const char*>(buf);
+  while (len > 0) {
+    ssize_t n = ::send(fd, p, len, MSG_NOSIGNAL);
+    if (n > 0) { p += n; len -= size_t(n); continue; }
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
+      if (!wait_fd(fd, POLLOUT, deadline)) return false;
+      continue;
+    }
+    return false;
+  }
+  return true;
+}
+
+bool read_all(int fd, void* buf, size_t len, double deadline) {
+  char* p = static_cast<char*>(buf);
+  while (len > 0) {
+    ssize_t n = ::recv(fd, p, len, 0);
+    if (n > 0) { p += n; len -= size_t(n); continue; }
+    if (n == 0) return false;
+    if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) {
+      if (!wait_fd(fd, POLLIN, deadline)) return false;
+      continue;
+    }
+    return false;
+  }
+  return true;
+}
+
+std::string peer_address(int fd) {
+  sockaddr_storage ss{};
+  socklen_t sl = sizeof(ss);
+  if (getpeername(fd, reinterpret_cast<sockaddr*>(&ss), &sl) != 0) return "?";
+  char host[NI_MAXHOST], serv[NI_MAXSERV];
+  if (getnameinfo(reinterpret_cast<sockaddr*>(&ss), sl, host, sizeof(host), serv, sizeof(serv),
+                  NI_NUMERICHOST | NI_NUMERICSERV) != 0)
+    return "?";
+  return std::string(host) + ":" + serv;
+}
+
+int listen_on(const std::string& addr, int* port_out) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+  addrinfo* res = nullptr;
+  int rc = getaddrinfo(addr.empty() ? nullptr : addr.c_str(), "0", &hints, &res);
+  if (rc != 0) throw Error("cannot resolve bind address '" + addr + "': " + gai_strerror(rc) +
+                           " (set SDP_BIND_ADDR to an address of this host)");
+  int fd = -1;
+  std::string last;
+  for (addrinfo* ai = res; ai; ai = ai->ai_next) {
+    fd = ::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
+    if (fd < 0) continue;
+    int one = 1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    if (::bind(fd, ai->ai_addr, ai->ai_addrlen) == 0 && ::listen(fd, 128) == 0) break;
+    last = std::strerror(errno);
+    ::close(fd);
+    fd = -1;
+  }
+  freeaddrinfo(res);
+  if (fd < 0) throw Error("cannot listen on '" + addr + "': " + last + " (set SDP_BIND_ADDR)");
+  sockaddr_storage ss{};
+  socklen_t sl = sizeof(ss);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &sl);
+  *port_out = ss.ss_family == AF_INET6 ? ntohs(reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port)
+                                       : ntohs(reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
+  return fd;
+}
+
+int connect_to(const std::string& addr, int port, const std::string& secret, const PeerIdentity& me,
+               double deadline) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_NUMERICSERV;
+  addrinfo* res = nullptr;
+  std::string ps = std::to_string(port);
+  int rc = getaddrinfo(addr.c_str(), ps.c_str(), &hints, &res);
+  if (rc != 0) throw Error("cannot resolve peer address '" + addr + "': " + gai_strerror(rc));
+  std::string last = "timed out";
+  int fd = -1;
+  while (now_s() < deadline) {
+    for (addrinfo* ai = res; ai && fd < 0; ai = ai->ai_next) {
+      int s = ::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
+      if (s < 0) continue;
+      if (::connect(s, ai->ai_addr, ai->ai_addrlen) == 0) { fd = s; break; }
+      last = std::strerror(errno);
+      ::close(s);
+    }
+    if (fd >= 0) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  freeaddrinfo(res);
+  if (fd < 0)
+    throw Error("cannot connect to " + addr + ":" + ps + " (" + last + ")");
+  set_socket_options(fd);
+  ServerHello hello{};
+  double hs_deadline = std::min(deadline, now_s() + 30.0);
+  if (!read_all(fd, &hello, sizeof(hello), hs_deadline) || hello.magic != kHelloMagic) {
+    ::close(fd);
+    throw Error("peer at " + addr + ":" + ps + " is not an smddp engine (bad greeting)");
+  }
+  if (hello.version != kProtocolVersion) {
+    ::close(fd);
+    throw Error("peer at " + addr + ":" + ps + " speaks protocol version " + std::to_string(hello.version) +
+                ", this engine speaks " + std::to_string(kProtocolVersion) + ": install the same sdp_jupyter everywhere");
+  }
+  ClientProof proof{};
+  proof.magic = kHelloMagic;
+  proof.version = kProtocolVersion;
+  proof.role = uint8_t(me.role);
+  proof.node = me.node;
+  proof.local_rank = me.local_rank;
+  proof.rank = me.rank;
+  random_bytes(proof.nonce, 32);
+  Digest m = client_mac(secret, hello.nonce, proof);
+  std::memcpy(proof.mac, m.data(), 32);
+  if (!write_all(fd, &proof, sizeof(proof), hs_deadline)) {
+    ::close(fd);
+    throw Error("connection to " + addr + ":" + ps + " closed during authentication");
+  }
+  ServerProof sp{};
+  if (!read_all(fd, &sp, sizeof(sp), hs_deadline) || sp.magic != kHelloMagic) {
+    ::close(fd);
+    throw Error("peer at " + addr + ":" + ps + " rejected this rank's proof of the job secret "
+                "(SDP_JOB_SECRET differs between ranks?)");
+  }
+  Digest expect = server_mac(secret, hello.nonce, proof.nonce);
+  Digest got;
+  std::memcpy(got.data(), sp.mac, 32);
+  if (!digest_equal(expect, got)) {
+    ::close(fd);
+    throw Error("peer at " + addr + ":" + ps + " does not know the job secret: refusing to exchange data with it");
+  }
+  return fd;
+}
+
+bool accept_handshake(int fd, const std::string& secret, PeerIdentity* who, std::string* why) {
+  set_socket_options(fd);
+  double deadline = now_s() + 5.0;
+  ServerHello hello{};
+  hello.magic = kHelloMagic;
+  hello.version = kProtocolVersion;
+  random_bytes(hello.nonce, 32);
+  if (!write_all(fd, &hello, sizeof(hello), deadline)) { *why = "closed before the greeting"; return false; }
+  ClientProof proof{};
+  if (!read_all(fd, &proof, sizeof(proof), deadline)) { *why = "closed or too slow during authentication"; return false; }
+  if (proof.magic != kHelloMagic) { *why = "sent garbage instead of a handshake"; return false; }
+  if (proof.version != kProtocolVersion) { *why = "speaks another protocol version"; return false; }
+  Digest expect = client_mac(secret, hello.nonce, proof);
+  Digest got;
+  std::memcpy(got.data(), proof.mac, 32);
+  if (!digest_equal(expect, got)) { *why = "failed the job-secret challenge"; return false; }
+  if (proof.role != uint8_t(Role::NODE) && proof.role != uint8_t(Role::LOCAL)) { *why = "claimed an unknown role"; return false; }
+  ServerProof sp{};
+  sp.magic = kHelloMagic;
+  Digest m = server_mac(secret, hello.nonce, proof.nonce);
+  std::memcpy(sp.mac, m.data(), 32);
+  if (!write_all(fd, &sp, sizeof(sp), deadline)) { *why = "closed during authentication"; return false; }
+  who->role = Role(proof.role);
+  who->node = proof.node;
+  who->local_rank = proof.local_rank;
+  who->rank = proof.rank;
+  return true;
+}
+
+}  // namespace sdp

@@ -1,0 +1,100 @@
+"""Start N real rank processes on this machine, laid out as nodes, and collect their results."""
+from __future__ import annotations
+
+import os
+import pickle
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class RankResult:
+    rank: int
+    returncode: int | None
+    ok: bool
+    value: object = None
+    error: str = ""
+    output: str = ""
+
+
+def start_ranks(target: str, world: int, per_node: int, args=(), env=None, secret=None, tmp=None):
+    tmp = tmp or tempfile.mkdtemp(prefix="sdp-ranks-")
+    args_path = os.path.join(tmp, "args.pkl")
+    with open(args_path, "wb") as f:
+        pickle.dump(tuple(args), f)
+    port = free_port()
+    secret = secret or secrets.token_hex(16)
+    procs = []
+    for r in range(world):
+        e = dict(os.environ)
+        e.pop("PYTEST_CURRENT_TEST", None)
+        e.update({
+            "RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r % per_node),
+            "LOCAL_WORLD_SIZE": str(per_node), "GROUP_RANK": str(r // per_node),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            "SDP_JOB_SECRET": secret if not callable(secret) else secret(r),
+            "SDP_TEST_ARGS": args_path, "PYTHONPATH": ROOT + os.pathsep + e.get("PYTHONPATH", ""),
+        })
+        if env:
+            e.update({k: str(v) for k, v in (env(r) if callable(env) else env).items()})
+        log = open(os.path.join(tmp, f"rank-{r}.log"), "w+")
+        p = subprocess.Popen([sys.executable, os.path.join(HERE, "_rank_entry.py"), target,
+                              os.path.join(tmp, f"result-{r}.pkl")],
+                             stdout=log, stderr=subprocess.STDOUT, env=e, cwd=ROOT, start_new_session=True)
+        p.log = log  # type: ignore[attr-defined]
+        procs.append(p)
+    return procs, tmp
+
+
+def collect(procs, tmp, timeout: float = 120.0) -> list[RankResult]:
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    timed_out = [p for p in procs if p.poll() is None]
+    for p in timed_out:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+    results = []
+    for r, p in enumerate(procs):
+        p.log.seek(0)
+        out = p.log.read()
+        p.log.close()
+        path = os.path.join(tmp, f"result-{r}.pkl")
+        res = RankResult(r, p.returncode, False, output=out)
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                d = pickle.load(f)
+            res.ok, res.value, res.error = d["ok"], d.get("value"), d.get("error", "")
+        elif p in timed_out:
+            res.error = f"rank {r} did not finish within {timeout} s"
+        results.append(res)
+    return results
+
+
+def run_ranks(target: str, world: int, per_node: int, args=(), env=None, timeout: float = 120.0, secret=None):
+    procs, tmp = start_ranks(target, world, per_node, args, env, secret)
+    return collect(procs, tmp, timeout)
+
+
+def assert_all_ok(results):
+    bad = [r for r in results if not r.ok]
+    assert not bad, "\n".join(f"rank {r.rank} (exit {r.returncode}): {r.error}\n{r.output[-3000:]}" for r in bad)
+    return [r.value for r in results]

@@ -1,0 +1,112 @@
+"""Functions that run inside rank processes for the engine tests (see _ranks.py)."""
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+from sdp_jupyter import comm
+
+DT = {"float32": np.float32, "float64": np.float64, "float16": np.float16, "int32": np.int32,
+      "int64": np.int64, "uint8": np.uint8, "int8": np.int8}
+
+
+def rank_data(rank: int, n: int, dtype: str, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed * 1000 + rank)
+    if dtype.startswith("float"):
+        return rng.uniform(-2, 2, n).astype(DT[dtype])
+    if dtype in ("uint8",):
+        return rng.integers(0, 4, n).astype(DT[dtype])
+    return rng.integers(-3, 4, n).astype(DT[dtype])
+
+
+def collectives(cases):
+    """Run every (kind, n, dtype, op) case and return the outputs for the parent to check."""
+    c = comm.init()
+    out = []
+    try:
+        for kind, n, dtype, op, root in cases:
+            x = rank_data(c.rank, n, dtype)
+            if kind == "all_reduce":
+                c.all_reduce(x, op=op)
+                out.append(x)
+            elif kind == "broadcast":
+                c.broadcast(x, root=root)
+                out.append(x)
+            elif kind == "reduce":
+                c.reduce(x, root=root, op=op)
+                out.append(x)
+            elif kind == "all_gather":
+                o = np.zeros(n * c.world_size, dtype=x.dtype)
+                c.all_gather(o, x)
+                out.append(o)
+            elif kind == "all_gather_list":
+                outs = [np.zeros(n, dtype=x.dtype) for _ in range(c.world_size)]
+                c.all_gather(outs, x)
+                out.append(np.concatenate(outs))
+            elif kind == "reduce_scatter":
+                big = rank_data(c.rank, n * c.world_size, dtype)
+                o = np.zeros(n, dtype=big.dtype)
+                c.reduce_scatter(o, big, op=op)
+                out.append(o)
+            elif kind == "barrier":
+                c.barrier()
+                out.append(None)
+        return {"out": out, "node": c.node, "local_rank": c.local_rank, "num_nodes": c.num_nodes}
+    finally:
+        comm.shutdown()
+
+
+def mismatch(kind: str):
+    c = comm.init(timeout=20)
+    x = np.ones(10 if kind != "count" or c.rank == 0 else 12, dtype=np.float32)
+    if kind == "dtype" and c.rank == c.world_size - 1:
+        x = x.astype(np.float64)
+    before = x.copy()
+    try:
+        c.all_reduce(x)
+    except comm.SmddpError as exc:
+        assert np.array_equal(x, before), "buffer changed although the collective failed"
+        return str(exc)
+    finally:
+        comm.shutdown()
+    return "no error"
+
+
+def die_mid_training(victim: int):
+    c = comm.init(timeout=60)
+    x = np.ones(1000, dtype=np.float32)
+    c.all_reduce(x)
+    if c.rank == victim:
+        os._exit(17)
+    t0 = time.monotonic()
+    try:
+        for _ in range(100):
+            c.all_reduce(x)
+            time.sleep(0.01)
+    except comm.SmddpError as exc:
+        return {"error": str(exc), "after": time.monotonic() - t0}
+    return {"error": "no error", "after": time.monotonic() - t0}
+
+
+def stall(victim: int):
+    c = comm.init(timeout=3)
+    x = np.ones(100, dtype=np.float32)
+    c.all_reduce(x)
+    if c.rank == victim:
+        time.sleep(8)
+        return "slept"
+    try:
+        c.all_reduce(x)
+    except comm.SmddpError as exc:
+        return str(exc)
+    return "no error"
+
+
+def just_init():
+    c = comm.init(timeout=10)
+    x = np.ones(4, dtype=np.float32)
+    c.all_reduce(x)
+    comm.shutdown()
+    return x.tolist()
