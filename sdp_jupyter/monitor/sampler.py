@@ -8,7 +8,8 @@ Writes `metrics/system-node-<N>.jsonl` about once a second:
   file (`kind: "sampler"`) says which source is used and why, and stderr says it too, so CPU numbers
   are never read as GPU utilization.
 
-It stops on SIGTERM/SIGINT, when its parent process dies, and when the job's status.json reaches a
+It stops on SIGTERM/SIGINT, when its parent process dies (checked every sample; PR_SET_PDEATHSIG is
+not used because it fires when the launching *thread* ends), and when the job's status.json reaches a
 final state.
 """
 from __future__ import annotations
@@ -150,19 +151,6 @@ def open_source(job_dir: str, node: int, pids: list[int] | None, force_cpu: bool
     return PsutilSource(job_dir, node, pids, reason)
 
 
-def _set_parent_death_signal():
-    """Linux: get SIGTERM when the parent dies (the ppid check below covers the rest)."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
-
-
 def _job_finished(status_path: str) -> bool:
     try:
         with open(status_path, encoding="utf-8") as f:
@@ -215,7 +203,6 @@ def main(argv=None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    _set_parent_death_signal()
     run(args.job_dir, args.node, args.pids, args.interval, args.cpu, stop)
     return 0
 
