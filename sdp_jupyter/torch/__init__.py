@@ -1,0 +1,322 @@
+"""The `smddp` backend for torch.distributed, served by the native engine.
+
+    import sdp_jupyter.torch            # registers the backend "smddp"
+    import torch.distributed as dist
+    dist.init_process_group("smddp")    # under torchrun, sdp-train, %%sdp_train or SageMaker
+    model = torch.nn.parallel.DistributedDataParallel(model)   # stock DDP works unchanged
+
+CPU tensors are reduced in place. CUDA tensors are staged through pinned host memory (the
+engine reduces on the CPUs of the training hosts). fp16/bf16 tensors travel as 16-bit and are
+summed in float32.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import threading
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp
+
+from sdp_jupyter.comm import COLL_ALLREDUCE, COLL_BROADCAST, DEFAULT_TIMEOUT, Communicator, SmddpError
+
+BACKEND_NAME = "smddp"
+
+_DTYPES = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3, torch.int32: 4,
+           torch.int64: 5, torch.uint8: 6, torch.int8: 7, torch.bool: 6}
+_OPS = {ReduceOp.SUM: 0, ReduceOp.AVG: 1, ReduceOp.MAX: 2, ReduceOp.MIN: 3, ReduceOp.PRODUCT: 4}
+_TORCH_DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
+
+
+def _op_code(op, dtype) -> int:
+    code = next((c for o, c in _OPS.items() if op == o), None)
+    if code is None:
+        raise ValueError(f"smddp supports SUM, AVG, MAX, MIN and PRODUCT, not {op}")
+    if dtype == torch.bool:  # logical: SUM is OR, PRODUCT is AND
+        code = {0: 2, 4: 3}.get(code, code)
+    elif code == 1 and not dtype.is_floating_point:
+        raise ValueError(f"ReduceOp.AVG needs a floating-point tensor, got {dtype}")
+    return code
+
+
+def _dtype_code(t: torch.Tensor) -> int:
+    code = _DTYPES.get(t.dtype)
+    if code is None:
+        raise TypeError(f"smddp cannot reduce {t.dtype} tensors; supported: "
+                        + ", ".join(str(d).replace("torch.", "") for d in _DTYPES))
+    return code
+
+
+class _Staged:
+    """A tensor the engine can work on in place: contiguous, on the CPU. Copies back at the end."""
+
+    def __init__(self, t: torch.Tensor):
+        self.orig = t
+        if t.device.type == "cpu" and t.is_contiguous():
+            self.buf = t
+        elif t.device.type == "cpu":
+            self.buf = t.contiguous()
+        else:  # CUDA (or another device): through pinned host memory
+            self.buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
+            self.buf.copy_(t)
+
+    def finish(self) -> None:
+        if self.buf is not self.orig:
+            self.orig.copy_(self.buf)
+
+
+class SmddpWork(dist._Work):
+    """Work handle: wait() blocks (GIL released) until the engine is done; get_future() for DDP."""
+
+    def __init__(self, pg: "ProcessGroupSMDDP", works, result, finish=()):
+        super().__init__()
+        self._works = works
+        self._result = result
+        self._finish = list(finish)
+        self._lock = threading.Lock()
+        self._done = False
+        self._error: BaseException | None = None
+        self._future: torch.futures.Future | None = None
+        self._pg = pg
+
+    def _complete(self) -> None:
+        with self._lock:
+            if self._done:
+                if self._error is not None:
+                    raise self._error
+                return
+            try:
+                for w in self._works:
+                    w.wait()
+                for f in self._finish:
+                    f()
+            except SmddpError as exc:
+                self._error = exc
+                raise
+            finally:
+                self._done = True
+
+    def wait(self, timeout=None) -> bool:
+        self._complete()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done or all(w.is_completed() for w in self._works)
+
+    def is_success(self) -> bool:
+        return self._done and self._error is None
+
+    def get_future(self) -> torch.futures.Future:
+        with self._lock:
+            if self._future is None:
+                self._future = torch.futures.Future()
+                self._pg._completer.put(self)
+        return self._future
+
+    def result(self):
+        return self._result
+
+
+class ProcessGroupSMDDP(dist.ProcessGroup):
+    """A torch.distributed process group whose collectives run in the native engine."""
+
+    def __init__(self, store, rank: int, world_size: int, timeout: datetime.timedelta):
+        super().__init__(rank, world_size)
+        self._rank, self._world = rank, world_size
+        if os.environ.get("SDP_TIMEOUT"):
+            seconds = float(os.environ["SDP_TIMEOUT"])
+        elif timeout is not None and timeout != _TORCH_DEFAULT_TIMEOUT:
+            seconds = timeout.total_seconds()
+        else:
+            seconds = DEFAULT_TIMEOUT
+        self.comm = Communicator(rank, world_size, _StoreAdapter(store), timeout=seconds)
+        self._completer: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._complete_futures, name="smddp-futures", daemon=True)
+        self._thread.start()
+
+    # torch asks for these
+    def getBackendName(self) -> str:
+        return BACKEND_NAME
+
+    @property
+    def group_name(self) -> str:  # pragma: no cover - torch sets its own name on the wrapper
+        return getattr(self, "_sdp_group_name", BACKEND_NAME)
+
+    def size(self) -> int:
+        return self._world
+
+    def rank(self) -> int:
+        return self._rank
+
+    def _complete_futures(self) -> None:
+        while True:
+            work = self._completer.get()
+            if work is None:
+                return
+            try:
+                work._complete()
+            except BaseException as exc:  # noqa: BLE001 - delivered through the future
+                work._future.set_exception(exc)
+            else:
+                work._future.set_result(work._result)
+
+    # ---- helpers
+    def _allreduce_tensor(self, t: torch.Tensor, op):
+        s = _Staged(t)
+        code = _op_code(op, t.dtype)
+        w = self.comm.submit(COLL_ALLREDUCE, s.buf.data_ptr(), s.buf.numel(), _dtype_code(t), code, 0, s.buf)
+        return w, s
+
+    def _broadcast_tensor(self, t: torch.Tensor, root: int):
+        s = _Staged(t)
+        w = self.comm.submit(COLL_BROADCAST, s.buf.data_ptr(), s.buf.numel(), _dtype_code(t), 0, root, s.buf)
+        return w, s
+
+    def _work(self, pairs, result):
+        return SmddpWork(self, [w for w, _ in pairs], result, [s.finish for _, s in pairs])
+
+    # ---- collectives
+    def allreduce(self, tensors, opts=None):
+        op = opts.reduceOp if opts is not None else ReduceOp.SUM
+        return self._work([self._allreduce_tensor(t, op) for t in tensors], tensors)
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        return self.allreduce(tensors, opts)
+
+    def broadcast(self, tensors, opts=None):
+        root = opts.rootRank if opts is not None else 0
+        return self._work([self._broadcast_tensor(t, root) for t in tensors], tensors)
+
+    def reduce(self, tensors, opts=None):
+        root = opts.rootRank if opts is not None else 0
+        op = opts.reduceOp if opts is not None else ReduceOp.SUM
+        pairs = []
+        for t in tensors:
+            if self._rank == root:
+                pairs.append(self._allreduce_tensor(t, op))
+            else:  # non-root tensors are left as they were
+                tmp = t.detach().to("cpu", copy=True).contiguous()
+                w = self.comm.submit(COLL_ALLREDUCE, tmp.data_ptr(), tmp.numel(), _dtype_code(t),
+                                     _op_code(op, t.dtype), 0, tmp)
+                pairs.append((w, _Noop()))
+        return self._work(pairs, tensors)
+
+    def _gather_flat(self, flat: torch.Tensor, inp: torch.Tensor):
+        """flat (world x n, contiguous CPU) <- every rank's inp, by one broadcast per rank."""
+        n = inp.numel()
+        flat.view(-1)[self._rank * n:(self._rank + 1) * n].copy_(inp.reshape(-1))
+        works = []
+        esz = flat.element_size()
+        for r in range(self._world):
+            works.append(self.comm.submit(COLL_BROADCAST, flat.data_ptr() + r * n * esz, n, _dtype_code(inp),
+                                          0, r, flat))
+        return works
+
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        outs, inp = output_tensors[0], input_tensors[0]
+        flat = torch.empty((self._world,) + tuple(inp.shape), dtype=inp.dtype)
+        works = self._gather_flat(flat, inp.detach().cpu())
+
+        def scatter_back():
+            for r, o in enumerate(outs):
+                o.copy_(flat[r])
+        return SmddpWork(self, works, output_tensors, [scatter_back])
+
+    def all_gather_single(self, output_tensor, input_tensor, opts=None):
+        s = _Staged(output_tensor)
+        works = self._gather_flat(s.buf, input_tensor.detach().cpu())
+        return SmddpWork(self, works, [output_tensor], [s.finish])
+
+    _allgather_base = all_gather_single
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        works = [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)]
+        return SmddpWork(self, [w for sw in works for w in sw._works], outputs,
+                         [f for sw in works for f in sw._finish])
+
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        op = opts.reduceOp if opts is not None else ReduceOp.SUM
+        out, ins = output_tensors[0], input_tensors[0]
+        flat = torch.cat([i.detach().reshape(-1).cpu() for i in ins])
+        return self._reduce_scatter_flat(out, flat, op, output_tensors)
+
+    def reduce_scatter_single(self, output_tensor, input_tensor, opts=None):
+        op = opts.reduceOp if opts is not None else ReduceOp.SUM
+        flat = input_tensor.detach().reshape(-1).to("cpu", copy=True).contiguous()
+        return self._reduce_scatter_flat(output_tensor, flat, op, [output_tensor])
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def _reduce_scatter_flat(self, out, flat, op, result):
+        n = out.numel()
+        if flat.numel() != n * self._world:
+            raise ValueError(f"reduce_scatter input must hold world_size x output = {self._world} x {n} elements")
+        w = self.comm.submit(COLL_ALLREDUCE, flat.data_ptr(), flat.numel(), _dtype_code(flat),
+                             _op_code(op, flat.dtype), 0, flat)
+
+        def take():
+            out.copy_(flat[self._rank * n:(self._rank + 1) * n].view_as(out))
+        return SmddpWork(self, [w], result, [take])
+
+    def barrier(self, opts=None):
+        token = torch.zeros(1, dtype=torch.uint8)
+        w = self.comm.submit(COLL_ALLREDUCE, token.data_ptr(), 1, 6, 2, 0, token)
+        return SmddpWork(self, [w], [token])
+
+    def shutdown(self) -> None:
+        self._completer.put(None)
+        self.comm.close()
+
+    def __del__(self):
+        try:
+            self.comm.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+class _Noop:
+    def finish(self) -> None:
+        pass
+
+
+class _StoreAdapter:
+    """c10d store -> the set/get interface of the communicator."""
+
+    def __init__(self, store):
+        self._store = store
+
+    def set(self, key: str, value: bytes) -> None:
+        self._store.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        return bytes(self._store.get(key))
+
+
+def _create(store, rank, world_size, timeout):
+    return ProcessGroupSMDDP(store, rank, world_size, timeout)
+
+
+def register() -> None:
+    """Register "smddp" with torch.distributed (idempotent)."""
+    if BACKEND_NAME in dist.Backend.backend_list:
+        return
+    dist.Backend.register_backend(BACKEND_NAME, _create, devices=["cpu", "cuda"])
+
+
+register()
+
+
+def init(backend: str | None = None, **kwargs) -> None:
+    """`dist.init_process_group` with the job's backend (SDP_BACKEND, default smddp) and env://."""
+    backend = backend or os.environ.get("SDP_BACKEND", BACKEND_NAME)
+    if not dist.is_initialized():
+        missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+        if missing and "init_method" not in kwargs:
+            raise RuntimeError(f"sdp_jupyter.torch.init() needs {', '.join(missing)} in the environment: "
+                               "start the script with %%sdp_train, sdp-train or torchrun")
+        dist.init_process_group(backend, **kwargs)
+
+
+__all__ = ["ProcessGroupSMDDP", "SmddpWork", "SmddpError", "init", "register", "BACKEND_NAME"]
