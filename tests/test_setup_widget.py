@@ -182,3 +182,35 @@ def test_launch_runs_a_real_job_with_the_hyperparameters(tmp_path):
     assert "lr 0.02 world 2 batch 32 steps 32" in log, log
     assert "succeeded" in s.w_status.value and not s.w_launch.disabled
     assert Path(job.dir, "spec.json").is_file()
+
+
+@pytest.mark.slow
+def test_the_notebook_runs_headless(tmp_path):
+    """notebooks/02_job_setup.ipynb runs top to bottom in a real kernel (nbclient)."""
+    import os
+
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env["SDP_JOBS_DIR"] = str(tmp_path)
+    client = NotebookClient(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}})
+    client.km = client.create_kernel_manager()
+    client.start_new_kernel(env=env)
+    client.start_new_kernel_client()
+    try:
+        client.execute(cleanup_kc=False)
+    finally:
+        client._cleanup_kernel()
+    outputs = {i: "".join(o.get("text", "") for o in c.get("outputs", [])) for i, c in enumerate(nb.cells)
+               if c.cell_type == "code"}
+    joined = "\n".join(outputs.values())
+    assert "stored cell 'train'" in joined
+    assert "'global_batch_size': 32" in joined and "%%sdp_train --procs-per-node 1 --backend gloo" in joined
+    assert "2 64 0.05" in joined  # the seed example: 2 per GPU, global 64, LR kept
+    assert "per-GPU batch 2 is below 16" in joined
+    widgets = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+               if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]
+    assert len(widgets) == 2  # the form and the %sdp_setup form

@@ -324,7 +324,7 @@ class JobSetup(W.VBox):
                 self._show_blocked([html.escape(str(e))])
                 self.w_magic.value = ""
                 return
-            self.w_magic.value = ("<small>the same job from a cell:</small><pre style='white-space:pre-wrap'>"
+            self.w_magic.value = ("<small>the same job from a cell (the training code goes below this line):</small><pre style='white-space:pre-wrap'>"
                                   + html.escape(self.magic_line(spec)) + "</pre>")
             self.w_launch.disabled = False
             self.w_reason.value = ""
