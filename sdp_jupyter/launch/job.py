@@ -14,12 +14,14 @@ import os
 import pickle
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Callable
 
 from sdp_jupyter.launch import jobdir
 from sdp_jupyter.launch.spec import JobSpec
 
+_LIVE_JOBS: weakref.WeakSet = weakref.WeakSet()  # jobs whose run lives in this process (launchers add them)
 TAIL_LINES = 2000  # lines per rank kept in memory for views opened late; the log file has them all
 
 
@@ -50,7 +52,7 @@ class Job:
         self.spec = spec
         self.dir = Path(job_dir).absolute()
         self.name = self.dir.name
-        self._run = run  # object with stop(), world_size; None for a reopened job
+        self._run = run  # object with stop(); None for a reopened job
         self._lock = threading.RLock()
         self._status: dict = jobdir.read_json(self.dir / jobdir.STATUS, {}) or {}
         self._listeners: list[Callable[[int, str], None]] = []
@@ -72,6 +74,34 @@ class Job:
             raise JobError(f"no job {str(name_or_dir)!r}: {spec_file} does not exist. "
                            f"List jobs with %sdp_jobs or sdp_jupyter.launch.list_jobs()")
         return cls(JobSpec.from_json(spec_file.read_text()), path)
+
+    @classmethod
+    def create_dir(cls, spec: JobSpec, push_bytes: bytes | None = None) -> tuple[Path, JobSpec]:
+        """Make the job directory of a resolved spec (name set): script.py, spec.json, push.pkl.
+
+        Refuses (SpecError on --name) while a job of that name is still running. Returns the
+        directory and the spec as written (a script path made absolute). Launchers call this first.
+        """
+        from sdp_jupyter.launch.spec import SpecError
+
+        job_dir = jobdir.jobs_root(spec.jobs_dir) / spec.name
+        running = any(j.dir == job_dir and not j.done for j in _LIVE_JOBS)
+        if not running and (job_dir / jobdir.SPEC).is_file():
+            running = cls.open(job_dir).state in ("pending", "running")
+        if running:
+            raise SpecError("--name", f"job {spec.name} is still running; stop it (%sdp_stop {spec.name}) "
+                                      "or choose another --name")
+        jobdir.prepare(job_dir)
+        if spec.code is not None:
+            # line 1 is the magic line, so line numbers in tracebacks are the cell's own
+            (job_dir / jobdir.SCRIPT).write_text(f"# {spec.to_magic_line()}\n{spec.code}\n")
+        else:
+            (job_dir / jobdir.SCRIPT).write_text(Path(spec.script).read_text())
+            spec = spec.replace(script=str(Path(spec.script).resolve()))
+        (job_dir / jobdir.SPEC).write_text(spec.to_json())
+        if push_bytes is not None:
+            (job_dir / jobdir.PUSH).write_bytes(push_bytes)
+        return job_dir, spec
 
     # ------------------------------------------------------------------ status
     @property
@@ -143,6 +173,41 @@ class Job:
             self.raise_for_state()
         return self.state
 
+    def follow(self, write: Callable[[str], object] | None = None) -> str:
+        """Block until the job ends, writing the shown ranks' output (--ranks-output) as it comes.
+
+        Rank 0 alone is written as is; with ranks_output "all" each line gets a "[rank R] " prefix.
+        KeyboardInterrupt reaches the caller (which decides whether to stop the job).
+        """
+        import queue
+        import sys
+
+        write = write or sys.stdout.write
+        prefix = self.spec.ranks_output == "all"
+        lines: queue.Queue = queue.Queue()
+
+        def listener(rank, text):
+            if prefix or rank == 0:
+                lines.put(f"[rank {rank}] {text}" if prefix else text)
+
+        for rank, old in sorted(self.subscribe(listener).items()):
+            for text in old:
+                listener(rank, text)
+
+        def drain():
+            while not lines.empty():
+                write(lines.get())
+            sys.stdout.flush()
+
+        try:
+            while not self.done:
+                self.wait(0.1)
+                drain()
+            drain()
+        finally:
+            self.unsubscribe(listener)
+        return self.state
+
     def raise_for_state(self) -> None:
         state = self.state
         if state == "failed":
@@ -168,13 +233,9 @@ class Job:
             raise JobError(f"rank {rank} does not exist: job {self.name} has ranks 0..{self.world_size - 1}")
         path = jobdir.log_path(self.dir, int(rank))
         try:
-            text = path.read_text(errors="replace")
+            return jobdir.tail_text(path.read_text(errors="replace"), tail)
         except FileNotFoundError:
             return ""
-        if tail is not None:
-            lines = text.splitlines(keepends=True)
-            text = "".join(lines[-int(tail):]) if int(tail) > 0 else ""
-        return text
 
     def result(self):
         """What rank 0's code returned (its last expression), unpickled."""

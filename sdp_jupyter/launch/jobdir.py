@@ -65,6 +65,14 @@ def prepare(job_dir: Path) -> None:
         (job_dir / sub).mkdir(parents=True, exist_ok=True)
 
 
+def tail_text(text: str, tail: int | None) -> str:
+    """The last `tail` lines of `text` (all of it when tail is None)."""
+    if tail is None:
+        return text
+    lines = text.splitlines(keepends=True)
+    return "".join(lines[-int(tail):]) if int(tail) > 0 else ""
+
+
 def list_job_dirs(root: str | os.PathLike | None = None) -> list[Path]:
     base = jobs_root(root)
     if not base.is_dir():

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import sdp_jupyter
 from sdp_jupyter.launch import jobdir
-from sdp_jupyter.launch.job import Job
+from sdp_jupyter.launch.job import _LIVE_JOBS, Job
 from sdp_jupyter.launch.spec import JobSpec, SpecError
 
 PACKAGE_PARENT = str(Path(sdp_jupyter.__file__).resolve().parent.parent)
@@ -110,30 +110,14 @@ class LocalLauncher:
     def start(self, spec: JobSpec, push: dict | None = None) -> Job:
         spec = self.resolve(spec)
         push_bytes = pickle_push(spec.push, push or {})
-        job_dir = jobdir.jobs_root(spec.jobs_dir) / spec.name
-        with _ACTIVE_LOCK:
-            busy = any(run.job.dir == job_dir for run in _ACTIVE)
-        if not busy and (job_dir / jobdir.SPEC).is_file():
-            busy = Job.open(job_dir).state in ("pending", "running")
-        if busy:
-            raise SpecError("--name", f"job {spec.name} is still running; stop it (%sdp_stop {spec.name}) "
-                                      "or choose another --name")
-        jobdir.prepare(job_dir)
-        if spec.code is not None:
-            # line 1 is the magic line, so line numbers in tracebacks are the cell's own
-            (job_dir / jobdir.SCRIPT).write_text(f"# {spec.to_magic_line()}\n{spec.code}\n")
-        else:
-            (job_dir / jobdir.SCRIPT).write_text(Path(spec.script).read_text())
-            spec = spec.replace(script=str(Path(spec.script).resolve()))
-        (job_dir / jobdir.SPEC).write_text(spec.to_json())
-        if push_bytes is not None:
-            (job_dir / jobdir.PUSH).write_bytes(push_bytes)
+        job_dir, spec = Job.create_dir(spec, push_bytes)
         job = Job(spec, job_dir)
         job._update(state="pending", created=time.time(), started=None, ended=None, exit_codes=[],
                     restarts=0, error=None, launcher_pid=os.getpid(), target="local",
                     world_size=spec.nodes * spec.procs_per_node)
         run = LocalRun(job, self)
         job._run = run
+        _LIVE_JOBS.add(job)
         run.start()
         return job
 
@@ -227,7 +211,7 @@ class LocalRun:
             if spec.checkpoint_dir:
                 Path(spec.checkpoint_dir).expanduser().mkdir(parents=True, exist_ok=True)
             self._start_samplers()
-            attempt = 0
+            attempt, causes = 0, []
             while True:
                 state, error, codes = self._attempt(attempt, started)
                 if state == "failed" and attempt < spec.max_restarts and not self._stop.is_set() \
@@ -236,7 +220,8 @@ class LocalRun:
                     for rank in range(self.world_size):
                         self._line(rank, f"[sdp_jupyter] restart {attempt} of {spec.max_restarts} after: "
                                          f"{error.splitlines()[0]}\n")
-                    job._update(restarts=attempt, error=error)
+                    causes.append(error)
+                    job._update(restarts=attempt, restart_errors=causes)
                     continue
                 break
         except Exception as e:  # our own bug or an OS error: the job fails with it, nothing left running

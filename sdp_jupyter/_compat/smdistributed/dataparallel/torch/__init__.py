@@ -1,0 +1,1 @@
+"""smdistributed.dataparallel.torch served by sdp_jupyter."""

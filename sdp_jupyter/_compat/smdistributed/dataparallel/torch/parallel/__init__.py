@@ -1,0 +1,1 @@
+"""smdistributed.dataparallel.torch.parallel served by sdp_jupyter."""

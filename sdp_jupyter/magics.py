@@ -1,0 +1,214 @@
+"""%%sdp_train and friends. Load with `%load_ext sdp_jupyter`.
+
+The magics only parse, validate and hand a JobSpec to sdp_jupyter.launch; the Job they return is a
+view over the job (a live widget in a notebook, text in a terminal). Bad input raises a UsageError
+naming the option and the fix, and launches nothing.
+"""
+from __future__ import annotations
+
+import shlex
+import sys
+
+from IPython.core import magic_arguments
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+from IPython.display import display
+
+import sdp_jupyter.launch as launching
+from sdp_jupyter.launch import OPTIONS, Job, JobError, JobSpec, SpecError
+from sdp_jupyter.ui.jobview import widgets_enabled
+
+
+def _with_options(func):
+    """Add every row of the option table to a magic (so `%%sdp_train?` shows them all)."""
+    for opt in reversed(OPTIONS):
+        func = magic_arguments.argument(opt.flag, **opt.argparse_kwargs())(func)
+    return magic_arguments.magic_arguments()(func)
+
+
+def parse_line(magic_func, line: str):
+    """Parse a magic's line with POSIX quoting (so --args "--lr 0.1" is one value, without quotes)."""
+    try:
+        argv = shlex.split(line)
+    except ValueError as e:
+        raise UsageError(f"cannot parse the options ({e}): check the quotes") from None
+    return magic_func.parser.parse_args(argv)
+
+
+def _usage(message: str) -> UsageError:
+    return UsageError(f"{message}\nNothing was launched. See %%sdp_train? for the options.")
+
+
+def check_cell(cell: str) -> None:
+    """Reject an empty cell or a syntax error (reported with the cell's own line number)."""
+    if not cell.strip():
+        raise _usage("the cell is empty: write the training code below the %%sdp_train line")
+    try:
+        compile(cell, "<sdp_train cell>", "exec")
+    except SyntaxError as e:
+        line = (e.lineno or 1) + 1  # line 1 of the cell is the %%sdp_train line
+        where = f"\n    {e.text.rstrip()}" if e.text else ""
+        raise _usage(f"syntax error on line {line} of the cell: {e.msg}{where}\n"
+                     "Fix that line (the workers run plain Python: no %magics or !commands)") from None
+
+
+class _JobTable:
+    """%sdp_jobs output: HTML in a notebook, text elsewhere."""
+
+    COLUMNS = ("name", "state", "elapsed", "ranks", "backend", "restarts", "where", "directory")
+
+    def __init__(self, jobs: list[Job], mine: set):
+        self.rows = [(j.name, j.state, f"{j.elapsed:.1f} s", f"{j.spec.nodes}x{j.spec.procs_per_node or 1}",
+                      j.spec.backend, str(j.restarts), "this kernel" if j.dir in mine else "disk", str(j.dir))
+                     for j in jobs]
+
+    def __repr__(self) -> str:
+        if not self.rows:
+            return "no jobs (none launched in this kernel, none under the jobs directory)"
+        widths = [max(len(c), *(len(r[i]) for r in self.rows)) for i, c in enumerate(self.COLUMNS)]
+        lines = ["  ".join(c.ljust(wd) for c, wd in zip(self.COLUMNS, widths))]
+        lines += ["  ".join(v.ljust(wd) for v, wd in zip(row, widths)) for row in self.rows]
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        import html
+
+        if not self.rows:
+            return f"<i>{html.escape(repr(self))}</i>"
+        head = "".join(f"<th>{c}</th>" for c in self.COLUMNS)
+        body = "".join("<tr>" + "".join(f"<td>{html.escape(v)}</td>" for v in row) + "</tr>" for row in self.rows)
+        return f"<table><tr>{head}</tr>{body}</table>"
+
+
+@magics_class
+class SdpMagics(Magics):
+    @_with_options
+    @cell_magic
+    def sdp_train(self, line: str, cell: str):
+        """Run this cell's code as the training script of a distributed job (one process per rank).
+
+        Without --wait the cell returns at once with the Job (a live view with a Stop button).
+        The cell's last expression on rank 0 is the job's result (--result NAME stores it here).
+        """
+        try:
+            args = parse_line(self.sdp_train, line)
+        except UsageError as e:
+            raise _usage(str(e)) from None
+        check_cell(cell)
+        ns = self.shell.user_ns
+        try:
+            spec = JobSpec.from_options(vars(args), code=cell)
+            push = {n: ns[n] for n in spec.push if n in ns}
+            job = launching.launch(spec, push=push)
+        except SpecError as e:
+            raise _usage(str(e)) from None
+        if not args.wait:
+            if spec.result:
+                job.on_done(lambda j: self._store_result(j, spec.result, quiet=True))
+            return job
+        self._wait_streaming(job)
+        if spec.result:
+            self._store_result(job, spec.result)
+        return None
+
+    def _wait_streaming(self, job: Job) -> None:
+        """Block until the job ends, showing its output; Ctrl-C stops it; raise if it failed."""
+        widget = widgets_enabled()
+        if widget:
+            display(job.view())
+        try:
+            if widget:
+                job.wait()
+            else:
+                job.follow()
+        except KeyboardInterrupt:
+            job.stop()
+            print(job.summary())
+            raise JobError(f"job {job.name} was stopped (Ctrl-C); its logs are in {job.dir / 'logs'}", job) from None
+        print(job.summary())
+        job.raise_for_state()
+
+    def _store_result(self, job: Job, name: str, quiet: bool = False) -> None:
+        if job.state != "succeeded":
+            return
+        try:
+            self.shell.user_ns[name] = job.result()
+        except JobError as e:
+            if not quiet:
+                raise
+            print(f"sdp_jupyter: --result {name}: {e}")
+        except Exception as e:  # unpickling needs a module the notebook lacks, ...
+            message = f"--result {name}: rank 0's result could not be loaded here ({type(e).__name__}: {e})"
+            if not quiet:
+                raise JobError(message, job) from None
+            print(f"sdp_jupyter: {message}")
+
+    # ------------------------------------------------------------------ line magics
+    @line_magic
+    def sdp_jobs(self, line: str = ""):
+        """Table of this kernel's jobs and the jobs found under the jobs directory."""
+        mine = {j.dir for j in launching.jobs()}
+        display(_JobTable(launching.list_jobs(line.strip() or None), mine))
+
+    @magic_arguments.magic_arguments()
+    @magic_arguments.argument("name", nargs="?", help="job name (default: every running job of this kernel)")
+    @line_magic
+    def sdp_stop(self, line: str = ""):
+        """Stop a job (SIGINT, SIGTERM, then SIGKILL to every rank)."""
+        args = parse_line(self.sdp_stop, line)
+        if args.name:
+            targets = [self._job(args.name)]
+        else:
+            targets = [j for j in launching.jobs() if not j.done]
+            if not targets:
+                print("no running job in this kernel")
+                return
+        for job in targets:
+            try:
+                job.stop()
+            except JobError as e:
+                raise UsageError(str(e)) from None
+            print(f"job {job.name}: {job.state}")
+
+    @magic_arguments.magic_arguments()
+    @magic_arguments.argument("name", help="job name")
+    @magic_arguments.argument("--rank", type=int, default=0, help="global rank (default 0)")
+    @magic_arguments.argument("--tail", type=int, default=None, help="only the last N lines")
+    @line_magic
+    def sdp_logs(self, line: str = ""):
+        """Print one rank's log."""
+        args = parse_line(self.sdp_logs, line)
+        job = self._job(args.name)
+        try:
+            sys.stdout.write(job.logs(args.rank, tail=args.tail))
+        except JobError as e:
+            raise UsageError(str(e)) from None
+
+    @magic_arguments.magic_arguments()
+    @magic_arguments.argument("name", nargs="?", help="job name (default: the latest job of this kernel)")
+    @line_magic
+    def sdp_wait(self, line: str = ""):
+        """Block until a job ends; raise if it failed."""
+        args = parse_line(self.sdp_wait, line)
+        job = self._job(args.name)
+        try:
+            job.wait()
+        except KeyboardInterrupt:
+            print(f"stopped waiting; job {job.name} is still {job.state} (%sdp_stop {job.name} stops it)")
+            return
+        print(job.summary())
+        job.raise_for_state()
+
+    def _job(self, name: str | None) -> Job:
+        try:
+            return launching.get_job(name)
+        except JobError as e:
+            raise UsageError(str(e)) from None
+
+
+def load_ipython_extension(ipython) -> None:
+    ipython.register_magics(SdpMagics)
+
+
+def unload_ipython_extension(ipython) -> None:
+    pass

@@ -1,0 +1,63 @@
+"""Shared fixtures: a private jobs directory per test and a way to find a job's processes."""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def job_processes(root) -> list:
+    """Live processes (workers, samplers) whose SDP_JOB_DIR lies under `root`."""
+    import psutil
+
+    root = os.path.realpath(root)
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.pid == os.getpid() or p.status() == psutil.STATUS_ZOMBIE:
+                continue
+            env = p.environ()
+            args = p.cmdline()
+        except (psutil.Error, OSError):
+            continue
+        job_dir = env.get("SDP_JOB_DIR") or next((a for a in args if a.startswith(root)), None)
+        if job_dir and os.path.realpath(job_dir).startswith(root):
+            found.append(p)
+    return found
+
+
+def wait_no_processes(root, timeout: float = 15.0) -> list:
+    """Wait until no process of a job under `root` is left; return those still alive at the deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = job_processes(root)
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
+
+
+@pytest.fixture
+def jobs_dir(tmp_path, monkeypatch):
+    """SDP_JOBS_DIR pointing at a fresh folder; fails the test if any job process outlives it."""
+    root = tmp_path / "jobs"
+    root.mkdir()
+    monkeypatch.setenv("SDP_JOBS_DIR", str(root))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    yield root
+    from sdp_jupyter.launch import jobs
+
+    for job in jobs():
+        if job.dir.is_relative_to(root) and not job.done:
+            job.stop()
+    left = wait_no_processes(root)
+    assert not left, f"orphan processes left by the test: {[(p.pid, p.cmdline()) for p in left]}"
+
+
+@pytest.fixture
+def python():
+    return sys.executable

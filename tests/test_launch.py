@@ -1,0 +1,147 @@
+"""JobSpec validation and serialisation, the option table, worker environment: no processes started."""
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from sdp_jupyter.launch import OPTIONS, JobSpec, SpecError, launch
+from sdp_jupyter.launch.local import LocalLauncher, LocalRun
+from sdp_jupyter.launch.job import Job
+from sdp_jupyter.launch.worker import script_arguments
+
+
+@pytest.mark.parametrize("fields, option, fragment", [
+    ({"nodes": 0}, "--nodes", "1 or more"),
+    ({"nodes": "four"}, "--nodes", "whole number"),
+    ({"nodes": 2.5}, "--nodes", "whole number"),
+    ({"nodes": True}, "--nodes", "whole number"),
+    ({"procs_per_node": 0}, "--procs-per-node", "1 or more"),
+    ({"backend": "mpi"}, "--backend", "smddp, gloo, nccl"),
+    ({"target": "aws"}, "--target", "local, sagemaker"),
+    ({"ranks_output": "3"}, "--ranks-output", "0, all"),
+    ({"max_restarts": -1}, "--max-restarts", "0 or more"),
+    ({"timeout": "soon"}, "--timeout", "seconds"),
+    ({"timeout": 0}, "--timeout", "more than 0"),
+    ({"name": "has space"}, "--name", "not a valid job name"),
+    ({"env": ["NOEQUALS"]}, "--env", "KEY=VALUE"),
+    ({"env": ["RANK=3"]}, "--env", "set by the launcher"),
+    ({"hp": None, "hyperparameters": ["1x=2"]}, "--hp", "not a valid name"),
+    ({"push": "a,2b"}, "--push", "not a variable name"),
+    ({"result": "my-var"}, "--result", "not a variable name"),
+    ({"args": "'unclosed"}, "--args", "quotes"),
+])
+def test_bad_values_name_the_option_and_the_fix(fields, option, fragment):
+    fields.pop("hp", None)
+    with pytest.raises(SpecError) as info:
+        JobSpec(code="pass", **fields)
+    assert info.value.option == option
+    assert str(info.value).startswith(option) and fragment in str(info.value)
+
+
+def test_code_or_script_exactly_one():
+    with pytest.raises(SpecError, match="exactly one"):
+        JobSpec()
+    with pytest.raises(SpecError, match="exactly one"):
+        JobSpec(code="x", script="a.py")
+    with pytest.raises(SpecError, match="empty"):
+        JobSpec(code="  \n")
+
+
+def test_coercion_of_option_strings():
+    spec = JobSpec(code="x", nodes="4", procs_per_node="2", max_restarts="1", timeout="90",
+                   env=["A=1", "B=x=y"], hyperparameters=["lr=0.1", "name=resnet", "layers=[1,2]"],
+                   args='--epochs 3 --tag "a b"', push="X, y")
+    assert (spec.nodes, spec.procs_per_node, spec.max_restarts, spec.timeout) == (4, 2, 1, 90.0)
+    assert spec.env == {"A": "1", "B": "x=y"}
+    assert spec.hyperparameters == {"lr": 0.1, "name": "resnet", "layers": [1, 2]}
+    assert spec.args == ["--epochs", "3", "--tag", "a b"]
+    assert spec.push == ["X", "y"]
+
+
+def test_json_round_trip_and_unknown_fields():
+    spec = JobSpec(code="print(1)", name="a1", nodes=3, backend="gloo", hyperparameters={"lr": 0.5},
+                   sagemaker={"instance_type": "ml.p4d.24xlarge"})
+    again = JobSpec.from_json(spec.to_json())
+    assert again == spec
+    json.loads(spec.to_json())  # plain JSON
+    with pytest.raises(SpecError, match="unknown JobSpec field"):
+        JobSpec.from_dict({"code": "x", "gpus": 2})
+
+
+def _parse_magic_line(line):
+    """Parse a rendered %%sdp_train line with the magic's own parser."""
+    from sdp_jupyter.magics import SdpMagics, parse_line
+
+    assert line.startswith("%%sdp_train")
+    return vars(parse_line(SdpMagics.sdp_train, line[len("%%sdp_train"):]))
+
+
+def test_magic_line_round_trips_through_the_magic_parser():
+    spec = JobSpec(code="x", name="run-1", nodes=4, procs_per_node=2, backend="gloo",
+                   env={"A": "1 2"}, args=["--verbose"], hyperparameters={"lr": 0.1, "opt": "adam"},
+                   push=["X", "y"], result="w", max_restarts=2, checkpoint_dir="/tmp/c d", timeout=30,
+                   ranks_output="all")
+    line = spec.to_magic_line(wait=True)
+    values = _parse_magic_line(line)
+    assert values["wait"] is True
+    assert JobSpec.from_options(values, code="x") == spec
+    assert JobSpec(code="x").to_magic_line() == "%%sdp_train"
+
+
+def test_every_option_maps_to_a_field_or_is_wait():
+    fields = set(JobSpec.__dataclass_fields__)
+    for opt in OPTIONS:
+        assert opt.field in fields or opt.flag == "--wait", opt
+
+
+def test_script_arguments_follow_sagemaker_hyperparameter_convention():
+    spec = JobSpec(code="x", args=["--a", "1"], hyperparameters={"lr": 0.1, "name": "x", "flag": True})
+    assert script_arguments(spec.to_dict()) == ["--a", "1", "--lr", "0.1", "--name", "x", "--flag", "true"]
+
+
+def test_worker_environment(tmp_path):
+    spec = LocalLauncher().resolve(JobSpec(code="x", name="envjob", nodes=2, procs_per_node=2, backend="gloo",
+                                           env={"FOO": "bar"}, hyperparameters={"lr": 0.1},
+                                           jobs_dir=str(tmp_path)))
+    job = Job(spec, tmp_path / "envjob")
+    run = LocalRun(job, LocalLauncher())
+    env = run.environment(rank=3, attempt=1, port=12345)
+    assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"], env["GROUP_RANK"]) == \
+        ("3", "1", "4", "2", "1")
+    assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("127.0.0.1", "12345")
+    assert json.loads(env["SM_HOSTS"]) == ["algo-1", "algo-2"] and env["SM_CURRENT_HOST"] == "algo-2"
+    assert json.loads(env["SM_HPS"]) == {"lr": 0.1} and env["SM_HP_LR"] == "0.1"
+    assert env["SM_NUM_GPUS"] == "0"
+    assert env["SDP_JOB_DIR"] == str(tmp_path / "envjob") and env["SDP_JOB_NAME"] == "envjob"
+    assert len(env["SDP_JOB_SECRET"]) == 64 and env["SDP_BACKEND"] == "gloo" and env["SDP_RESTART"] == "1"
+    assert env["SDP_CHECKPOINT_DIR"] == str(tmp_path / "envjob" / "checkpoints")
+    assert env["FOO"] == "bar" and env["SDP_NUM_NODES"] == "2"
+    other = LocalRun(job, LocalLauncher())
+    assert other.environment(0, 0, 1)["SDP_JOB_SECRET"] != env["SDP_JOB_SECRET"]  # fresh per job
+
+
+def test_compat_path_only_without_the_real_library(tmp_path, monkeypatch):
+    from sdp_jupyter.launch import local
+
+    spec = LocalLauncher().resolve(JobSpec(code="x", name="c", backend="gloo", jobs_dir=str(tmp_path)))
+    run = LocalRun(Job(spec, tmp_path / "c"), LocalLauncher())
+    monkeypatch.setattr(local, "smdistributed_installed", lambda: False)
+    assert local.COMPAT_DIR in run.environment(0, 0, 1)["PYTHONPATH"].split(":")
+    monkeypatch.setattr(local, "smdistributed_installed", lambda: True)
+    assert local.COMPAT_DIR not in run.environment(0, 0, 1)["PYTHONPATH"].split(":")
+
+
+def test_bad_input_launches_nothing(tmp_path):
+    root = tmp_path / "jobs"
+    with pytest.raises(SpecError, match="nccl needs a GPU"):
+        launch(code="x", backend="nccl", jobs_dir=str(root))
+    with pytest.raises(SpecError, match="not defined"):
+        LocalLauncher().start(JobSpec(code="x", push=["b"], jobs_dir=str(root)), push={})
+    if importlib.util.find_spec("sdp_jupyter.launch.sagemaker") is None:
+        with pytest.raises(SpecError, match="sagemaker is not available"):
+            launch(code="x", target="sagemaker", jobs_dir=str(root))
+    with pytest.raises(SpecError, match="does not exist"):
+        launch(str(tmp_path / "missing.py"), jobs_dir=str(root))
+    assert not root.exists() or not any(root.iterdir())

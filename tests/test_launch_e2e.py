@@ -1,0 +1,289 @@
+"""End-to-end: real worker processes started by the local launcher (and by sdp-train)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from conftest import REPO, job_processes, wait_no_processes
+from sdp_jupyter.launch import Job, LocalLauncher, JobSpec, launch
+
+pytestmark = pytest.mark.slow
+
+
+def write(path, text):
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def test_environment_output_and_result(tmp_path, jobs_dir):
+    script = write(tmp_path / "env.py", """
+        import json, os, sys
+        keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+                "MASTER_PORT", "SM_HOSTS", "SM_CURRENT_HOST", "SM_NUM_GPUS", "SM_MODEL_DIR",
+                "SM_OUTPUT_DATA_DIR", "SM_CHANNEL_TRAIN", "SM_HPS", "SDP_JOB_SECRET", "SDP_CHECKPOINT_DIR"]
+        print(json.dumps({k: os.environ[k] for k in keys} | {"argv": sys.argv[1:], "main": __name__}))
+        print("to stderr from", os.environ["RANK"], file=sys.stderr)
+        {"rank": int(os.environ["RANK"]), "argv": sys.argv[1:]}
+    """)
+    job = launch(script, nodes=2, procs_per_node=2, backend="gloo", args=["--x", "1"],
+                 hyperparameters={"lr": 0.25}, name="envs")
+    assert job.wait(60) == "succeeded", job.summary()
+    assert job.dir == jobs_dir / "envs"
+    seen = []
+    for rank in range(4):
+        first, second = job.logs(rank).splitlines()[:2]
+        env = json.loads(first)
+        assert second == f"to stderr from {rank}"  # stdout and stderr merged, per rank
+        node, local = divmod(rank, 2)
+        assert (env["RANK"], env["LOCAL_RANK"], env["GROUP_RANK"]) == (str(rank), str(local), str(node))
+        assert (env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"]) == ("4", "2")
+        assert env["SM_CURRENT_HOST"] == f"algo-{node + 1}" and json.loads(env["SM_HOSTS"]) == ["algo-1", "algo-2"]
+        assert env["argv"] == ["--x", "1", "--lr", "0.25"] and env["main"] == "__main__"
+        assert json.loads(env["SM_HPS"]) == {"lr": 0.25}
+        assert os.path.isdir(env["SM_MODEL_DIR"]) and os.path.isdir(env["SDP_CHECKPOINT_DIR"])
+        seen.append((env["MASTER_PORT"], env["SDP_JOB_SECRET"]))
+    assert len(set(seen)) == 1  # one port and one secret per job
+    assert job.result() == {"rank": 0, "argv": ["--x", "1", "--lr", "0.25"]}
+    assert job.exit_codes == [0, 0, 0, 0]
+    # the job directory alone is enough to reopen it
+    again = Job.open("envs")
+    assert (again.state, again.exit_codes, again.result()) == ("succeeded", [0, 0, 0, 0], job.result())
+    assert again.logs(3, tail=1) == "to stderr from 3\n"
+    assert json.loads((job.dir / "spec.json").read_text())["nodes"] == 2
+
+
+def test_two_torch_jobs_at_once_torchrun_style(tmp_path, jobs_dir):
+    script = write(tmp_path / "allreduce.py", """
+        import os, torch, torch.distributed as dist
+        dist.init_process_group("gloo")  # env:// from torchrun's variables, as under torchrun
+        t = torch.full((4,), float(dist.get_rank() + 1) * float(os.environ["SCALE"]))
+        dist.all_reduce(t)
+        print("sum", t.tolist())
+        dist.destroy_process_group()
+        t.tolist()
+    """)
+    a = launch(script, nodes=3, backend="gloo", env={"SCALE": "1"}, name="a")
+    b = launch(script, nodes=2, backend="gloo", env={"SCALE": "10"}, name="b")
+    assert a.wait(120) == "succeeded", a.summary()
+    assert b.wait(120) == "succeeded", b.summary()
+    assert a.result() == [6.0] * 4 and b.result() == [30.0] * 4
+    assert a.status["port"] != b.status["port"]
+    assert json.loads((a.dir / "status.json").read_text())["state"] == "succeeded"
+
+
+def test_failed_rank_stops_the_others_with_escalating_signals(tmp_path, jobs_dir):
+    script = write(tmp_path / "fail.py", """
+        import os, signal, sys, time
+        rank = int(os.environ["RANK"])
+        if rank == 1:
+            time.sleep(0.5)
+            print("about to fail")
+            sys.exit(3)
+        if rank == 2:  # a stubborn rank: only SIGKILL ends it
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        print("working", flush=True)
+        time.sleep(120)
+    """)
+    job = LocalLauncher(sigint_grace=1.0, sigterm_grace=1.0).start(
+        JobSpec(script=str(script), nodes=3, backend="gloo", name="fails"))
+    t0 = time.monotonic()
+    assert job.wait(60) == "failed"
+    assert time.monotonic() - t0 < 30
+    assert job.error.startswith("rank 1 (node 1, local rank 0) exited with code 3")
+    assert "about to fail" in job.error
+    codes = job.exit_codes
+    assert codes[1] == 3 and codes[0] == -signal.SIGINT and codes[2] == -signal.SIGKILL
+    with pytest.raises(Exception, match="rank 1 .* exited with code 3"):
+        job.raise_for_state()
+
+
+def test_stop_timeout_and_grandchildren_leave_no_process(tmp_path, jobs_dir):
+    script = write(tmp_path / "sleepy.py", """
+        import subprocess, sys, time
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])  # a grandchild
+        print("started", flush=True)
+        time.sleep(300)
+    """)
+    job = launch(script, nodes=2, backend="gloo", name="stopme")
+    deadline = time.monotonic() + 60
+    while "started" not in job.logs(1) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(job_processes(job.dir)) >= 4  # 2 ranks + 2 grandchildren (+ samplers)
+    assert job.stop() == "stopped"
+    assert job.exit_codes == [-signal.SIGINT, -signal.SIGINT]
+    assert wait_no_processes(job.dir) == []
+
+    timed = launch(script, nodes=1, backend="gloo", name="timed", timeout=2)
+    assert timed.wait(60) == "failed" and "timed out after 2 s" in timed.error
+    assert wait_no_processes(timed.dir) == []
+
+
+RESUME = """
+    import os, signal, torch, torch.distributed as dist
+    from sdp_jupyter import checkpoint
+    dist.init_process_group(os.environ["SDP_BACKEND"])
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    state = checkpoint.load()
+    start = 0
+    if state is not None:
+        model.load_state_dict(state["model"]); opt.load_state_dict(state["opt"]); start = state["step"]
+        print("resumed at step", start)
+    g = torch.Generator().manual_seed(1)
+    X, Y = torch.randn(64, 8, generator=g), torch.randn(64, 2, generator=g)
+    for step in range(start, 12):
+        if step == 7 and rank == 1 and os.environ["SDP_RESTART"] == "0" and os.environ.get("CRASH") == "1":
+            os.kill(os.getpid(), signal.SIGKILL)  # dies mid-training, no clean exit
+        idx = torch.arange(step * 4 + rank * 2, step * 4 + rank * 2 + 2) % 64
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(X[idx]), Y[idx]).backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= world
+        opt.step()
+        checkpoint.save({"step": step + 1, "model": model.state_dict(), "opt": opt.state_dict()})
+    dist.destroy_process_group()
+    {k: v.clone() for k, v in model.state_dict().items()}
+"""
+
+
+def test_restart_resumes_from_checkpoint_with_the_same_result(tmp_path, jobs_dir):
+    script = write(tmp_path / "resume.py", RESUME)
+    crashed = launch(script, nodes=2, backend="gloo", max_restarts=1, env={"CRASH": "1"}, name="crash")
+    clean = launch(script, nodes=2, backend="gloo", name="clean")
+    assert crashed.wait(180) == "succeeded", crashed.summary()
+    assert clean.wait(180) == "succeeded", clean.summary()
+    assert crashed.restarts == 1 and clean.restarts == 0
+    assert crashed.error is None
+    [cause] = crashed.status["restart_errors"]  # the failure that caused the restart is kept
+    assert cause.startswith("rank 1 (node 1, local rank 0) was killed by signal SIGKILL")
+    log0 = crashed.logs(0)
+    assert "restart 1 of 1" in log0 and "resumed at step" in log0
+    resumed_at = int(log0.split("resumed at step")[1].split()[0])
+    assert 1 <= resumed_at <= 8
+    a, b = crashed.result(), clean.result()
+    assert a.keys() == b.keys()
+    for k in a:
+        assert (a[k] == b[k]).all(), k  # bit-identical parameters
+    # a run that was never interrupted must differ from one that skipped steps: the test can fail
+    assert not (a["weight"] == launch_result_after_skipping(tmp_path, jobs_dir)).all()
+
+
+def launch_result_after_skipping(tmp_path, jobs_dir):
+    """Resume from a checkpoint whose step counter was tampered with: parameters must come out different."""
+    job = Job.open("clean")
+    import torch
+
+    ckpt = torch.load(job.dir / "checkpoints" / "checkpoint.pt", weights_only=False)
+    ckpt["step"] = 10
+    torch.save(ckpt, tmp_path / "checkpoint.pt")
+    skip = launch(str(tmp_path / "resume.py"), nodes=2, backend="gloo", name="skip",
+                  checkpoint_dir=str(tmp_path))
+    assert skip.wait(180) == "succeeded", skip.summary()
+    return skip.result()["weight"]
+
+
+def test_smdistributed_old_api_script_runs_unchanged(tmp_path, jobs_dir):
+    script = write(tmp_path / "smddp_v1.py", """
+        import torch
+        import smdistributed.dataparallel
+        import smdistributed.dataparallel.torch.distributed as dist
+        from smdistributed.dataparallel.torch.parallel.distributed import DistributedDataParallel as DDP
+        dist.init_process_group()
+        assert dist.get_world_size() == 2 and dist.get_local_rank() == 0
+        torch.manual_seed(dist.get_rank())  # different init on each rank: DDP must broadcast rank 0's
+        model = DDP(torch.nn.Linear(4, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x = torch.ones(8, 4) * (dist.get_rank() + 1)
+        model(x).sum().backward()
+        opt.step()
+        w = model.module.weight.detach().clone()
+        gathered = [torch.zeros_like(w) for _ in range(2)]
+        dist.all_gather(gathered, w)
+        assert torch.equal(gathered[0], gathered[1]), "replicas diverged"
+        print("compat", smdistributed.dataparallel.__version__)
+        w.tolist()
+    """)
+    job = launch(script, nodes=2, backend="gloo", name="smddp-v1")
+    assert job.wait(120) == "succeeded", job.summary() + job.logs(0) + job.logs(1)
+    assert "compat sdp_jupyter-compat" in job.logs(0)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sdp_jupyter.torch") is None,
+                    reason="the smddp backend (sdp_jupyter.torch) has not landed")
+def test_smdistributed_torch_smddp_script_on_our_engine(tmp_path, jobs_dir):
+    script = write(tmp_path / "smddp_v2.py", """
+        import torch, torch.distributed as dist
+        import smdistributed.dataparallel.torch.torch_smddp  # registers "smddp"
+        dist.init_process_group(backend="smddp")
+        t = torch.arange(5, dtype=torch.float32) * (dist.get_rank() + 1)
+        dist.all_reduce(t)
+        dist.destroy_process_group()
+        t.tolist()
+    """)
+    job = launch(script, nodes=2)  # default backend: smddp
+    assert job.spec.backend == "smddp"
+    assert job.wait(120) == "succeeded", job.summary() + job.logs(0) + job.logs(1)
+    assert job.result() == [0.0, 3.0, 6.0, 9.0, 12.0]
+
+
+LAUNCHER = """
+import sys, time
+import sdp_jupyter
+job = sdp_jupyter.launch(sys.argv[1], nodes=2, backend="gloo", name="parent")
+while "up" not in job.logs(1):
+    time.sleep(0.05)
+print("launched", flush=True)
+sys.stdin.readline()
+if sys.argv[2] == "hang":
+    time.sleep(300)
+"""
+
+
+@pytest.mark.parametrize("how", ["SIGKILL", "exit"])
+def test_workers_die_with_the_launching_process(tmp_path, jobs_dir, how):
+    script = write(tmp_path / "up.py", "import time\nprint('up', flush=True)\ntime.sleep(300)\n")
+    parent = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(script), "hang" if how == "SIGKILL" else "exit"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=dict(os.environ))
+    assert parent.stdout.readline().strip() == "launched"
+    workers = [p for p in job_processes(jobs_dir) if "sdp_jupyter.launch.worker" in " ".join(p.cmdline())]
+    assert len(workers) == 2
+    parent.stdin.write("go\n")
+    parent.stdin.flush()
+    if how == "SIGKILL":
+        parent.kill()  # the kernel dies: the parent-death signal takes the workers along
+    parent.wait(30)
+    assert wait_no_processes(jobs_dir) == []
+    if how == "exit":  # a clean exit (kernel shutdown) marks the job stopped via atexit
+        assert Job.open("parent").state == "stopped"
+    else:
+        assert "launcher" in Job.open("parent").error
+
+
+def test_cli(tmp_path, jobs_dir):
+    ok = write(tmp_path / "ok.py", "import os, sys\nprint('rank', os.environ['RANK'], sys.argv[1:])\n")
+    run = subprocess.run([sys.executable, "-m", "sdp_jupyter.cli", "--nodes", "2", "--backend", "gloo",
+                          "--ranks-output", "all", "--name", "cli", str(ok), "--epochs", "2"],
+                         capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert run.returncode == 0, run.stderr
+    assert "[rank 0] rank 0 ['--epochs', '2']" in run.stdout and "[rank 1] rank 1" in run.stdout
+    assert "succeeded" in run.stderr
+    bad = write(tmp_path / "bad.py", "raise SystemExit(5)\n")
+    run = subprocess.run([sys.executable, "-m", "sdp_jupyter.cli", "--backend", "gloo", str(bad)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1 and "exited with code 5" in run.stderr
+    run = subprocess.run([sys.executable, "-m", "sdp_jupyter.cli", "--nodes", "0", "--name", "never", str(ok)],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "--nodes: must be 1 or more" in run.stderr
+    assert not (jobs_dir / "never").exists()
