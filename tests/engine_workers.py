@@ -110,3 +110,99 @@ def just_init():
     c.all_reduce(x)
     comm.shutdown()
     return x.tolist()
+
+
+def torch_ddp(steps: int, backend: str, seed: int = 0):
+    """Train a small model with stock DDP on `backend`; return the final parameters."""
+    import torch
+    import torch.distributed as dist
+
+    import sdp_jupyter.torch  # noqa: F401 - registers smddp
+
+    dist.init_process_group(backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(123)
+    for _ in range(steps):
+        x = torch.randn(8 * world, 6, generator=g)
+        y = torch.randn(8 * world, 2, generator=g)
+        xs, ys = x[rank * 8:(rank + 1) * 8], y[rank * 8:(rank + 1) * 8]
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(ddp(xs), ys).backward()
+        opt.step()
+    params = [p.detach().clone() for p in model.parameters()]
+    dist.destroy_process_group()
+    return params
+
+
+def torch_features():
+    """find_unused_parameters, BatchNorm buffers, fp16_compress_hook, new_group, all_gather_object."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    import sdp_jupyter.torch  # noqa: F401
+
+    dist.init_process_group("smddp")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+
+    class Branchy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(4, 4)
+            self.bn = torch.nn.BatchNorm1d(4)
+            self.unused = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.bn(self.a(x))
+
+    model = Branchy()
+    ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+    ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for _ in range(3):
+        opt.zero_grad()
+        ddp(torch.randn(8, 4) + rank).sum().backward()
+        opt.step()
+    objs = [None] * world
+    dist.all_gather_object(objs, {"rank": rank, "w": model.a.weight.sum().item()})
+    sub = dist.new_group([0, world - 1])
+    sub_val = None
+    if rank in (0, world - 1):
+        t = torch.tensor([float(rank)])
+        dist.all_reduce(t, group=sub)
+        sub_val = t.item()
+    out = {"objs": objs, "sub": sub_val, "bn_mean": model.bn.running_mean.tolist(),
+           "weight": model.a.weight.detach().clone()}
+    dist.destroy_process_group()
+    return out
+
+
+def torch_dtypes():
+    import torch
+    import torch.distributed as dist
+
+    import sdp_jupyter.torch  # noqa: F401
+
+    dist.init_process_group("smddp")
+    rank = dist.get_rank()
+    out = {}
+    for dt in (torch.float16, torch.bfloat16, torch.float32, torch.int64, torch.bool):
+        t = (torch.arange(5) % 2 == rank % 2) if dt == torch.bool else (torch.arange(5, dtype=torch.float32) * (rank + 1)).to(dt)
+        dist.all_reduce(t)
+        out[str(dt)] = t.tolist()
+    dist.destroy_process_group()
+    return out
+
+
+def slow_job(seconds: float):
+    c = comm.init(timeout=30)
+    time.sleep(seconds)
+    x = np.ones(10, dtype=np.float32)
+    c.all_reduce(x)
+    comm.shutdown()
+    return x.tolist()

@@ -1,0 +1,233 @@
+"""The native engine through sdp_jupyter.comm, in real processes laid out as nodes.
+
+Every collective, dtype and op is checked against a numpy reference computed here from the
+same per-rank inputs (engine_workers.rank_data).
+"""
+from __future__ import annotations
+
+import os
+import hmac
+import hashlib
+import socket
+import time
+
+import numpy as np
+import psutil
+import pytest
+
+from sdp_jupyter import _engine
+from _ranks import assert_all_ok, collect, run_ranks, start_ranks
+from engine_workers import rank_data
+
+LAYOUTS = [(2, 2), (2, 1), (3, 1), (3, 3), (4, 2), (4, 1), (4, 4)]  # (world, ranks per node)
+SIZES = [0, 1, 7, 1001]
+REDUCE = {"sum": np.add, "max": np.maximum, "min": np.minimum, "product": np.multiply}
+
+
+def reference(kind, n, dtype, op, root, world):
+    xs = [rank_data(r, n, dtype) for r in range(world)]
+    if kind in ("all_reduce", "reduce"):
+        acc_dtype = np.float32 if dtype == "float16" else xs[0].dtype
+        acc = xs[0].astype(acc_dtype)
+        for x in xs[1:]:
+            acc = REDUCE["sum" if op == "avg" else op](acc, x.astype(acc_dtype))
+        if op == "avg":
+            acc = acc / world
+        return [acc.astype(xs[0].dtype) if (kind == "all_reduce" or r == root) else xs[r] for r in range(world)]
+    if kind == "broadcast":
+        return [xs[root]] * world
+    if kind in ("all_gather", "all_gather_list"):
+        return [np.concatenate(xs)] * world
+    if kind == "reduce_scatter":
+        big = [rank_data(r, n * world, dtype) for r in range(world)]
+        acc = big[0].astype(np.float32 if dtype == "float16" else big[0].dtype)
+        for b in big[1:]:
+            acc = REDUCE["sum" if op == "avg" else op](acc, b)
+        if op == "avg":
+            acc = acc / world
+        return [acc[r * n:(r + 1) * n].astype(big[0].dtype) for r in range(world)]
+    return [None] * world
+
+
+def check(results, cases, world):
+    vals = assert_all_ok(results)
+    for i, case in enumerate(cases):
+        expect = reference(*case, world)
+        for r in range(world):
+            got = vals[r]["out"][i]
+            if expect[r] is None:
+                continue
+            tol = {"float16": 2e-2, "float32": 1e-5, "float64": 1e-12}.get(case[2], 0)
+            np.testing.assert_allclose(got.astype(np.float64), expect[r].astype(np.float64), rtol=tol, atol=tol,
+                                       err_msg=f"{case} rank {r}")
+    return vals
+
+
+def test_hmac_matches_python():
+    for key, msg in [(b"k", b""), (b"s" * 100, b"x" * 1000), (b"abc", b"hello")]:
+        assert _engine.hmac_sha256(key, msg) == hmac.new(key, msg, hashlib.sha256).digest()
+
+
+@pytest.mark.parametrize("simd", ["1", "0"])
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "int32", "int64", "uint8", "int8"])
+@pytest.mark.parametrize("op", [0, 2, 3, 4])
+def test_kernels_match_numpy(dtype, op, simd, monkeypatch):
+    # The kernels alone, in this process (SDP_NO_SIMD is read once per process, so the portable
+    # build is exercised in test_portable_kernels_in_fresh_process).
+    a = rank_data(0, 3001, dtype)
+    b = rank_data(1, 3001, dtype)
+    c = rank_data(2, 3001, dtype)
+    dst = np.empty_like(a)
+    _engine.reduce_buffers({"float32": 0, "float64": 1, "float16": 2, "int32": 4, "int64": 5, "uint8": 6, "int8": 7}[dtype],
+                           op, dst.ctypes.data, [a.ctypes.data, b.ctypes.data, c.ctypes.data], a.size)
+    f = [np.add, None, np.maximum, np.minimum, np.multiply][op]
+    wide = np.float32 if dtype == "float16" else a.dtype
+    expect = f(f(a.astype(wide), b.astype(wide)), c.astype(wide)).astype(a.dtype)
+    np.testing.assert_allclose(dst.astype(np.float64), expect.astype(np.float64), rtol=1e-6)
+
+
+def test_portable_kernels_in_fresh_process(tmp_path):
+    code = (
+        "import numpy as np; from sdp_jupyter import _engine as e\n"
+        "assert e.kernel_isa() == 'portable'\n"
+        "a = (np.arange(5000) % 37 / 7).astype(np.float16); b = a[::-1].copy(); d = np.empty_like(a)\n"
+        "e.reduce_buffers(2, 0, d.ctypes.data, [a.ctypes.data, b.ctypes.data], a.size)\n"
+        "assert np.array_equal(d, (a.astype(np.float32) + b.astype(np.float32)).astype(np.float16))\n"
+        "print('ok')\n"
+    )
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "SDP_NO_SIMD": "1"},
+                         capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "ok", out.stderr
+
+
+def test_bf16_conversion_rounds_to_nearest_even():
+    # bfloat16 exists only through torch; check the engine's conversion against torch's.
+    torch = pytest.importorskip("torch")
+    x = torch.randn(10000) * 1000
+    a = x.to(torch.bfloat16)
+    b = (x * 0.37).to(torch.bfloat16)
+    d = torch.empty_like(a)
+    _engine.reduce_buffers(3, 0, d.data_ptr(), [a.data_ptr(), b.data_ptr()], a.numel())
+    assert torch.equal(d, (a.float() + b.float()).to(torch.bfloat16))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,per_node", LAYOUTS)
+def test_every_collective_matches_numpy(world, per_node):
+    cases = []
+    for n in SIZES:
+        for dtype in ("float32", "float64", "float16", "int32", "int64", "uint8", "int8"):
+            cases.append(("all_reduce", n, dtype, "sum", 0))
+        cases.append(("broadcast", n, "float32", "sum", world - 1))
+        cases.append(("all_gather", n, "int64", "sum", 0))
+        cases.append(("reduce_scatter", n, "float32", "sum", 0))
+    for op in ("avg", "max", "min", "product"):
+        cases.append(("all_reduce", 513, "float32", op, 0))
+        cases.append(("all_reduce", 513, "float16", op, 0))
+        cases.append(("all_reduce", 513, "int32", op if op != "avg" else "sum", 0))
+    cases += [("reduce", 99, "float64", "sum", 1 % world), ("all_gather_list", 3, "float32", "sum", 0),
+              ("reduce_scatter", 5, "float64", "avg", 0), ("barrier", 0, "uint8", "sum", 0)]
+    results = run_ranks("engine_workers:collectives", world, per_node, args=(cases,), timeout=120)
+    vals = check(results, cases, world)
+    assert [v["node"] for v in vals] == [r // per_node for r in range(world)]
+    assert [v["local_rank"] for v in vals] == [r % per_node for r in range(world)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,per_node", [(2, 2), (2, 1), (4, 2)])
+def test_large_buffers_cross_many_chunks(world, per_node):
+    # 64 MiB of float32 and an odd count not divisible by the world size, with small chunks so
+    # the chunking and shard arithmetic are exercised many times.
+    n = 16 * 1024 * 1024 + 3
+    cases = [("all_reduce", n, "float32", "sum", 0), ("all_reduce", 100003, "float16", "avg", 0),
+             ("broadcast", 1000003, "float64", "sum", 0)]
+    results = run_ranks("engine_workers:collectives", world, per_node, args=(cases,), timeout=300,
+                        env={"SDP_CHUNK_BYTES": str(1 << 20)})
+    check(results, cases, world)
+
+
+def _no_rank_left(results_procs):
+    for p in results_procs:
+        assert not psutil.pid_exists(p.pid) or psutil.Process(p.pid).status() == psutil.STATUS_ZOMBIE
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["count", "dtype"])
+@pytest.mark.parametrize("world,per_node", [(2, 2), (2, 1), (4, 2)])
+def test_mismatch_fails_every_rank_and_reduces_nothing(kind, world, per_node):
+    procs, tmp = start_ranks("engine_workers:mismatch", world, per_node, args=(kind,))
+    results = collect(procs, tmp, timeout=60)
+    vals = assert_all_ok(results)
+    field = {"count": "element count", "dtype": "dtype"}[kind]
+    for r, v in enumerate(vals):
+        assert "collective mismatch" in v and field in v, f"rank {r}: {v}"
+        assert "nothing was reduced" in v
+    _no_rank_left(procs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,per_node,victim", [(2, 1, 1), (3, 1, 2), (4, 2, 3), (4, 2, 0), (2, 2, 1)])
+def test_dead_rank_is_named_within_two_seconds(world, per_node, victim):
+    procs, tmp = start_ranks("engine_workers:die_mid_training", world, per_node, args=(victim,))
+    results = collect(procs, tmp, timeout=60)
+    assert results[victim].returncode == 17
+    for r in results:
+        if r.rank == victim:
+            continue
+        assert r.ok, r.output
+        err, after = r.value["error"], r.value["after"]
+        assert after < 2.5, f"rank {r.rank} took {after:.1f} s to notice: {err}"
+        # The victim's node leader names it; ranks elsewhere name it or its node's leader.
+        leader = (victim // per_node) * per_node
+        assert f"rank {victim} " in err or f"rank {leader} " in err, err
+        assert "exited or closed" in err or "failed" in err, err
+    _no_rank_left(procs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,per_node", [(2, 2), (2, 1)])
+def test_stalled_rank_times_out_with_its_name(world, per_node):
+    results = run_ranks("engine_workers:stall", world, per_node, args=(1,), timeout=60)
+    err = results[0].value
+    assert "timed out after 3 s" in err, err
+    assert "rank(s) 1" in err, err
+
+
+@pytest.mark.slow
+def test_wrong_secret_is_refused():
+    results = run_ranks("engine_workers:just_init", 2, 1, timeout=60,
+                        secret=lambda r: "good" if r == 0 else "bad", env={"SDP_TIMEOUT": "5"})
+    # Node 0's leader dials node 1's leader: the dialler is told its proof was refused, the
+    # listener drops the stranger, logs why, and never gets its peer.
+    assert not results[0].ok and "job secret" in results[0].error, results[0].error
+    assert not results[1].ok and "timed out" in results[1].error, results[1].error
+    assert "failed the job-secret challenge" in results[1].output
+
+
+@pytest.mark.slow
+def test_garbage_on_the_port_is_dropped_and_the_job_goes_on(tmp_path):
+    # Rank 0 (a node leader) listens; a stranger connects and sends garbage while the real
+    # ranks are still setting up. The stranger is dropped, the job completes.
+    procs, tmp = start_ranks("engine_workers:slow_job", 2, 1, args=(3.0,))
+    hit = 0
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and hit == 0:
+        for p in procs:
+            try:
+                for c in psutil.Process(p.pid).net_connections(kind="tcp"):
+                    if c.status == psutil.CONN_LISTEN and c.laddr.ip == "127.0.0.1":
+                        try:
+                            with socket.create_connection((c.laddr.ip, c.laddr.port), timeout=2) as s:
+                                s.sendall(os.urandom(200))
+                                hit += 1
+                        except OSError:
+                            pass
+            except psutil.Error:
+                pass
+        time.sleep(0.01)
+    results = collect(procs, tmp, timeout=60)
+    assert assert_all_ok(results) == [[2.0] * 10] * 2
+    assert hit > 0
+    assert any("sent garbage" in r.output for r in results), [r.output for r in results]

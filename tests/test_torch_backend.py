@@ -1,0 +1,75 @@
+"""Stock torch.distributed and DistributedDataParallel on the smddp backend, in real processes."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from _ranks import assert_all_ok, run_ranks
+
+
+def single_process_reference(steps: int, world: int):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(123)
+    for _ in range(steps):
+        x = torch.randn(8 * world, 6, generator=g)
+        y = torch.randn(8 * world, 2, generator=g)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return [p.detach() for p in model.parameters()]
+
+
+def test_backend_is_registered_on_import():
+    import torch.distributed as dist
+
+    import sdp_jupyter.torch  # noqa: F401
+
+    assert "smddp" in dist.Backend.backend_list
+
+
+def test_missing_import_error_names_the_import():
+    code = ("import sdp_jupyter.torch as t, os\n"
+            "for v in ('RANK','WORLD_SIZE','MASTER_ADDR','MASTER_PORT'): os.environ.pop(v, None)\n"
+            "try:\n    t.init()\nexcept RuntimeError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "needs RANK" in out.stdout and "torchrun" in out.stdout, out.stdout + out.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,per_node", [(2, 2), (2, 1), (4, 2)])
+def test_ddp_smddp_matches_single_process_and_gloo(world, per_node):
+    steps = 5
+    smddp = assert_all_ok(run_ranks("engine_workers:torch_ddp", world, per_node, args=(steps, "smddp"), timeout=180))
+    gloo = assert_all_ok(run_ranks("engine_workers:torch_ddp", world, per_node, args=(steps, "gloo"), timeout=180))
+    ref = single_process_reference(steps, world)
+    for r in range(world):
+        for a, b, c in zip(smddp[r], gloo[r], ref):
+            torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_ddp_features_unused_params_batchnorm_fp16_hook_subgroups():
+    vals = assert_all_ok(run_ranks("engine_workers:torch_features", 3, 1, timeout=180))
+    world = 3
+    for v in vals:
+        assert [o["rank"] for o in v["objs"]] == list(range(world))
+        # every rank holds the same weights after training
+        torch.testing.assert_close(v["weight"], vals[0]["weight"])
+    assert vals[0]["sub"] == float(0 + world - 1) and vals[world - 1]["sub"] == float(0 + world - 1)
+    assert vals[1]["sub"] is None
+
+
+@pytest.mark.slow
+def test_16bit_and_integer_and_bool_tensors():
+    vals = assert_all_ok(run_ranks("engine_workers:torch_dtypes", 2, 1, timeout=120))
+    for v in vals:
+        assert v["torch.float16"] == [0.0, 3.0, 6.0, 9.0, 12.0]
+        assert v["torch.bfloat16"] == [0.0, 3.0, 6.0, 9.0, 12.0]
+        assert v["torch.int64"] == [0, 3, 6, 9, 12]
+        assert v["torch.bool"] == [True] * 5
