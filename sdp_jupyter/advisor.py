@@ -225,7 +225,43 @@ class ParallelConfig:
              "SDP_SEQUENCE_PARALLEL": "1" if self.sequence_parallel else "0"}
         if self.active_microbatches is not None:
             e["SDP_ACTIVE_MICROBATCHES"] = str(self.active_microbatches)
+        if self.virtual_stages != 1:
+            e["SDP_VIRTUAL_STAGES"] = str(self.virtual_stages)
         return e
+
+    @classmethod
+    def from_env(cls, environ=None) -> "ParallelConfig":
+        """The inverse of ``env()``; unset variables keep their defaults. ``SDP_SHARD_OPTIMIZER`` also
+        takes 1/true (= "optimizer") and 0/false; ``SDP_CHECKPOINT_ACTIVATIONS`` 1/true (= "layer")."""
+        import os
+
+        env = os.environ if environ is None else environ
+
+        def num(name, default):
+            v = env.get(name, "").strip()
+            try:
+                return int(v) if v else default
+            except ValueError:
+                raise ValueError(f"{name}={v!r} is not an integer") from None
+
+        def choice(name, default, truthy):
+            v = env.get(name, "").strip().lower()
+            if v in ("", None):
+                return default
+            return {"1": truthy, "true": truthy, "yes": truthy, "0": "none", "false": "none",
+                    "no": "none"}.get(v, v)
+
+        return cls(tp=num("SDP_TP", 1), pp=num("SDP_PP", 1),
+                   microbatches=num("SDP_MICROBATCHES", 1),
+                   active_microbatches=num("SDP_ACTIVE_MICROBATCHES", None),
+                   sharding=choice("SDP_SHARD_OPTIMIZER", "none", "optimizer"),
+                   checkpointing=choice("SDP_CHECKPOINT_ACTIVATIONS", "none", "layer"),
+                   offload_activations=env.get("SDP_OFFLOAD_ACTIVATIONS", "0").strip().lower()
+                   in ("1", "true", "yes"),
+                   schedule=env.get("SDP_PIPELINE_SCHEDULE", "1f1b").strip().lower() or "1f1b",
+                   virtual_stages=num("SDP_VIRTUAL_STAGES", 1),
+                   sequence_parallel=env.get("SDP_SEQUENCE_PARALLEL", "1").strip().lower()
+                   not in ("0", "false", "no"))
 
 
 @dataclass(frozen=True)
