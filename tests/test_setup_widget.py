@@ -3,6 +3,7 @@ import argparse
 import html
 import re
 import shlex
+import time
 from pathlib import Path
 
 import pytest
@@ -180,8 +181,37 @@ def test_launch_runs_a_real_job_with_the_hyperparameters(tmp_path):
     assert job.wait(180) == "succeeded", job.logs(0) + job.logs(1)
     log = job.logs(0)
     assert "lr 0.02 world 2 batch 32 steps 32" in log, log
+    deadline = time.monotonic() + 30  # the form updates from the launcher's thread, after wait() returns
+    while s.w_launch.disabled and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert "succeeded" in s.w_status.value and not s.w_launch.disabled
     assert Path(job.dir, "spec.json").is_file()
+    # the training code reported samples: the form offers the measured per-GPU throughput
+    per_rank, ranks = s.measured
+    assert ranks == 2 and per_rank > 0
+    assert "samples/s per GPU on 2 ranks" in text(s.w_measured)
+    assert "enter a measured throughput" in text(s.w_hints)
+    s.w_use_measured.click()
+    assert float(s.w_throughput.value) == pytest.approx(per_rank / 0.9, rel=1e-5)  # as a one-GPU figure
+    est = s.outcome.estimate  # at the measured world size it gives back the measured rate
+    assert est.samples_per_second == pytest.approx(2 * per_rank, rel=1e-5)
+    assert est.epoch_seconds == pytest.approx(32 * 64 / (2 * per_rank), rel=1e-5)
+
+
+def test_measured_throughput_reads_reported_samples(tmp_path):
+    """Hand-made metrics: 2 ranks, 10 steps of 32 samples each 0.1 s apart -> 320 samples/s per rank."""
+    import json
+
+    (tmp_path / "metrics").mkdir()
+    for rank in range(2):
+        lines = [json.dumps({"t": 1000.0 + 0.1 * i, "kind": "step", "rank": rank, "step": i, "samples": 32})
+                 for i in range(10)]
+        (tmp_path / "metrics" / f"rank-{rank}.jsonl").write_text("\n".join(lines) + "\n")
+    per_rank, ranks = setup_mod.measured_throughput(tmp_path)
+    assert ranks == 2 and per_rank == pytest.approx(320, rel=0.01)
+    (tmp_path / "metrics" / "rank-0.jsonl").write_text("")
+    (tmp_path / "metrics" / "rank-1.jsonl").write_text(json.dumps({"t": 1.0, "kind": "step", "rank": 1, "step": 0}))
+    assert setup_mod.measured_throughput(tmp_path) is None
 
 
 @pytest.mark.slow

@@ -52,6 +52,18 @@ def _optional_float(text: str, label: str) -> float | None:
         raise ValueError(f"{label}: {text!r} is not a number (leave it empty for none)") from None
 
 
+def measured_throughput(job_or_dir) -> tuple[float, int] | None:
+    """(samples/s per rank, ranks) a job recorded with ``sdp_jupyter.report(samples=...)``, over its
+    steady part (the monitor's reader leaves the first steps out); None if it reported no samples."""
+    from sdp_jupyter.monitor.reader import read
+
+    frame = read(job_or_dir)
+    if frame.unit != "samples/s" or not frame.steady_samples_per_s or not frame.ranks:
+        return None
+    ranks = len(frame.ranks)
+    return frame.steady_samples_per_s / ranks, ranks
+
+
 class JobSetup(W.VBox):
     """The job setup form. Keyword arguments preset its fields (see ``scaling.Plan`` for their meaning).
 
@@ -141,6 +153,11 @@ class JobSetup(W.VBox):
         self.w_reason = W.HTML().add_class("sdp-launch-reason")
         self.w_status = W.HTML().add_class("sdp-job-status")
         self.w_job = W.VBox().add_class("sdp-job-view")
+        self.w_measured = W.HTML().add_class("sdp-measured")
+        self.w_use_measured = W.Button(description="use as throughput / GPU", icon="tachometer",
+                                       layout=W.Layout(display="none", width="auto")).add_class("sdp-use-measured")
+        self.w_use_measured.on_click(lambda _b: self.use_measured())
+        self.measured = None  # (samples/s per rank, ranks) from the last job, if it reported samples
         self._nodes_field = self.w_nodes.add_class("sdp-nodes")
 
         inputs = [self.w_target, self.w_instance, self.w_nodes, self.w_gpus, self.w_backend, self.w_mode,
@@ -159,7 +176,8 @@ class JobSetup(W.VBox):
                         self.w_efficiency, self.w_price, W.HTML("<b>What this does</b>"), self.w_global, self.w_lr,
                         self.w_hints])
         super().__init__([W.HBox([left, right]), self.w_warnings, self.w_magic,
-                          W.HBox([self.w_launch, self.w_reason]), self.w_status, self.w_job])
+                          W.HBox([self.w_launch, self.w_reason]), self.w_status,
+                          W.HBox([self.w_measured, self.w_use_measured]), self.w_job])
         self.add_class("sdp-job-setup")
         self._refresh()
 
@@ -379,7 +397,39 @@ class JobSetup(W.VBox):
 
     def _job_done(self, job) -> None:  # called from the launcher's supervisor thread
         self._show_state(job)
+        if job.state == "succeeded":
+            self.measure(job)
         self._refresh()
+
+    def measure(self, job_or_dir) -> tuple[float, int] | None:
+        """Read the throughput a finished job reported and offer it for the estimate."""
+        try:
+            self.measured = measured_throughput(job_or_dir)
+        except Exception as e:  # no metrics reader, unreadable files: the estimate stays as entered
+            self.w_measured.value = f"<small>(throughput not measured: {html.escape(repr(e))})</small>"
+            return None
+        if self.measured is None:
+            self.w_measured.value = ("<small>no throughput measured: call sdp_jupyter.report(samples=...) "
+                                     "in the training loop to get one</small>")
+            self.w_use_measured.layout.display = "none"
+        else:
+            per_rank, ranks = self.measured
+            self.w_measured.value = (f"measured <b>{per_rank:,.0f}</b> samples/s per GPU on {ranks} ranks "
+                                     "(communication included)")
+            self.w_use_measured.layout.display = None
+        return self.measured
+
+    def use_measured(self) -> None:
+        """Put the measured throughput into the estimate as a one-GPU figure.
+
+        A rate measured on N > 1 ranks already carries their communication, so it is divided by the
+        scaling efficiency the estimate multiplies by: at the measured world size the estimate then
+        reproduces the measured rate instead of counting the communication twice."""
+        if self.measured is None:
+            return
+        per_rank, ranks = self.measured
+        efficiency = self.w_efficiency.value if ranks > 1 and self.w_efficiency.value > 0 else 1.0
+        self.w_throughput.value = f"{per_rank / efficiency:.6g}"
 
 
 

@@ -47,3 +47,19 @@ def test_job_setup_form_in_a_real_browser(lab):
     lab.screenshot("job-setup-succeeded")
     assert "succeeded" in final, final
     assert form.locator(".sdp-job-view").inner_text().strip(), "no job view below the form"
+
+    # the job reported its samples: the form offers the measured throughput for the time estimate
+    measured = form.locator(".sdp-measured")
+    try:
+        page.wait_for_function("el => el.innerText.includes('samples/s per GPU')",
+                               arg=measured.element_handle(), timeout=30_000)
+    except Exception:
+        lab.fail(f"no measured throughput after the job: {measured.inner_text()!r}")
+    form.locator(".sdp-use-measured").click()
+    hints = form.locator(".sdp-hints")
+    try:
+        page.wait_for_function(r"el => /time\s+[0-9.]+ (s|min|h) \/ epoch/.test(el.innerText)",
+                               arg=hints.element_handle(), timeout=30_000)
+    except Exception:
+        lab.fail(f"the estimate did not use the measured throughput: {hints.inner_text()!r}")
+    lab.screenshot("job-setup-measured")
