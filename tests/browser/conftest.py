@@ -9,7 +9,8 @@ Fixtures (reuse them in any tests/browser/test_*.py):
 ``browser``         session-wide chromium: ``/usr/bin/chromium`` (or ``$SDP_CHROMIUM``) launched with
                     ``executable_path``; ``playwright install`` is never run.
 ``lab``             a fresh page per test, wrapped in ``LabPage``: ``open_notebook(path)``,
-                    ``run_all()``, ``wait_idle()``, ``screenshot(name)`` (into ``test-artifacts/``).
+                    ``run_all()``, ``wait_idle()``, ``wait_text(locator, regex)``, ``screenshot(name)``
+                    (into ``test-artifacts/``).
 
 Every wait has a deadline and a failure says what it waited for; the server's log is attached to
 the failure message so a broken kernel or extension is visible.
@@ -185,6 +186,16 @@ class LabPage:
         tracebacks = [t for t in errors.all_inner_texts() if "Traceback" in t]
         if tracebacks:
             self.fail("a cell raised:\n" + "\n".join(tracebacks)[:3000])
+
+    def wait_text(self, locator, pattern: str, timeout: float = 30, what: str = "text") -> str:
+        """Wait until ``locator``'s visible text matches the JavaScript regex ``pattern``; return the text.
+        On timeout the test fails with what it waited for and the text it saw."""
+        try:
+            self.page.wait_for_function("([el, p]) => new RegExp(p).test(el.innerText)",
+                                        arg=[locator.element_handle(), pattern], timeout=timeout * 1000)
+        except Exception:
+            self.fail(f"{what}: no match for /{pattern}/ within {timeout:g} s; saw {locator.inner_text()!r}")
+        return locator.inner_text()
 
     def screenshot(self, name: str) -> Path:
         ARTIFACTS.mkdir(exist_ok=True)
