@@ -244,3 +244,38 @@ def test_the_notebook_runs_headless(tmp_path):
     widgets = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
                if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]
     assert len(widgets) == 2  # the form and the %sdp_setup form
+
+
+@pytest.mark.slow
+def test_launch_on_sagemaker_sends_the_same_hyperparameters():
+    """Target SageMaker against the local moto control plane (tests/moto_fixtures.py): Launch sends
+    CreateTrainingJob with the form's instance type, count and hyperparameters; the job follows the
+    service's status to 'succeeded'."""
+    pytest.importorskip("sagemaker.train")
+    pytest.importorskip("moto.server")
+    import logging
+    import tempfile
+
+    from moto_fixtures import BUCKET, MotoAWS, ROLE, moto_aws
+
+    logging.getLogger("werkzeug").setLevel(logging.CRITICAL)
+    with tempfile.TemporaryDirectory() as tmp, moto_aws(tmp) as aws:
+        s = sdp_jupyter.JobSetup(code=notebook_training_code(), target="sagemaker", instance_type="ml.p4d.24xlarge",
+                                 nodes=2, backend="smddp", per_gpu_batch=64, reference_batch=256, reference_lr=0.1,
+                                 dataset_size=1_281_167, epochs=90, name="setup-sm", jobs_dir=tmp,
+                                 sagemaker={"role": ROLE, "bucket": BUCKET, "poll_interval": 0.1})
+        assert "global batch 1024 = 2 nodes x 8 GPUs x 64 per GPU" in text(s.w_global)
+        s.w_launch.click()
+        job = s.job
+        req = MotoAWS.create_requests[-1]
+        assert req["ResourceConfig"]["InstanceType"] == "ml.p4d.24xlarge"
+        assert req["ResourceConfig"]["InstanceCount"] == 2
+        hps = s.spec.hyperparameters
+        assert req["HyperParameters"] == {k: str(v) for k, v in hps.items()}
+        assert req["HyperParameters"]["lr"] == "0.4" and req["HyperParameters"]["global_batch_size"] == "1024"
+        aws.set_status(req["TrainingJobName"], "Completed")
+        assert job.wait(30) == "succeeded"
+        deadline = time.monotonic() + 30
+        while "succeeded" not in s.w_status.value and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "succeeded" in s.w_status.value

@@ -67,7 +67,9 @@ def measured_throughput(job_or_dir) -> tuple[float, int] | None:
 class JobSetup(W.VBox):
     """The job setup form. Keyword arguments preset its fields (see ``scaling.Plan`` for their meaning).
 
-    ``launch_job`` replaces ``sdp_jupyter.launch`` (tests and other front-ends may pass their own).
+    ``sagemaker`` holds the SageMaker target's other options (role, bucket, ...; see docs/launcher.md);
+    the instance type comes from the form. ``launch_job`` replaces ``sdp_jupyter.launch`` (tests and
+    other front-ends may pass their own).
     """
 
     def __init__(
@@ -79,6 +81,7 @@ class JobSetup(W.VBox):
         name: str | None = None,
         hyperparameters: dict | None = None,
         jobs_dir: str | None = None,
+        sagemaker: dict | None = None,
         launch_job=None,
         **plan_fields,
     ):
@@ -86,7 +89,7 @@ class JobSetup(W.VBox):
         unknown = sorted(set(plan_fields) - known)
         if unknown:
             raise TypeError(f"JobSetup() got unknown field(s) {', '.join(unknown)}; known: script, code, cell, "
-                            f"name, hyperparameters, jobs_dir, {', '.join(sorted(known))}")
+                            f"name, hyperparameters, jobs_dir, sagemaker, {', '.join(sorted(known))}")
         if sum(x is not None for x in (script, code, cell)) > 1:
             raise ValueError("give at most one of script=, code= or cell=")
         if cell is not None and cell not in CELLS:
@@ -98,6 +101,7 @@ class JobSetup(W.VBox):
         self.name = name
         self.extra_hyperparameters = dict(hyperparameters or {})
         self.jobs_dir = jobs_dir
+        self.sagemaker_options = dict(sagemaker or {})  # JobSpec.sagemaker (role, bucket, ...) for that target
         self._launch_job = launch_job
         self.job = None
         preset = scaling.Plan(**plan_fields)  # validates the choices (ValueError names the field)
@@ -158,7 +162,7 @@ class JobSetup(W.VBox):
                                        layout=W.Layout(display="none", width="auto")).add_class("sdp-use-measured")
         self.w_use_measured.on_click(lambda _b: self.use_measured())
         self.measured = None  # (samples/s per rank, ranks) from the last job, if it reported samples
-        self._nodes_field = self.w_nodes.add_class("sdp-nodes")
+        self.w_nodes.add_class("sdp-nodes")
 
         inputs = [self.w_target, self.w_instance, self.w_nodes, self.w_gpus, self.w_backend, self.w_mode,
                   self.w_per_gpu, self.w_ref_lr, self.w_ref_batch, self.w_rule, self.w_warmup, self.w_epochs,
@@ -244,7 +248,9 @@ class JobSetup(W.VBox):
         if not out.ok:
             raise ValueError("the setup cannot launch: " + "; ".join(str(e) for e in out.errors))
         plan = out.plan
-        extra = {"sagemaker": {"instance_type": plan.instance_type}} if plan.target == "sagemaker" else {}
+        extra = {}
+        if plan.target == "sagemaker":
+            extra["sagemaker"] = {**self.sagemaker_options, "instance_type": plan.instance_type}
         return JobSpec(
             **self._what_runs(),
             name=self.name,
