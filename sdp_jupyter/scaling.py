@@ -433,6 +433,12 @@ def _findings(plan: Plan, inst: instances.Instance, world: int, per_gpu: int, gb
             "smddp_unsupported_instance", ERROR,
             f"SageMaker's smddp does not support {inst.name} (support: {inst.smddp}).",
             f"Pick one of {', '.join(allowed)}, or backend 'nccl'.", inst.name, ", ".join(allowed)))
+    if plan.target == "sagemaker" and plan.backend == "smddp" and inst.smddp == instances.SMDDP_ALLREDUCE_ONLY:
+        out.append(ScalingWarning(
+            "smddp_allreduce_only", WARNING,
+            f"SageMaker's smddp supports only AllReduce on {inst.name} and is no longer developed for it.",
+            "Fine for data parallelism; for AllGather-based sharding or new releases use ml.p4d.24xlarge "
+            "or ml.p4de.24xlarge.", inst.name, instances.SMDDP_SUPPORTED))
     if plan.target == "local":
         cpus = plan.cpus if plan.cpus is not None else inst.cpus
         if cpus is not None and world > cpus:

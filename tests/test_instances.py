@@ -101,3 +101,35 @@ def test_catalogue_matches_the_sagemaker_sdk_gpu_table():
             assert total_gib == inst.total_gpu_memory_gb, name
         compared += 1
     assert compared >= 13
+
+
+def test_local_entry_reads_gpus_through_nvml(monkeypatch):
+    """The NVML path, on a machine without GPUs: a stand-in pynvml module answers as the NVIDIA
+    library does for two A10Gs (names as bytes, as older bindings return them)."""
+    import sys
+    import types
+
+    calls = []
+
+    class NVMLError(Exception):
+        pass
+
+    fake = types.SimpleNamespace(
+        NVMLError=NVMLError,
+        nvmlInit=lambda: calls.append("init"),
+        nvmlShutdown=lambda: calls.append("shutdown"),
+        nvmlDeviceGetCount=lambda: 2,
+        nvmlDeviceGetHandleByIndex=lambda i: i,
+        nvmlDeviceGetName=lambda h: b"NVIDIA A10G",
+        nvmlDeviceGetMemoryInfo=lambda h: types.SimpleNamespace(total=24 * 2**30 - 512 * 2**20),
+    )
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    loc = instances.local()
+    assert (loc.gpus, loc.gpu_model, loc.gpu_memory_gb) == (2, "NVIDIA A10G", 23.5)
+    assert calls == ["init", "shutdown"]  # NVML is shut down again after reading
+
+    def no_library():
+        raise NVMLError("NVML Shared Library Not Found")
+
+    fake.nvmlInit = no_library
+    assert instances.local().gpus == 0 and instances.nvml_gpus() == []

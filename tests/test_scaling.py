@@ -5,6 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sdp_jupyter import instances
 from sdp_jupyter import scaling as S
 from sdp_jupyter.scaling import Plan, evaluate
 
@@ -164,6 +165,16 @@ def test_oversubscription_threshold(nodes, procs, cpus):
     assert bool(w) == (nodes * procs > cpus)
     if w:
         assert (w[0].value, w[0].threshold) == (nodes * procs, cpus)
+
+
+@given(st.sampled_from(sorted(instances.catalogue())), st.sampled_from(S.BACKENDS))
+def test_smddp_instance_check_on_sagemaker(name, backend):
+    out = evaluate(Plan(target="sagemaker", instance_type=name, nodes=2, backend=backend, dataset_size=10**7))
+    blocked = backend == "smddp" and not instances.get(name).smddp_allows()
+    assert ("smddp_unsupported_instance" in codes(out)) == blocked
+    assert out.world_size == 2 * instances.get(name).gpus
+    allreduce_only = backend == "smddp" and instances.get(name).smddp == instances.SMDDP_ALLREDUCE_ONLY
+    assert ("smddp_allreduce_only" in codes(out)) == allreduce_only and out.ok == (not blocked)
 
 
 @given(st.integers(1, 4), st.sampled_from(S.BACKENDS))
