@@ -250,13 +250,10 @@ class Job:
             return pickle.load(f)
 
     def metrics(self):
-        """The job's metrics lines (docs/jobs.md), through the monitor's reader when it is installed."""
+        """The job's metrics: sdp_jupyter.monitor.reader.read(job) (a Frame) when the monitor is
+        installed, else the raw metrics lines of docs/jobs.md as a list of dicts."""
         if importlib.util.find_spec("sdp_jupyter.monitor.reader") is not None:
-            reader = importlib.import_module("sdp_jupyter.monitor.reader")
-            for fn_name in ("read_metrics", "read_job", "read"):
-                fn = getattr(reader, fn_name, None)
-                if callable(fn):
-                    return fn(self.dir)
+            return importlib.import_module("sdp_jupyter.monitor.reader").read(self)
         return read_metrics_lines(self.dir)
 
     def dashboard(self):

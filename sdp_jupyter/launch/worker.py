@@ -118,9 +118,12 @@ def main() -> int:
     rank0 = os.environ.get("RANK", "0") == "0"
     try:
         value = run_script(os.environ["SDP_SCRIPT"], script_arguments(spec), push, want_result=rank0)
-    except SystemExit:
+    except SystemExit as e:
         _finish_distributed()
-        raise
+        if e.code is None or isinstance(e.code, int):
+            return e.code or 0
+        print(e.code, file=sys.stderr)
+        return 1
     except BaseException as e:
         traceback.print_exception(type(e), e, _strip_our_frames(e.__traceback__))
         sys.stderr.flush()
@@ -135,5 +138,38 @@ def main() -> int:
     return code
 
 
+def fast_exit(code: int) -> None:
+    """Exit as a normal interpreter exit would, minus its teardown of every module and object.
+
+    With torch loaded that teardown takes seconds per rank, all of it after the job's work is done.
+    Non-daemon threads are joined, atexit handlers run and every open file is flushed first, so
+    nothing a script wrote is lost. SDP_FAST_EXIT=0 turns this off.
+    """
+    if os.environ.get("SDP_FAST_EXIT", "1") == "0":
+        sys.exit(code)
+    import atexit
+    import gc
+    import io
+    import threading
+
+    shutdown = getattr(threading, "_shutdown", None)
+    if shutdown is not None:
+        shutdown()
+    atexit._run_exitfuncs()
+    for obj in gc.get_objects():
+        if issubclass(type(obj), io.IOBase):  # type(): never trips a module's deprecation __getattr__
+            try:
+                if not obj.closed and obj.writable():
+                    obj.flush()
+            except Exception:
+                pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    fast_exit(main())
