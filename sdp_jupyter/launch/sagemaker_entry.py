@@ -1,0 +1,188 @@
+"""Entry point of an sdp_jupyter job inside a SageMaker training container (uploaded as sdp_entry.py).
+
+The source directory a SageMaker job gets (see SageMakerLauncher) holds this file as
+``sdp_entry.py``, the cell as ``script.py``, ``spec.json``, ``push.pkl`` when variables were
+pushed, ``requirements.txt`` and a copy of the pure-Python part of the sdp_jupyter package.
+SageMaker's Torchrun driver starts, on every host,
+
+    torchrun --nnodes=N --nproc_per_node=P [--master_addr=algo-1 --master_port=7777 --node_rank=i] \
+        sdp_entry.py --KEY VALUE ...      (the hyperparameters)
+
+and this file then, in each rank:
+
+1. fills the sdp_jupyter variables from SageMaker's (SDP_JOB_DIR under SM_OUTPUT_DATA_DIR, so it
+   is uploaded with the job's output; SDP_CHECKPOINT_DIR=/opt/ml/checkpoints, which SageMaker
+   syncs with the job's checkpoint S3 URI and restores after a spot interruption; SDP_NUM_NODES);
+2. with backend smddp, imports SageMaker's own `smdistributed.dataparallel` when the image has
+   it, which registers the "smddp" torch.distributed backend (our engine is not built there);
+3. runs script.py as ``__main__`` exactly as the local worker does (same argv: --args, then the
+   hyperparameters as --KEY VALUE; pushed variables; rank 0's last expression -> result.pkl);
+4. echoes every line `sdp_jupyter.report()` writes as a ``[sdp-metrics] {json}`` stdout line,
+   which CloudWatch Logs keeps and the notebook parses (sdp_jupyter.monitor.cloudwatch);
+5. on an exception, writes its last line to SM_OUTPUT_FAILURE, so the job's FailureReason names
+   the script's error instead of "torchrun exited with 1".
+"""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import sys
+import threading
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def fill_environment(env=os.environ) -> dict:
+    """Set the SDP_* variables a worker reads from the SM_* ones SageMaker provides; return them."""
+    out_dir = env.get("SM_OUTPUT_DATA_DIR") or "/opt/ml/output/data"
+    try:
+        hosts = json.loads(env.get("SM_HOSTS") or "[]")
+    except ValueError:
+        hosts = []
+    values = {
+        "SDP_JOB_DIR": os.path.join(out_dir, "sdp_job"),
+        "SDP_JOB_NAME": env.get("SDP_JOB_NAME") or env.get("TRAINING_JOB_NAME") or "sagemaker-job",
+        "SDP_CHECKPOINT_DIR": env.get("SDP_CHECKPOINT_DIR") or "/opt/ml/checkpoints",
+        "SDP_NUM_NODES": str(len(hosts) or 1),
+        "SDP_TARGET": "sagemaker",
+    }
+    env.update(values)
+    for sub in ("metrics", "logs"):
+        os.makedirs(os.path.join(values["SDP_JOB_DIR"], sub), exist_ok=True)
+    os.makedirs(values["SDP_CHECKPOINT_DIR"], exist_ok=True)
+    return values
+
+
+def load_smddp(env=os.environ) -> str | None:
+    """Make init_process_group("smddp") work in this image; return who provides it."""
+    if env.get("SDP_BACKEND") != "smddp":
+        return None
+    try:
+        import smdistributed.dataparallel.torch.torch_smddp  # noqa: F401  registers "smddp"
+    except ImportError as e:
+        print("[sdp_jupyter] backend smddp: this image has no SageMaker smdistributed.dataparallel "
+              f"library ({e}). Use an image with smddp (the default for --backend smddp is the PyTorch "
+              "2.3.0 training image) or run with --backend nccl.", file=sys.stderr, flush=True)
+        return None
+    env["SDP_SMDDP_PROVIDER"] = "smdistributed"
+    return "smdistributed"
+
+
+class MetricsEcho:
+    """Prints each new line of this rank's metrics file as a ``[sdp-metrics]`` stdout line."""
+
+    def __init__(self, job_dir: str, rank: int, interval: float = 0.5):
+        self.path = os.path.join(job_dir, "metrics", f"rank-{rank}.jsonl")
+        self.interval = interval
+        self.offset = 0
+        self.rest = b""
+        self.last_t = None
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._loop, name="sdp-metrics-echo", daemon=True)
+
+    def start(self) -> "MetricsEcho":
+        self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.drain()
+
+    def drain(self) -> None:
+        from sdp_jupyter.monitor.cloudwatch import format_log_line
+
+        with self._lock:
+            try:
+                with open(self.path, "rb") as f:
+                    f.seek(self.offset)
+                    data = f.read()
+            except OSError:
+                return
+            self.offset += len(data)
+            lines = (self.rest + data).split(b"\n")
+            self.rest = lines.pop()
+            for line in lines:
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                if not isinstance(record, dict):
+                    continue
+                print(format_log_line(record, self.last_t), flush=True)
+                if record.get("kind") == "step" and isinstance(record.get("t"), (int, float)):
+                    self.last_t = record["t"]
+
+    def stop(self) -> None:
+        self._stop.set()
+        reporter = sys.modules.get("sdp_jupyter.monitor.reporter")
+        if reporter is not None:
+            reporter.flush()  # held automatic step fields
+        self.drain()
+
+
+def _write_failure(exc: BaseException, env=os.environ) -> None:
+    path = env.get("SM_OUTPUT_FAILURE")
+    if not path or not os.path.isdir(os.path.dirname(path)) or os.path.exists(path):
+        return
+    last = traceback.format_exception_only(type(exc), exc)[-1].strip()
+    rank = env.get("RANK", "?")
+    try:
+        with open(path, "w") as f:
+            f.write(f"rank {rank} of job {env.get('SDP_JOB_NAME', '?')} failed: {last}")
+    except OSError:
+        pass
+
+
+def _user_frames(tb, *ours: str):
+    """Start the traceback at the script's frames: the bootstrap is not the user's problem."""
+    skip = {os.path.abspath(p) for p in (__file__, *ours)}
+    while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) in skip:
+        tb = tb.tb_next
+    return tb
+
+
+def main(argv: list[str] | None = None) -> int:
+    if HERE not in sys.path:
+        sys.path.insert(0, HERE)  # the uploaded copy of sdp_jupyter sits next to this file
+    from sdp_jupyter.launch import worker
+
+    values = fill_environment()
+    load_smddp()
+    with open(os.path.join(HERE, "spec.json")) as f:
+        spec = json.load(f)
+    push = {}
+    push_path = os.path.join(HERE, "push.pkl")
+    if os.path.exists(push_path):
+        with open(push_path, "rb") as f:
+            push = pickle.load(f)
+    rank = int(os.environ.get("RANK", "0"))
+    args = [str(a) for a in spec.get("args") or []]
+    args += list(sys.argv[1:] if argv is None else argv)  # the hyperparameters, from the driver
+    echo = MetricsEcho(values["SDP_JOB_DIR"], rank).start()
+    try:
+        value = worker.run_script(os.path.join(HERE, "script.py"), args, push, want_result=rank == 0)
+    except SystemExit as e:
+        echo.stop()
+        worker._finish_distributed()
+        if e.code not in (None, 0):
+            _write_failure(e)
+        raise
+    except BaseException as e:
+        echo.stop()
+        traceback.print_exception(type(e), e, _user_frames(e.__traceback__, worker.__file__))
+        sys.stderr.flush()
+        _write_failure(e)
+        return 1
+    echo.stop()
+    code = 0
+    if rank == 0 and value is not None:
+        code = worker._save_result(values["SDP_JOB_DIR"], value, required=bool(spec.get("result")))
+    worker._finish_distributed()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,424 @@
+"""`--target sagemaker` against a local moto server (tests/moto_fixtures.py), never AWS.
+
+What is checked: the CreateTrainingJob request as it reached the server for an smddp, a spot and a
+gloo job (plus the driver files the SDK uploads next to it); validation against botocore's service
+model before anything is sent; a job driven through InProgress -> Training -> Completed / Failed by
+the test with log events and instance metrics written into moto's CloudWatch, and what the job
+handle, its directory, the reader, the job view and the dashboard make of them; stop.
+"""
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import pytest
+
+from moto_fixtures import BUCKET, MotoAWS, REGION, ROLE, aws  # noqa: F401  (aws is a fixture)
+
+pytest.importorskip("sagemaker.train")
+pytest.importorskip("moto.server")
+
+from sdp_jupyter.launch import JobSpec, SpecError, launch  # noqa: E402
+from sdp_jupyter.launch import sagemaker as sm  # noqa: E402
+from sdp_jupyter.monitor import cloudwatch  # noqa: E402
+
+IMAGE_230_GPU = "763104351884.dkr.ecr.us-west-2.amazonaws.com/pytorch-training:2.3.0-gpu-py311"
+SDK_ENTRY = ["/bin/bash"]
+SDK_ARGS = ["-c", "chmod +x /opt/ml/input/data/sm_drivers/sm_train.sh && /opt/ml/input/data/sm_drivers/sm_train.sh"]
+CELL = "import os\nprint('rank', os.environ.get('RANK'))\n"
+
+
+def make_spec(tmp_path, name, **kw) -> JobSpec:
+    options = {"role": ROLE, "bucket": BUCKET, "poll_interval": 0.1}
+    options.update(kw.pop("sagemaker", {}))
+    return JobSpec(code=kw.pop("code", CELL), name=name, target="sagemaker", jobs_dir=str(tmp_path / "jobs"),
+                   sagemaker=options, **kw)
+
+
+def wait_for(predicate, timeout=20.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def wire_request() -> dict:
+    """The newest CreateTrainingJob body that reached the server."""
+    assert MotoAWS.create_requests, "no CreateTrainingJob reached the server"
+    return MotoAWS.create_requests[-1]
+
+
+def s3_json(aws, uri_prefix: str, name: str) -> dict:
+    bucket, _, key = uri_prefix[len("s3://"):].partition("/")
+    body = aws.client("s3").get_object(Bucket=bucket, Key=f"{key}/{name}")["Body"].read()
+    return json.loads(body)
+
+
+def s3_keys(aws, uri_prefix: str) -> set:
+    bucket, _, key = uri_prefix[len("s3://"):].partition("/")
+    pages = aws.client("s3").get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=key + "/")
+    return {o["Key"][len(key) + 1:] for p in pages for o in p.get("Contents", [])}
+
+
+def sdk_channels(base: str, job_name: str) -> list:
+    prefix = f"s3://{BUCKET}/{base}/{job_name}/input"
+    return [{"ChannelName": ch, "DataSource": {"S3DataSource": {
+        "S3DataType": "S3Prefix", "S3Uri": f"{prefix}/{ch}", "S3DataDistributionType": "FullyReplicated"}},
+        "InputMode": "File"} for ch in ("code", "sm_drivers")]
+
+
+def channel(name: str, uri: str) -> dict:
+    return {"ChannelName": name, "DataSource": {"S3DataSource": {
+        "S3DataType": "S3Prefix", "S3Uri": uri, "S3DataDistributionType": "FullyReplicated"}}, "InputMode": "File"}
+
+
+def expected_environment(backend: str, base: str, nodes: int, **extra) -> dict:
+    return {**extra, "SDP_BACKEND": backend, "SDP_JOB_NAME": base, "SDP_NUM_NODES": str(nodes),
+            "SDP_CHECKPOINT_DIR": "/opt/ml/checkpoints", "PYTHONUNBUFFERED": "1"}
+
+
+# ------------------------------------------------------------------------------------------------
+# The exact requests
+# ------------------------------------------------------------------------------------------------
+def test_smddp_job_request(aws, tmp_path):
+    spec = make_spec(tmp_path, "mnist_smddp", nodes=2, backend="smddp", hyperparameters={"lr": 0.1, "epochs": 3},
+                     env={"MY_FLAG": "1"}, sagemaker={"instance_type": "ml.p4d.24xlarge",
+                                                     "inputs": [f"train=s3://{BUCKET}/data/train"]})
+    job = launch(spec)
+    req = wire_request()
+    name = req["TrainingJobName"]
+    assert re.fullmatch(r"mnist-smddp-\d{14}", name)
+    assert job.training_job_name == name
+    assert req == {
+        "TrainingJobName": name,
+        "HyperParameters": {"lr": "0.1", "epochs": "3"},
+        "AlgorithmSpecification": {"TrainingInputMode": "File", "TrainingImage": IMAGE_230_GPU,
+                                   "MetricDefinitions": [dict(m) for m in cloudwatch.METRIC_DEFINITIONS],
+                                   "ContainerEntrypoint": SDK_ENTRY, "ContainerArguments": SDK_ARGS},
+        "RoleArn": ROLE,
+        "InputDataConfig": [channel("train", f"s3://{BUCKET}/data/train")] + sdk_channels("mnist-smddp", name),
+        "OutputDataConfig": {"S3OutputPath": f"s3://{BUCKET}/mnist-smddp", "CompressionType": "GZIP"},
+        "ResourceConfig": {"InstanceType": "ml.p4d.24xlarge", "InstanceCount": 2, "VolumeSizeInGB": 30},
+        "StoppingCondition": {"MaxRuntimeInSeconds": sm.DEFAULT_MAX_RUN},
+        "CheckpointConfig": {"S3Uri": f"s3://{BUCKET}/mnist-smddp/checkpoints", "LocalPath": "/opt/ml/checkpoints"},
+        "Environment": expected_environment("smddp", "mnist-smddp", 2, MY_FLAG="1"),
+    }
+    # torchrun's processes per node and the entry script travel in the SDK's driver files
+    drivers = f"s3://{BUCKET}/mnist-smddp/{name}/input/sm_drivers"
+    assert s3_json(aws, drivers, "distributed.json") == {"process_count_per_node": 8, "smp": None}
+    source = s3_json(aws, drivers, "sourcecode.json")
+    assert (source["entry_script"], source["requirements"]) == ("sdp_entry.py", "requirements.txt")
+    code = s3_keys(aws, f"s3://{BUCKET}/mnist-smddp/{name}/input/code")
+    assert {"script.py", "sdp_entry.py", "spec.json", "requirements.txt", "sdp_jupyter/__init__.py",
+            "sdp_jupyter/launch/worker.py", "sdp_jupyter/monitor/reporter.py",
+            "sdp_jupyter/monitor/cloudwatch.py"} <= code
+    assert not any(k.endswith(".so") or "__pycache__" in k for k in code)
+    # what was sent is kept in the job directory, and the spec there is the resolved one
+    assert job.request["Environment"] == req["Environment"]
+    assert json.loads((job.dir / "spec.json").read_text())["procs_per_node"] == 8
+    assert job.world_size == 16
+    job.stop(wait=False)
+    aws.set_status(name, "Stopped")
+    assert job.wait(20) == "stopped"
+
+
+def test_spot_job_request_and_stable_checkpoint_uri(aws, tmp_path):
+    spec = make_spec(tmp_path, "spot-run", nodes=1, backend="nccl", procs_per_node=4,
+                     sagemaker={"instance_type": "ml.g5.12xlarge", "spot": True, "max_run": 3600,
+                                "volume_size": 100})
+    first = launch(spec)
+    req = wire_request()
+    assert req["ResourceConfig"] == {"InstanceType": "ml.g5.12xlarge", "InstanceCount": 1, "VolumeSizeInGB": 100}
+    assert req["EnableManagedSpotTraining"] is True
+    assert req["StoppingCondition"] == {"MaxRuntimeInSeconds": 3600, "MaxWaitTimeInSeconds": 7200}
+    assert req["CheckpointConfig"] == {"S3Uri": f"s3://{BUCKET}/spot-run/checkpoints",
+                                       "LocalPath": "/opt/ml/checkpoints"}
+    assert req["Environment"]["SDP_CHECKPOINT_DIR"] == "/opt/ml/checkpoints"
+    newest = sm._default_framework_version("nccl")  # the newest PyTorch training image the SDK knows
+    assert re.fullmatch(rf"763104351884\.dkr\.ecr\.us-west-2\.amazonaws\.com/pytorch-training:{newest}-gpu-py3\d+",
+                        req["AlgorithmSpecification"]["TrainingImage"])
+    drivers = f"s3://{BUCKET}/spot-run/{req['TrainingJobName']}/input/sm_drivers"
+    assert s3_json(aws, drivers, "distributed.json")["process_count_per_node"] == 4
+    aws.set_status(first.training_job_name, "Completed")
+    assert first.wait(20) == "succeeded"
+    # a second job of the same name resumes from the same checkpoint URI
+    time.sleep(1.1)  # the SDK's job-name suffix has one-second resolution
+    second = launch(spec)
+    again = wire_request()
+    assert again["TrainingJobName"] != req["TrainingJobName"]
+    assert again["CheckpointConfig"] == req["CheckpointConfig"]
+    aws.set_status(second.training_job_name, "Completed")
+    assert second.wait(20) == "succeeded"
+
+
+def test_gloo_job_request(aws, tmp_path):
+    spec = make_spec(tmp_path, "cpu-gloo", nodes=3, backend="gloo", procs_per_node=2, args="--epochs 2",
+                     hyperparameters={"batch_size": 64, "optimizer": "sgd"}, timeout=1800,
+                     sagemaker={"instance_type": "ml.m5.xlarge", "framework_version": "2.8.0", "keep_alive": 600,
+                                "output_path": f"s3://{BUCKET}/teams/a/"})
+    job = launch(spec)
+    req = wire_request()
+    name = req["TrainingJobName"]
+    assert req["AlgorithmSpecification"]["TrainingImage"] == \
+        "763104351884.dkr.ecr.us-west-2.amazonaws.com/pytorch-training:2.8.0-cpu-py312"
+    assert req["ResourceConfig"] == {"InstanceType": "ml.m5.xlarge", "InstanceCount": 3, "VolumeSizeInGB": 30,
+                                     "KeepAlivePeriodInSeconds": 600}
+    assert req["StoppingCondition"] == {"MaxRuntimeInSeconds": 1800}  # from --timeout
+    assert "EnableManagedSpotTraining" not in req
+    assert req["HyperParameters"] == {"batch_size": "64", "optimizer": "sgd"}
+    assert req["Environment"] == expected_environment("gloo", "cpu-gloo", 3)
+    assert req["OutputDataConfig"]["S3OutputPath"] == f"s3://{BUCKET}/teams/a/cpu-gloo"
+    assert req["CheckpointConfig"]["S3Uri"] == f"s3://{BUCKET}/teams/a/cpu-gloo/checkpoints"
+    drivers = f"s3://{BUCKET}/cpu-gloo/{name}/input/sm_drivers"
+    assert s3_json(aws, drivers, "distributed.json")["process_count_per_node"] == 2
+    # --args reach the script through spec.json (the entry puts them before the hyperparameters)
+    assert json.loads((job.dir / "sagemaker_source" / "spec.json").read_text())["args"] == ["--epochs", "2"]
+    aws.set_status(name, "Completed")
+    assert job.wait(20) == "succeeded"
+
+
+# ------------------------------------------------------------------------------------------------
+# Validation: nothing is sent
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("changes, option, field, words", [
+    ({"sagemaker": {"instance_type": "ml.p4d.48xlarge"}, "backend": "gloo"}, "--instance-type",
+     "ResourceConfig.InstanceType", "ml.p4d.24xlarge"),
+    ({"sagemaker": {"role": "my-role"}}, "--role", "RoleArn", "pattern"),
+    ({"sagemaker": {"keep_alive": 30000}}, "--keep-alive", "ResourceConfig.KeepAlivePeriodInSeconds", "21600"),
+    ({"env": {"BIG": "x" * 600}}, "--env", "Environment['BIG']", "512"),
+    ({"hyperparameters": {"notes": "y" * 2600}}, "--hp", "HyperParameters['notes']", "2500"),
+    ({"sagemaker": {"inputs": {"bad name": "s3://b/x"}}}, "--input", "InputDataConfig[0].ChannelName", "pattern"),
+])
+def test_service_model_rejects_before_sending(aws, tmp_path, changes, option, field, words):
+    kw = {"backend": "gloo"} | changes
+    extra = kw.pop("sagemaker", {})
+    before = len(MotoAWS.create_requests)
+    with pytest.raises(sm.SageMakerRequestError) as err:
+        launch(make_spec(tmp_path, "bad-job", sagemaker=extra, **kw))
+    assert err.value.option == option
+    assert field in err.value.fields
+    assert option in str(err.value) and words in str(err.value)
+    assert len(MotoAWS.create_requests) == before
+
+
+@pytest.mark.parametrize("changes, option, words", [
+    ({"name": "a" * 49}, "--name", "at most 48"),
+    ({"backend": "smddp", "sagemaker": {"instance_type": "ml.g5.48xlarge"}}, "--instance-type",
+     "ml.p4d.24xlarge, ml.p4de.24xlarge"),
+    ({"backend": "smddp", "sagemaker": {"instance_type": "ml.p5.48xlarge"}}, "--instance-type", "does not run on"),
+    ({"sagemaker": {"max_wait": 100}}, "--max-wait", "--spot"),
+    ({"sagemaker": {"spot": True, "max_run": 600, "max_wait": 300}}, "--max-wait", "at least --max-run"),
+    ({"sagemaker": {"spot": True, "keep_alive": 60}}, "--keep-alive", "warm pools"),
+    ({"sagemaker": {"inputs": ["code=s3://b/x"]}}, "--input", "used by the SageMaker SDK"),
+    ({"sagemaker": {"inputs": ["train"]}}, "--input", "NAME=s3://"),
+    ({"sagemaker": {"volume_size": 0}}, "--volume-size", "1 or more"),
+    ({"sagemaker": {"output_path": "/tmp/out"}}, "--output-path", "S3 URI"),
+    ({"sagemaker": {"bucket": "s3://x"}}, "--bucket", "bucket name only"),
+    ({"sagemaker": {"instance_typ": "ml.p4d.24xlarge"}}, "sagemaker", "instance_type"),
+    ({"backend": "nccl", "sagemaker": {"instance_type": "ml.g5.12xlarge"}, "procs_per_node": 8},
+     "--procs-per-node", "4 GPU"),
+])
+def test_option_errors_name_the_option(tmp_path, changes, option, words):
+    kw = {"backend": "gloo"} | changes
+    extra = kw.pop("sagemaker", {})
+    name = kw.pop("name", "opt-job")
+    with pytest.raises(SpecError) as err:
+        sm.make_plan(make_spec(tmp_path, name, sagemaker=extra, **kw))
+    assert err.value.option == option, str(err.value)
+    assert words in str(err.value)
+
+
+def test_missing_role_is_named(aws, tmp_path):
+    spec = make_spec(tmp_path, "no-role", backend="gloo")
+    spec.sagemaker.pop("role")
+    with pytest.raises(SpecError) as err:
+        launch(spec)
+    assert err.value.option == "--role" and "arn:aws:iam::" in str(err.value)
+
+
+def test_final_request_gate_blocks_a_bad_request(aws, tmp_path):
+    """The hook on CreateTrainingJob checks the SDK's final request too (required fields included)."""
+    import boto3
+
+    boto = boto3.Session(region_name=REGION)
+    gate = sm._RequestGate(tmp_path / "request.json").install(boto)
+    before = len(MotoAWS.create_requests)
+    client = boto.client("sagemaker")
+    with pytest.raises(sm.SageMakerRequestError) as err:
+        client.create_training_job(
+            TrainingJobName="x" * 64, RoleArn=ROLE, OutputDataConfig={"S3OutputPath": f"s3://{BUCKET}/o"},
+            AlgorithmSpecification={"TrainingInputMode": "File", "TrainingImage": IMAGE_230_GPU},
+            ResourceConfig={"InstanceType": "ml.p4d.24xlarge", "InstanceCount": 1, "VolumeSizeInGB": 30},
+            StoppingCondition={"MaxRuntimeInSeconds": 60})
+    assert set(err.value.fields) == {"TrainingJobName"} and "at most 63 allowed" in str(err.value)
+    assert len(MotoAWS.create_requests) == before and not (tmp_path / "request.json").exists()
+    gate.remove(boto)
+    with pytest.raises(sm.SageMakerRequestError, match=r"RoleArn \(--role\): is required"):
+        sm.validate_request({"TrainingJobName": "ok", "OutputDataConfig": {"S3OutputPath": "s3://b/o"}})
+
+
+# ------------------------------------------------------------------------------------------------
+# A job driven through its states by the test
+# ------------------------------------------------------------------------------------------------
+def metric_lines(rank: int, steps: int, t0: float) -> list[str]:
+    return [cloudwatch.format_log_line({"t": t0 + s * 0.5, "kind": "step", "rank": rank, "step": s,
+                                        "samples": 32, "loss": 2.0 / (s + 1), "step_time": 0.5})
+            for s in range(steps)]
+
+
+def test_job_runs_to_completion_with_logs_and_metrics(aws, tmp_path):
+    job = launch(make_spec(tmp_path, "life-ok", nodes=2, backend="smddp", procs_per_node=2,
+                           hyperparameters={"total_steps": 4}, sagemaker={"instance_type": "ml.p4d.24xlarge"}))
+    name = job.training_job_name
+    view = job.view()
+    wait_for(lambda: job.sagemaker.get("secondary_status") == "Starting", what="first poll")
+    assert job.state == "pending"
+    aws.set_status(name, "InProgress", "Training", message="Training image download completed.")
+    wait_for(lambda: job.state == "running", what="running")
+    t0 = time.time()
+    aws.put_log_lines(name, 1, ["hello from algo-1"] + metric_lines(0, 4, t0) + metric_lines(1, 4, t0), t0)
+    aws.put_log_lines(name, 2, ["hello from algo-2"] + metric_lines(2, 4, t0) + metric_lines(3, 4, t0), t0)
+    for host, gpu in ((1, 640.0), (2, 320.0)):  # 0-100 x 8 GPUs
+        aws.put_host_metric(name, host, "GPUUtilization", gpu, t0)
+        aws.put_host_metric(name, host, "GPUMemoryUtilization", 400.0, t0)
+        aws.put_host_metric(name, host, "CPUUtilization", 960.0, t0)  # 0-100 x 96 vCPUs
+        aws.put_host_metric(name, host, "MemoryUtilization", 25.0, t0)
+    wait_for(lambda: "hello from algo-2" in job.logs(1), what="host 2's log")
+    aws.set_status(name, "Completed")
+    assert job.wait(30) == "succeeded"
+    assert job.error is None
+    assert job.logs(0).startswith("hello from algo-1\n") and "hello from algo-2" not in job.logs(0)
+    st = job.status["sagemaker"]
+    assert [t["status"] for t in st["transitions"]] == ["Starting", "Training", "Completed"]
+    # the reader sees the job like a local one: steps per rank, throughput, normalised utilisation
+    from sdp_jupyter.monitor.reader import read
+
+    frame = read(job)
+    assert frame.ranks == [0, 1, 2, 3] and frame.last_step == 3 and frame.total_steps == 4
+    assert frame.steps[0]["loss"] == [2.0, 1.0, 2.0 / 3, 0.5]
+    assert frame.unit == "samples/s"
+    gpu = {node: frame.system[(node, "gpu")] for node in (0, 1)}
+    assert gpu[0]["util"] == [80.0] and gpu[1]["util"] == [40.0]
+    assert frame.system[(0, "cpu")]["util"] == [10.0]
+    assert gpu[0]["mem_total"] == [8 * 40 * 2**30] and gpu[0]["mem_used"] == [0.5 * 8 * 40 * 2**30]
+    # the view: one pane per host, rank 0's host open, SageMaker status in the header
+    wait_for(lambda: "Completed" in view.header.value and "succeeded" in view.header.value, what="view")
+    assert [view.ranks.get_title(h) for h in (0, 1)] == ["algo-1 (ranks 0-1)", "algo-2 (ranks 2-3) (opens its log)"]
+    wait_for(lambda: view.outputs[0].outputs and "hello from algo-1" in view.outputs[0].outputs[0]["text"],
+             what="host 1's pane")
+    assert "[sagemaker] Training: Training image download completed." in view.outputs[0].outputs[0]["text"]
+    assert not view.outputs[1].outputs
+    view.ranks.selected_index = 1
+    assert "hello from algo-2" in view.outputs[1].outputs[0]["text"]
+    # and a new handle reopened from the directory alone
+    again = sm.SageMakerJob.open(job.dir)
+    assert again.state == "succeeded" and again.training_job_name == name and not again.live
+
+
+def test_failed_job_shows_the_failure_reason(aws, tmp_path):
+    job = launch(make_spec(tmp_path, "life-fail", backend="gloo", sagemaker={"instance_type": "ml.m5.xlarge"}))
+    view = job.view()
+    name = job.training_job_name
+    aws.set_status(name, "InProgress", "Training")
+    aws.put_log_lines(name, 1, ["Traceback (most recent call last):", "ZeroDivisionError: division by zero"])
+    reason = "AlgorithmError: rank 0 of job life-fail failed: ZeroDivisionError: division by zero"
+    wait_for(lambda: "ZeroDivisionError" in job.logs(0), what="the traceback")
+    aws.set_status(name, "Failed", failure_reason=reason)
+    assert job.wait(30) == "failed"
+    assert job.error == reason
+    from sdp_jupyter.launch import JobError
+
+    with pytest.raises(JobError, match="division by zero"):
+        job.raise_for_state()
+    wait_for(lambda: "division by zero" in view.error.value and "failed" in view.header.value, what="view error")
+    assert "Failed" in view.header.value
+    assert reason in job.summary()
+
+
+def test_stop_button_calls_stop_training_job(aws, tmp_path):
+    job = launch(make_spec(tmp_path, "to-stop", backend="gloo", sagemaker={"instance_type": "ml.m5.xlarge"}))
+    name = job.training_job_name
+    view = job.view()
+    aws.set_status(name, "InProgress", "Training")
+    wait_for(lambda: job.state == "running", what="running")
+    view.stop_button.click()
+    wait_for(lambda: aws.status(name) == "Stopping", what="StopTrainingJob")
+    wait_for(lambda: job.sagemaker.get("status") == "Stopping", what="Stopping seen")
+    assert job.state == "running" and not job.done  # SageMaker is still stopping it
+    aws.set_status(name, "Stopped")
+    assert job.wait(30) == "stopped"
+    assert job.stop() == "stopped"  # stopping a stopped job is a no-op
+
+
+def test_result_comes_from_the_output_archive(aws, tmp_path):
+    import io
+    import pickle
+    import tarfile
+
+    job = launch(make_spec(tmp_path, "with-result", backend="gloo", sagemaker={"instance_type": "ml.m5.xlarge"}))
+    name = job.training_job_name
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:  # what SageMaker uploads from /opt/ml/output/data
+        data = pickle.dumps({"accuracy": 0.97})
+        info = tarfile.TarInfo("sdp_job/result.pkl")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    aws.client("s3").put_object(Bucket=BUCKET, Key=f"with-result/{name}/output/output.tar.gz", Body=buf.getvalue())
+    aws.set_status(name, "Completed")
+    assert job.wait(30) == "succeeded"
+    assert job.result() == {"accuracy": 0.97}
+
+
+# ------------------------------------------------------------------------------------------------
+# CloudWatch pieces on their own
+# ------------------------------------------------------------------------------------------------
+def test_log_line_format_round_trip_and_metric_regexes():
+    record = {"t": 1.5, "kind": "step", "rank": 0, "step": 7, "samples": 64, "loss": 0.25, "step_time": 0.5,
+              "exposed_comm": 0.01}
+    line = cloudwatch.format_log_line(record)
+    assert line.startswith('[sdp-metrics] {"kind":"step","rank":0,"step":7,')
+    event = cloudwatch.parse_log_line("2026-11-21 stdout: " + line, host=1)
+    assert event == {**record, "throughput": 128.0, "node": 1}
+    found = {}
+    for m in cloudwatch.METRIC_DEFINITIONS:
+        hit = re.search(m["Regex"], line)
+        found[m["Name"]] = float(hit.group(1)) if hit else None
+    assert found == {"sdp:loss": 0.25, "sdp:throughput": 128.0, "sdp:step_time": 0.5}
+    other_rank = cloudwatch.format_log_line({**record, "rank": 3})
+    assert not any(re.search(m["Regex"], other_rank) for m in cloudwatch.METRIC_DEFINITIONS)
+    # throughput from the time since the previous step when there is no step_time
+    nostep = cloudwatch.format_log_line({"t": 3.0, "kind": "step", "rank": 0, "step": 8, "samples": 10}, 2.0)
+    assert cloudwatch.parse_log_line(nostep)["throughput"] == 10.0
+    assert cloudwatch.parse_log_line("[sdp-metrics] {not json") is None
+    assert cloudwatch.parse_log_line("plain output") is None
+    assert cloudwatch.host_index("job-1/algo-12-1700000000") == 11
+    assert cloudwatch.host_index("job-1/algo-2") == 1
+
+
+def test_cloudwatch_source_is_a_metrics_source(aws, tmp_path):
+    from sdp_jupyter.monitor.reader import MetricsSource, Reader
+
+    job = launch(make_spec(tmp_path, "cw-source", nodes=2, backend="smddp", procs_per_node=1,
+                           sagemaker={"instance_type": "ml.p4de.24xlarge"}))
+    name = job.training_job_name
+    lines = []
+    source = cloudwatch.CloudWatchSource(name, region=REGION, world_size=2,
+                                         on_line=lambda h, text, t: lines.append((h, text)))
+    assert isinstance(source, MetricsSource)
+    assert (source.hosts, source.instance_type) == (2, "ml.p4de.24xlarge")
+    reader = Reader(source)
+    t0 = time.time()
+    aws.set_status(name, "InProgress", "Training")
+    aws.put_log_lines(name, 2, ["from host two"] + metric_lines(1, 3, t0), t0)
+    aws.put_host_metric(name, 2, "GPUUtilization", 800.0, t0)
+    frame = reader.poll()
+    assert frame is not None and frame.ranks == [1] and not reader.done()
+    assert (1, "from host two") in lines
+    aws.set_status(name, "Completed")
+    frame = reader.poll()
+    assert reader.done() and frame.done and frame.state == "succeeded"
+    assert frame.system[(1, "gpu")]["util"] == [100.0]
+    assert job.wait(30) == "succeeded"
