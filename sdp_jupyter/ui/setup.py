@@ -109,8 +109,7 @@ class JobSetup(W.VBox):
             preset = scaling.Plan(**{**plan_fields, "instance_type": "ml.p4d.24xlarge"})
 
         def num(cls, label, value, **kw):
-            w = cls(value=value, description=label, style=_STYLE, layout=_LAYOUT, **kw)
-            return w
+            return cls(value=value, description=label, style=_STYLE, layout=_LAYOUT, **kw)
 
         self.w_target = W.ToggleButtons(options=list(scaling.TARGETS), value=preset.target, description="target",
                                         style={"description_width": "170px", "button_width": "90px"})
@@ -176,8 +175,10 @@ class JobSetup(W.VBox):
                        self.w_gpus, self.w_backend, W.HTML("<b>Batch and learning rate</b>"), self.w_mode,
                        self.w_per_gpu, self.w_ref_lr, self.w_ref_batch, self.w_rule, self.w_warmup,
                        self.w_optimizer, self.w_batchnorm])
+        efficiency_note = W.HTML(f"<small>an assumption; default {scaling.DEFAULT_SCALING_EFFICIENCY:g}: "
+                                 f"{html.escape(scaling.DEFAULT_SCALING_EFFICIENCY_SOURCE)}</small>")
         right = W.VBox([W.HTML("<b>Data and budget</b>"), self.w_epochs, self.w_dataset, self.w_throughput,
-                        self.w_efficiency, self.w_price, W.HTML("<b>What this does</b>"), self.w_global, self.w_lr,
+                        self.w_efficiency, efficiency_note, self.w_price, W.HTML("<b>What this does</b>"), self.w_global, self.w_lr,
                         self.w_hints])
         super().__init__([W.HBox([left, right]), self.w_warnings, self.w_magic,
                           W.HBox([self.w_launch, self.w_reason]), self.w_status,
@@ -377,6 +378,9 @@ class JobSetup(W.VBox):
         if launch_job is None:
             from sdp_jupyter.launch import launch as launch_job
         self.w_launch.disabled = True
+        self.measured = None
+        self.w_measured.value = ""
+        self.w_use_measured.layout.display = "none"
         try:
             job = launch_job(spec)
         except Exception as e:
