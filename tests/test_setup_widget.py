@@ -168,11 +168,12 @@ def test_magics_register_on_a_real_shell():
 
 
 @pytest.mark.slow
-def test_launch_runs_a_real_job_with_the_hyperparameters(tmp_path):
-    """Click Launch: two gloo ranks run the notebook's training code, read --lr and SM_HPS, succeed."""
+def test_launch_runs_a_real_job_with_the_hyperparameters(jobs_dir):
+    """Click Launch: two gloo ranks run the notebook's training code, read --lr and SM_HPS, succeed
+    (the jobs_dir fixture also fails the test if a worker outlives it)."""
     s = sdp_jupyter.JobSetup(code=notebook_training_code(), backend="gloo", nodes=1, gpus_per_node=1,
                              per_gpu_batch=32, reference_batch=32, reference_lr=0.01, dataset_size=2048, epochs=2,
-                             jobs_dir=str(tmp_path), name="setup-widget-test")
+                             jobs_dir=str(jobs_dir), name="setup-widget-test")
     s.w_nodes.value = 2  # global batch 64, linear rule: LR 0.02
     assert s.spec.hyperparameters["lr"] == 0.02
     s.w_launch.click()
