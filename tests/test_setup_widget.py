@@ -144,6 +144,10 @@ def test_cells_by_name_and_the_magics():
     setup_mod.sdp_cell_magic("demo_cell", "x = 1\nprint(x)\n")
     s = sdp_jupyter.JobSetup(cell="demo_cell", backend="gloo", cpus=64)
     assert s.spec.code == "x = 1\nprint(x)\n"
+    empty = sdp_jupyter.JobSetup(backend="gloo", cpus=64)
+    assert empty.w_launch.disabled and "nothing to run" in text(empty.w_reason)
+    assert empty.attach(cell="demo_cell") is empty and not empty.w_launch.disabled
+    assert empty.spec.code == "x = 1\nprint(x)\n"
     with pytest.raises(SyntaxError):
         setup_mod.sdp_cell_magic("broken", "def f(:\n")
     with pytest.raises(KeyError, match="%%sdp_cell nope"):

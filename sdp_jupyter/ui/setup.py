@@ -90,14 +90,8 @@ class JobSetup(W.VBox):
         if unknown:
             raise TypeError(f"JobSetup() got unknown field(s) {', '.join(unknown)}; known: script, code, cell, "
                             f"name, hyperparameters, jobs_dir, sagemaker, {', '.join(sorted(known))}")
-        if sum(x is not None for x in (script, code, cell)) > 1:
-            raise ValueError("give at most one of script=, code= or cell=")
-        if cell is not None and cell not in CELLS:
-            raise KeyError(f"no cell stored as {cell!r}: run a cell that starts with '%%sdp_cell {cell}' first"
-                           + (f" (stored: {', '.join(CELLS)})" if CELLS else ""))
-        self._code, self._cell = code, cell
         self._updating = False
-        self.script_path = None if script is None else str(script)
+        self._set_what_runs(script, code, cell)
         self.name = name
         self.extra_hyperparameters = dict(hyperparameters or {})
         self.jobs_dir = jobs_dir
@@ -185,6 +179,21 @@ class JobSetup(W.VBox):
                           W.HBox([self.w_measured, self.w_use_measured]), self.w_job])
         self.add_class("sdp-job-setup")
         self._refresh()
+
+    def _set_what_runs(self, script, code, cell) -> None:
+        if sum(x is not None for x in (script, code, cell)) > 1:
+            raise ValueError("give at most one of script=, code= or cell=")
+        if cell is not None and cell not in CELLS:
+            raise KeyError(f"no cell stored as {cell!r}: run a cell that starts with '%%sdp_cell {cell}' first"
+                           + (f" (stored: {', '.join(CELLS)})" if CELLS else ""))
+        self._code, self._cell = code, cell
+        self.script_path = None if script is None else str(script)
+
+    def attach(self, script: str | None = None, *, code: str | None = None, cell: str | None = None) -> "JobSetup":
+        """Change what Launch runs: a .py file, code, or a cell stored with ``%%sdp_cell NAME``."""
+        self._set_what_runs(script, code, cell)
+        self._refresh()
+        return self
 
     # ------------------------------------------------------------------ reading the form
     @staticmethod
