@@ -194,6 +194,14 @@ def estimate(
     return Estimate(rate, epoch_s, run_s, applied, price_per_hour, cost_epoch, cost_run, assumptions)
 
 
+def measured_efficiency(rate_one_rank: float, rate_per_rank_at_n: float) -> float:
+    """Scaling efficiency from two measurements of the same training code: samples/s of one rank alone,
+    and samples/s per rank when N ranks train together (T_N = N x T_1 x efficiency)."""
+    if rate_one_rank <= 0:
+        raise ValueError(f"one-rank throughput must be > 0 samples/s, got {rate_one_rank}")
+    return rate_per_rank_at_n / rate_one_rank
+
+
 # --- a whole plan --------------------------------------------------------------------------------
 
 

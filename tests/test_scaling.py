@@ -122,6 +122,12 @@ def test_estimate_hand_checked():
     assert single.cost_per_run is None  # no price: cost unknown, not zero
 
 
+def test_measured_efficiency():
+    assert S.measured_efficiency(100.0, 85.0) == pytest.approx(0.85)
+    with pytest.raises(ValueError, match="one-rank throughput"):
+        S.measured_efficiency(0.0, 85.0)
+
+
 def test_plan_estimate_uses_entered_price_and_unknown_catalogue_price():
     kw = dict(target="sagemaker", instance_type="ml.p4d.24xlarge", nodes=2, backend="smddp",
               dataset_size=1_000_000, throughput_per_gpu=500.0)

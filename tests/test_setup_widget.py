@@ -203,20 +203,43 @@ def test_launch_runs_a_real_job_with_the_hyperparameters(jobs_dir):
     assert est.epoch_seconds == pytest.approx(32 * 64 / (2 * per_rank), rel=1e-5)
 
 
-def test_measured_throughput_reads_reported_samples(tmp_path):
-    """Hand-made metrics: 2 ranks, 10 steps of 32 samples each 0.1 s apart -> 320 samples/s per rank."""
+def write_steps(job_dir: Path, ranks: int, samples: int, dt: float, steps: int = 10) -> Path:
+    """Metrics as report(samples=...) writes them: each rank `samples` per step, a step every `dt` s."""
     import json
 
-    (tmp_path / "metrics").mkdir()
-    for rank in range(2):
-        lines = [json.dumps({"t": 1000.0 + 0.1 * i, "kind": "step", "rank": rank, "step": i, "samples": 32})
-                 for i in range(10)]
-        (tmp_path / "metrics" / f"rank-{rank}.jsonl").write_text("\n".join(lines) + "\n")
+    (job_dir / "metrics").mkdir(parents=True)
+    for rank in range(ranks):
+        lines = [json.dumps({"t": 1000.0 + dt * i, "kind": "step", "rank": rank, "step": i, "samples": samples})
+                 for i in range(steps)]
+        (job_dir / "metrics" / f"rank-{rank}.jsonl").write_text("\n".join(lines) + "\n")
+    return job_dir
+
+
+def test_measured_throughput_reads_reported_samples(tmp_path):
+    """Hand-made metrics: 2 ranks, steps of 32 samples each 0.1 s apart -> 320 samples/s per rank."""
+    import json
+
+    write_steps(tmp_path, ranks=2, samples=32, dt=0.1)
     per_rank, ranks = setup_mod.measured_throughput(tmp_path)
     assert ranks == 2 and per_rank == pytest.approx(320, rel=0.01)
     (tmp_path / "metrics" / "rank-0.jsonl").write_text("")
     (tmp_path / "metrics" / "rank-1.jsonl").write_text(json.dumps({"t": 1.0, "kind": "step", "rank": 1, "step": 0}))
     assert setup_mod.measured_throughput(tmp_path) is None
+
+
+def test_one_rank_and_four_rank_measurements_give_the_scaling_efficiency(tmp_path):
+    s = make(nodes=4, per_gpu_batch=32, reference_batch=32, dataset_size=128_000)
+    s.measure(write_steps(tmp_path / "one", ranks=1, samples=32, dt=0.1))   # 320 samples/s alone
+    assert s.measured_efficiency() is None
+    s.measure(write_steps(tmp_path / "four", ranks=4, samples=32, dt=0.125))  # 256 per rank together
+    eff, n = s.measured_efficiency()
+    assert n == 4 and eff == pytest.approx(0.8, rel=0.01)
+    assert "scaling efficiency 0.80 at 4 ranks vs 1 rank alone" in text(s.w_measured)
+    s.w_use_measured.click()
+    assert float(s.w_throughput.value) == pytest.approx(320, rel=0.01)
+    assert s.w_efficiency.value == pytest.approx(0.8, rel=0.01)
+    # 4 ranks x 320 x 0.8 = 1024 samples/s: the estimate gives back the 4-rank measurement
+    assert s.outcome.estimate.samples_per_second == pytest.approx(4 * 256, rel=0.01)
 
 
 @pytest.mark.slow

@@ -155,6 +155,7 @@ class JobSetup(W.VBox):
                                        layout=W.Layout(display="none", width="auto")).add_class("sdp-use-measured")
         self.w_use_measured.on_click(lambda _b: self.use_measured())
         self.measured = None  # (samples/s per rank, ranks) from the last job, if it reported samples
+        self.measurements: dict[int, float] = {}  # ranks -> samples/s per rank, every measured job of this form
         self.w_nodes.add_class("sdp-nodes")
 
         inputs = [self.w_target, self.w_instance, self.w_nodes, self.w_gpus, self.w_backend, self.w_mode,
@@ -433,21 +434,42 @@ class JobSetup(W.VBox):
             self.w_use_measured.layout.display = "none"
         else:
             per_rank, ranks = self.measured
-            self.w_measured.value = (f"measured <b>{per_rank:,.0f}</b> samples/s per GPU on {ranks} ranks "
-                                     "(communication included)")
+            self.measurements[ranks] = per_rank
+            text = f"measured <b>{per_rank:,.0f}</b> samples/s per GPU on {ranks} ranks (communication included)"
+            eff = self.measured_efficiency()
+            if eff is not None:
+                text += (f"; scaling efficiency {eff[0]:.2f} at {eff[1]} ranks vs 1 rank alone"
+                         + (" (above 1: noise or a cache effect; 1 is used)" if eff[0] > 1 else ""))
+            self.w_measured.value = text
             self.w_use_measured.layout.display = None
         return self.measured
 
-    def use_measured(self) -> None:
-        """Put the measured throughput into the estimate as a one-GPU figure.
+    def measured_efficiency(self) -> tuple[float, int] | None:
+        """(efficiency, N) from this form's measured 1-rank job and its largest measured N-rank job."""
+        many = [n for n in self.measurements if n > 1]
+        if 1 not in self.measurements or not many:
+            return None
+        n = max(many)
+        return scaling.measured_efficiency(self.measurements[1], self.measurements[n]), n
 
-        A rate measured on N > 1 ranks already carries their communication, so it is divided by the
-        scaling efficiency the estimate multiplies by: at the measured world size the estimate then
-        reproduces the measured rate instead of counting the communication twice."""
+    def use_measured(self) -> None:
+        """Put the measurements into the estimate.
+
+        With a 1-rank job measured, its rate is the one-GPU throughput, and with an N-rank job too, their
+        ratio becomes the scaling efficiency (capped at 1). With N-rank jobs only, the rate (which already
+        carries the communication) is divided by the efficiency the estimate multiplies by, so that at
+        the measured world size the estimate gives back the measured rate instead of counting the
+        communication twice."""
         if self.measured is None:
             return
+        eff = self.measured_efficiency()
+        if 1 in self.measurements:
+            self.w_throughput.value = f"{self.measurements[1]:.6g}"
+            if eff is not None:
+                self.w_efficiency.value = round(min(1.0, eff[0]), 4)
+            return
         per_rank, ranks = self.measured
-        efficiency = self.w_efficiency.value if ranks > 1 and self.w_efficiency.value > 0 else 1.0
+        efficiency = self.w_efficiency.value if self.w_efficiency.value > 0 else 1.0
         self.w_throughput.value = f"{per_rank / efficiency:.6g}"
 
 
