@@ -95,6 +95,9 @@ def test_sagemaker_target_takes_gpus_from_the_instance_and_checks_smddp():
     spec = s.spec
     assert spec.target == "sagemaker" and spec.procs_per_node == 8
     assert spec.sagemaker == {"instance_type": "ml.p4d.24xlarge"}
+    # every SageMaker option of the spec is either in the %%sdp_train line or listed next to it
+    shown = text(s.w_magic)
+    assert "--instance-type ml.p4d.24xlarge" in shown or "instance_type=ml.p4d.24xlarge" in shown
     s.w_instance.value = "ml.g5.48xlarge"
     assert s.w_launch.disabled and "does not support ml.g5.48xlarge" in text(s.w_reason)
     s.w_target.value = "local"

@@ -359,8 +359,12 @@ class JobSetup(W.VBox):
                 self._show_blocked([html.escape(str(e))])
                 self.w_magic.value = ""
                 return
-            self.w_magic.value = ("<small>the same job from a cell (the training code goes below this line):</small><pre style='white-space:pre-wrap'>"
-                                  + html.escape(self.magic_line(spec)) + "</pre>")
+            line = self.magic_line(spec)
+            missing = {k: v for k, v in spec.sagemaker.items() if f"--{k.replace('_', '-')}" not in line}
+            note = ("<br><small>plus the SageMaker options the line does not carry: "
+                    + html.escape(", ".join(f"{k}={v}" for k, v in missing.items())) + "</small>") if missing else ""
+            self.w_magic.value = ("<small>the same job from a cell (the training code goes below this line):</small>"
+                                  f"<pre style='white-space:pre-wrap'>{html.escape(line)}</pre>{note}")
             self.w_launch.disabled = False
             self.w_reason.value = ""
         else:
