@@ -31,6 +31,12 @@ def job_processes(root) -> list:
     return found
 
 
+def worker_processes(root) -> list:
+    """The rank processes (not the samplers) of jobs under `root`."""
+    return [p for p in job_processes(root) if "sdp_jupyter.launch.worker" in p.cmdline()
+            and "--module" not in p.cmdline()]
+
+
 def wait_no_processes(root, timeout: float = 15.0) -> list:
     """Wait until no process of a job under `root` is left; return those still alive at the deadline."""
     deadline = time.monotonic() + timeout

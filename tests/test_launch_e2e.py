@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import REPO, job_processes, wait_no_processes
+from conftest import REPO, job_processes, wait_no_processes, worker_processes
 from sdp_jupyter.launch import Job, LocalLauncher, JobSpec, launch
 
 pytestmark = pytest.mark.slow
@@ -63,18 +63,19 @@ def test_environment_output_and_result(tmp_path, jobs_dir):
 def test_two_torch_jobs_at_once_torchrun_style(tmp_path, jobs_dir):
     script = write(tmp_path / "allreduce.py", """
         import os, torch, torch.distributed as dist
-        dist.init_process_group("gloo")  # env:// from torchrun's variables, as under torchrun
+        dist.init_process_group(os.environ["SDP_BACKEND"])  # env:// from torchrun's variables
         t = torch.full((4,), float(dist.get_rank() + 1) * float(os.environ["SCALE"]))
         dist.all_reduce(t)
         print("sum", t.tolist())
         dist.destroy_process_group()
         t.tolist()
     """)
-    a = launch(script, nodes=3, backend="gloo", env={"SCALE": "1"}, name="a")
+    a = launch(script, nodes=3, env={"SCALE": "1"}, name="a")  # default backend: smddp
     b = launch(script, nodes=2, backend="gloo", env={"SCALE": "10"}, name="b")
     assert a.wait(120) == "succeeded", a.summary()
     assert b.wait(120) == "succeeded", b.summary()
     assert a.result() == [6.0] * 4 and b.result() == [30.0] * 4
+    assert (a.spec.backend, b.spec.backend) == ("smddp", "gloo")
     assert a.status["port"] != b.status["port"]
     assert json.loads((a.dir / "status.json").read_text())["state"] == "succeeded"
 
@@ -194,7 +195,8 @@ def launch_result_after_skipping(tmp_path, jobs_dir):
     return skip.result()["weight"]
 
 
-def test_smdistributed_old_api_script_runs_unchanged(tmp_path, jobs_dir):
+@pytest.mark.parametrize("backend", ["smddp", "gloo"])
+def test_smdistributed_old_api_script_runs_unchanged(tmp_path, jobs_dir, backend):
     script = write(tmp_path / "smddp_v1.py", """
         import torch
         import smdistributed.dataparallel
@@ -215,7 +217,7 @@ def test_smdistributed_old_api_script_runs_unchanged(tmp_path, jobs_dir):
         print("compat", smdistributed.dataparallel.__version__)
         w.tolist()
     """)
-    job = launch(script, nodes=2, backend="gloo", name="smddp-v1")
+    job = launch(script, nodes=2, backend=backend, name="smddp-v1")
     assert job.wait(120) == "succeeded", job.summary() + job.logs(0) + job.logs(1)
     assert "compat sdp_jupyter-compat" in job.logs(0)
 
@@ -257,7 +259,7 @@ def test_workers_die_with_the_launching_process(tmp_path, jobs_dir, how):
     parent = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(script), "hang" if how == "SIGKILL" else "exit"],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=dict(os.environ))
     assert parent.stdout.readline().strip() == "launched"
-    workers = [p for p in job_processes(jobs_dir) if "sdp_jupyter.launch.worker" in " ".join(p.cmdline())]
+    workers = worker_processes(jobs_dir)
     assert len(workers) == 2
     parent.stdin.write("go\n")
     parent.stdin.flush()

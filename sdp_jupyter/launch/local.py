@@ -326,13 +326,14 @@ class LocalRun:
     def _start_samplers(self) -> None:
         if importlib.util.find_spec("sdp_jupyter.monitor.sampler") is None:
             return
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [PACKAGE_PARENT, os.environ.get("PYTHONPATH")])))
+        env = dict(os.environ, SDP_LAUNCHER_PID=str(os.getpid()),
+                   PYTHONPATH=os.pathsep.join(filter(None, [PACKAGE_PARENT, os.environ.get("PYTHONPATH")])))
         for node in range(self.spec.nodes):
             log = open(self.job.dir / jobdir.LOGS / f"sampler-node-{node}.log", "ab")
             with log:
                 self._samplers.append(subprocess.Popen(
-                    [sys.executable, "-m", "sdp_jupyter.monitor.sampler", "--job-dir", str(self.job.dir),
-                     "--node", str(node)],
+                    [sys.executable, "-m", "sdp_jupyter.launch.worker", "--module", "sdp_jupyter.monitor.sampler",
+                     "--job-dir", str(self.job.dir), "--node", str(node)],
                     env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                     start_new_session=True, close_fds=True))
 

@@ -5,7 +5,8 @@ available when the job asks for it, loads the variables sent with --push, and ru
 as `__main__` with the job's arguments. Rank 0 pickles the value of the script's last expression
 into result.pkl (what `--result` / `job.result()` return).
 
-Everything it needs comes from the environment set by the launcher and from spec.json.
+Everything it needs comes from the environment set by the launcher and from spec.json. With
+`--module M args...` it runs module M instead (after arming the same parent-death signal).
 """
 from __future__ import annotations
 
@@ -104,7 +105,21 @@ def _finish_distributed() -> None:
         pass
 
 
+def run_module() -> int:
+    """`python -m sdp_jupyter.launch.worker --module M ARGS...`: a job's helper process (the per-node
+    sampler) that must not outlive the launcher either."""
+    import runpy
+
+    arm_parent_death_signal()
+    module = sys.argv[2]
+    sys.argv = [module] + sys.argv[3:]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    return 0
+
+
 def main() -> int:
+    if sys.argv[1:2] == ["--module"]:
+        return run_module()
     arm_parent_death_signal()
     job_dir = os.environ["SDP_JOB_DIR"]
     with open(os.path.join(job_dir, "spec.json")) as f:

@@ -1,0 +1,185 @@
+"""The magics through IPython's InteractiveShell (text mode: no widget frontend)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from IPython.core.error import UsageError
+
+from conftest import wait_no_processes, worker_processes
+from sdp_jupyter.launch import OPTIONS, Job, JobError
+
+
+@pytest.fixture
+def ip(jobs_dir):
+    from IPython.testing.globalipapp import get_ipython
+
+    shell = get_ipython()
+    shell.run_line_magic("load_ext", "sdp_jupyter")
+    yield shell
+    for name in ("X", "lk", "out", "res", "later"):
+        shell.user_ns.pop(name, None)
+
+
+def run(ip, cell):
+    """Run a cell; return (result, exception raised in it or None)."""
+    result = ip.run_cell(cell)
+    return result, result.error_in_exec or result.error_before_exec
+
+
+def test_help_lists_every_option(ip):
+    doc = ip.find_cell_magic("sdp_train").__doc__
+    for opt in OPTIONS:
+        assert opt.flag in doc, opt.flag
+    assert "one process per rank" in doc
+
+
+@pytest.mark.parametrize("cell, fragment", [
+    ("%%sdp_train --nodes 0\nx = 1", "--nodes: must be 1 or more, got 0. Fix: --nodes"),
+    ("%%sdp_train --nodes two\nx = 1", "--nodes: must be a whole number, got 'two'"),
+    ("%%sdp_train --procs-per-node 1.5\nx = 1", "--procs-per-node: must be a whole number"),
+    ("%%sdp_train --frobnicate\nx = 1", "unrecognized arguments: --frobnicate"),
+    ("%%sdp_train --backend mpi\nx = 1", "--backend: 'mpi' is not one of smddp, gloo, nccl"),
+    ("%%sdp_train --backend nccl\nx = 1", "nccl needs a GPU and this machine has none"),
+    ("%%sdp_train --push undefined_var\nx = 1", "'undefined_var' is not defined in the notebook"),
+    ("%%sdp_train --push lk\nx = 1", "'lk' (lock) cannot be pickled"),
+    ("%%sdp_train\n   \n", "the cell is empty"),
+    ("%%sdp_train --nodes 2\nx = 1\nfor i in range(3)\n    pass\n", "syntax error on line 3 of the cell"),
+    ("%%sdp_train --args '--unclosed\nx = 1", "check the quotes"),
+    ("%%sdp_train --env RANK=3\nx = 1", "--env: RANK is set by the launcher"),
+])
+def test_bad_input_is_one_clear_error_and_launches_nothing(ip, jobs_dir, cell, fragment):
+    import threading
+
+    ip.user_ns["lk"] = threading.Lock()
+    _, error = run(ip, cell)
+    assert isinstance(error, UsageError), error
+    assert fragment in str(error) and "Nothing was launched" in str(error)
+    assert list(jobs_dir.iterdir()) == []
+
+
+def test_target_sagemaker_dispatches_or_says_not_available(ip, monkeypatch):
+    import importlib.util
+
+    import sdp_jupyter.launch as launching
+
+    if importlib.util.find_spec("sdp_jupyter.launch.sagemaker") is None:
+        _, error = run(ip, "%%sdp_train --target sagemaker\nx = 1")
+        assert "sagemaker is not available yet" in str(error)
+    seen = {}
+
+    class FakeSageMaker:
+        def start(self, spec, push=None):
+            seen["spec"] = spec
+            raise launching.SpecError("--target", "fake SageMaker launcher reached")
+
+    real = launching.get_launcher
+    monkeypatch.setattr(launching, "get_launcher", lambda t: FakeSageMaker() if t == "sagemaker" else real(t))
+    _, error = run(ip, "%%sdp_train --target sagemaker --nodes 2\nx = 1")
+    assert "fake SageMaker launcher reached" in str(error) and seen["spec"].nodes == 2
+
+
+@pytest.mark.slow
+def test_wait_push_result_and_output(ip, capsys):
+    ip.user_ns["X"] = [1, 2, 3]
+    _, error = run(ip, textwrap.dedent("""\
+        %%sdp_train --nodes 2 --backend gloo --wait --push X --result out --name w1 --hp lr=0.5 --args "--tag a"
+        import os, sys
+        print("rank", os.environ["RANK"], sys.argv[1:], sum(X))
+        {"rank": int(os.environ["RANK"]), "total": sum(X) * 10}
+    """))
+    assert error is None
+    shown = capsys.readouterr().out
+    assert "rank 0 ['--tag', 'a', '--lr', '0.5'] 6" in shown
+    assert "rank 1" not in shown  # --ranks-output 0 (default): only rank 0 is shown...
+    assert "rank 1 ['--tag', 'a', '--lr', '0.5'] 6" in Job.open("w1").logs(1)  # ...all are on disk
+    assert "Job w1: succeeded" in shown
+    assert ip.user_ns["out"] == {"rank": 0, "total": 60}
+
+    _, error = run(ip, "%%sdp_train --nodes 2 --backend gloo --wait --ranks-output all\nimport os\nprint('hi', os.environ['RANK'])")
+    shown = capsys.readouterr().out
+    assert error is None and "[rank 0] hi 0" in shown and "[rank 1] hi 1" in shown
+
+
+@pytest.mark.slow
+def test_failure_raises_with_the_rank_and_the_cells_line_numbers(ip, capsys):
+    _, error = run(ip, textwrap.dedent("""\
+        %%sdp_train --nodes 2 --backend gloo --wait --name broken
+        import os, time
+        if os.environ["RANK"] == "1":
+            raise ValueError("bad shard")
+        time.sleep(60)
+    """))
+    assert isinstance(error, JobError)
+    message = str(error)
+    assert message.startswith("job broken failed: rank 1 (node 1, local rank 0) exited with code 1")
+    assert 'script.py", line 4' in message  # line 4 of the cell, counting the %%sdp_train line
+    assert "ValueError: bad shard" in message
+    assert "sdp_jupyter/launch/worker.py" not in message  # the bootstrap's frames are not shown
+    rendered = "\n".join(error._render_traceback_())
+    assert rendered.startswith("JobError: job broken failed")
+
+
+@pytest.mark.slow
+def test_background_job_jobs_logs_wait_stop(ip, capsys, jobs_dir):
+    result, error = run(ip, "%%sdp_train --nodes 2 --backend gloo --name bg --result later\nimport os\nprint('line', os.environ['RANK'])\n41 + 1")
+    assert error is None and isinstance(result.result, Job) and result.result.name == "bg"
+    run(ip, "%sdp_wait bg")
+    assert "Job bg: succeeded" in capsys.readouterr().out
+    deadline = time.monotonic() + 10
+    while "later" not in ip.user_ns and time.monotonic() < deadline:  # set by the job's done-callback
+        time.sleep(0.05)
+    assert ip.user_ns["later"] == 42
+    run(ip, "%sdp_logs bg --rank 1 --tail 1")
+    assert capsys.readouterr().out == "line 1\n"
+    _, error = run(ip, "%sdp_logs bg --rank 5")
+    assert isinstance(error, UsageError) and "ranks 0..1" in str(error)
+
+    run(ip, "%%sdp_train --nodes 2 --backend gloo --name sleeper\nimport time\nprint('up', flush=True)\ntime.sleep(300)")
+    job = Job.open("sleeper")
+    while "up" not in job.logs(0):
+        time.sleep(0.05)
+    _, error = run(ip, "%%sdp_train --backend gloo --name sleeper\nx = 1")
+    assert isinstance(error, UsageError) and "job sleeper is still running" in str(error)
+    run(ip, "%sdp_jobs")
+    table = capsys.readouterr().out
+    assert "bg" in table and "sleeper" in table and "running" in table and "this kernel" in table
+    run(ip, "%sdp_stop sleeper")
+    assert "job sleeper: stopped" in capsys.readouterr().out
+    assert wait_no_processes(job.dir) == []
+    _, error = run(ip, "%sdp_wait nosuchjob")
+    assert isinstance(error, UsageError) and "no job 'nosuchjob'" in str(error)
+
+
+CTRL_C = """
+from IPython.testing.globalipapp import start_ipython
+ip = start_ipython()
+ip.run_line_magic("load_ext", "sdp_jupyter")
+r = ip.run_cell('''%%sdp_train --nodes 2 --backend gloo --wait --name ctrlc
+import time
+print("up", flush=True)
+time.sleep(300)
+''')
+print("ERROR:", type(r.error_in_exec).__name__, r.error_in_exec, flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_ctrl_c_with_wait_stops_the_job(jobs_dir):
+    proc = subprocess.Popen([sys.executable, "-c", CTRL_C], stdout=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    for line in proc.stdout:
+        if line.strip() == "up" or time.monotonic() > deadline:
+            break
+    assert len(worker_processes(jobs_dir)) == 2
+    proc.send_signal(signal.SIGINT)  # what the kernel gets from Ctrl-C / the stop square
+    rest = proc.stdout.read()
+    proc.wait(30)
+    assert "ERROR: JobError job ctrlc was stopped (Ctrl-C)" in rest
+    assert Job.open("ctrlc").state == "stopped"
+    assert wait_no_processes(jobs_dir) == []
