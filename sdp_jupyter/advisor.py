@@ -24,7 +24,9 @@ The memory model, per GPU (one rank of pipeline stage ``i``):
   rank (Megatron's warm-up count), each capped by ``active_microbatches``; offloading keeps two on
   the GPU (the running one and the prefetched one).
 * logits on the last stage: ``4*s*b*V/tp`` bytes per in-flight microbatch (the fp32 logits the
-  cross-entropy keeps, as in the paper).
+  cross-entropy keeps, as in the paper), and in backward twice that for their gradients (the
+  gradient of the log-softmax and of the logits). With per-layer checkpointing these are freed
+  before the first layer is recomputed: the peak counts the larger of the two phases.
 * a stated fixed overhead (CUDA context, NCCL and cuBLAS workspaces; 1.5 GiB by default).
 
 A configuration fits when its largest stage stays within ``headroom`` (85 %) of GPU memory; the
@@ -68,6 +70,7 @@ class ModelShape:
     ffn: int = 0  # 0: 4 * hidden
     max_positions: int = 0  # 0: the sequence length of the workload
     tied_embeddings: bool = True
+    dropout: bool = True  # GPT-2 trains with dropout: its masks are part of the paper's 34 and 5
     name: str = ""
 
     def __post_init__(self):
@@ -290,6 +293,10 @@ class Term:
     name: str
     bytes: float
     how: str  # the formula with its numbers
+    #: "" for memory held through the whole backward; terms of a named phase are only live in that
+    #: phase ("loss": the logits and their gradient, freed before "recompute": the one layer
+    #: per-layer checkpointing rebuilds), so a stage's peak counts the largest phase only
+    phase: str = ""
 
     @property
     def gib(self) -> float:
@@ -316,7 +323,11 @@ class StageMemory:
 
     @property
     def total(self) -> float:
-        return sum(t.bytes for t in self.terms)
+        phases: dict[str, float] = {}
+        for t in self.terms:
+            phases[t.phase] = phases.get(t.phase, 0.0) + t.bytes
+        held = phases.pop("", 0.0)
+        return held + max(phases.values(), default=0.0)
 
     def term(self, name: str) -> float:
         return sum(t.bytes for t in self.terms if t.name == name)
@@ -386,7 +397,8 @@ class Estimate:
         """The terms of the peak stage, one per line, for people."""
         lines = [self.summary()]
         for t in self.terms():
-            lines.append(f"  {t.name:<22}{t.gib:8.2f} GiB   {t.how}")
+            phase = f" [{t.phase} phase]" if t.phase else ""
+            lines.append(f"  {t.name:<22}{t.gib:8.2f} GiB   {t.how}{phase}")
         if self.config.pp > 1:
             lines.append(f"  pipeline bubble       {self.bubble:8.1%}      (p-1)/(m+p-1)")
         for f in self.findings:
@@ -450,15 +462,17 @@ def memory_by_stage(workload: Workload, cluster: Cluster, config: ParallelConfig
     b = workload.batch / c.microbatches  # microbatch size
     h, a, V = m_.hidden, m_.heads, m_.vocab
     sbh = s * b * h
-    attn = 0.0 if (c.flash_attention or c.checkpointing == "selective") else 5 * a * s / h
+    # without dropout: no masks (2 sbh) and no dropout copy/mask of the scores (3 as^2 b)
+    k_sbh, k_as = (34, 5) if m_.dropout else (32, 2)
+    attn = 0.0 if (c.flash_attention or c.checkpointing == "selective") else k_as * a * s / h
     sp = c.sequence_parallel or t == 1
     if sp:
-        per_layer_full = sbh * (34 + attn) / t * act_scale
-        full_how = f"s*b*h*(34+{attn:g})/tp"
+        per_layer_full = sbh * (k_sbh + attn) / t * act_scale
+        full_how = f"s*b*h*({k_sbh}+{attn:g})/tp"
         layer_input = 2 * sbh / t * act_scale
     else:
-        per_layer_full = sbh * (10 + (24 + attn) / t) * act_scale
-        full_how = f"s*b*h*(10+(24+{attn:g})/tp)"
+        per_layer_full = sbh * (10 + (k_sbh - 10 + attn) / t) * act_scale
+        full_how = f"s*b*h*(10+({k_sbh - 10}+{attn:g})/tp)"
         layer_input = 2 * sbh * act_scale
     shard_opt = dp if c.sharding in ("optimizer", "gradients", "full") else 1
     shard_grad = dp if c.sharding in ("gradients", "full") else 1
@@ -496,13 +510,16 @@ def memory_by_stage(workload: Workload, cluster: Cluster, config: ParallelConfig
             kept = n_gpu * L_i * layer_input
             terms.append(Term("activations", kept,
                               f"{L_i} layer inputs x 2*s*b*h{'/tp' if sp else ''} x {n_how} (b={b:g})"))
-            terms.append(Term("recomputed layer", per_layer_full, f"one layer: {full_how}"))
+            terms.append(Term("recomputed layer", per_layer_full, f"one layer: {full_how}",
+                              "recompute"))
         else:
             terms.append(Term("activations", n_gpu * L_i * per_layer_full,
                               f"{L_i} layers x {full_how} x {n_how} (b={b:g})"))
         if i == p - 1:
-            terms.append(Term("logits", n_gpu * 4 * s * b * V / t,
-                              f"4*s*b*V/tp fp32 logits x {n_gpu:g}"))
+            logits = 4 * s * b * V / t
+            terms.append(Term("logits", n_gpu * logits, f"4*s*b*V/tp fp32 logits x {n_gpu:g}", "loss"))
+            terms.append(Term("logits gradient", 2 * logits,
+                              "2 x 4*s*b*V/tp: grads of log-softmax and logits (backward)", "loss"))
         terms.append(Term("overhead", overhead, "CUDA context, NCCL/cuBLAS workspaces (stated)"))
         stages.append(StageMemory(i, L_i, n, tuple(terms)))
     return tuple(stages)
@@ -868,3 +885,11 @@ REFERENCES = (
               32, ParallelConfig(tp=8, pp=2, microbatches=4, active_microbatches=2,
                                  sharding="optimizer", checkpointing="layer", schedule="gpipe")),
 )
+
+
+def measure(workload: Workload, cluster: Cluster, config: ParallelConfig, stage: int | None = None):
+    """Measure mode (imports torch): simulate one rank at full size under fake tensors and compare
+    with this formula. See ``sdp_jupyter.parallel.measure``."""
+    from sdp_jupyter.parallel.measure import measure as _measure
+
+    return _measure(workload, cluster, config, stage)

@@ -97,20 +97,27 @@ class _ScatterSequence(nn.Module):
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = False) -> nn.Module:
-    """Megatron-style tensor parallelism with torch.distributed.tensor.parallel. Embeddings stay
-    replicated; the head is column-parallel with gathered (replicated) logits. With sequence
-    parallelism the activations between blocks are (B, T/tp, h) shards of the sequence."""
+    """Megatron-style tensor parallelism with torch.distributed.tensor.parallel: a vocabulary-parallel
+    token embedding (rows sharded, output all-reduced), column/row-parallel attention and MLP, a
+    column-parallel head whose logits stay sharded over the vocabulary (compute the loss inside
+    ``Hybrid.loss_context()``, torch's ``loss_parallel``). Position embeddings are replicated.
+    With sequence parallelism the activations between blocks are (B, T/tp, h) sequence shards."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, SequenceParallel,
-                                                   parallelize_module)
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
 
     if tp_mesh.size() == 1:
         return model
+    if getattr(model, "tok_emb", None) is not None:
+        parallelize_module(model, tp_mesh, {"tok_emb": RowwiseParallel(input_layouts=Replicate(),
+                                                                       output_layouts=Replicate())})
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, tp_plan_for_block(sequence_parallel))
     if getattr(model, "head", None) is not None:
         in_layout = Shard(1) if sequence_parallel else Replicate()
-        plan = {"head": ColwiseParallel(input_layouts=in_layout, output_layouts=Replicate())}
+        # logits stay sharded over the vocabulary (a DTensor): the loss runs under loss_parallel()
+        plan = {"head": ColwiseParallel(input_layouts=in_layout, output_layouts=Shard(-1),
+                                        use_local_output=False)}
         if sequence_parallel:
             plan["ln_f"] = SequenceParallel()
         parallelize_module(model, tp_mesh, plan)
@@ -348,7 +355,8 @@ class Hybrid:
         (torchtitan's order). Returns this rank's stage module."""
         c = self.config
         model = split_for_pipeline(model, self.pp, self.pp_rank) if self.pp > 1 else model
-        model.to(self.device)
+        if any(p.device != self.device for p in model.parameters()):
+            model.to(self.device)
         apply_tensor_parallel(model, self.mesh["tp"], c.sequence_parallel and self.tp > 1)
         apply_checkpointing(model, c.checkpointing)
         if c.sharding in ("gradients", "full"):
@@ -374,6 +382,17 @@ class Hybrid:
         return cls(params, **kwargs)
 
     # -- running a step
+    def loss_context(self):
+        """Where the loss and its backward must run: ``loss_parallel()`` when the logits are
+        vocabulary-sharded DTensors (tp > 1), else nothing."""
+        from contextlib import nullcontext
+
+        if self.tp > 1:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            return loss_parallel()
+        return nullcontext()
+
     def _schedule(self, stage_module: nn.Module, loss_fn):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
@@ -390,6 +409,12 @@ class Hybrid:
     def step(self, stage_module: nn.Module, inputs, targets, loss_fn: Callable) -> torch.Tensor | None:
         """Forward and backward of one batch (``inputs``/``targets`` of the whole replica batch).
         Returns the mean loss on the last stage (None elsewhere when pp > 1)."""
+        with self.loss_context():
+            loss = self._step(stage_module, inputs, targets, loss_fn)
+        # under loss_parallel the loss is a replicated DTensor: hand back a plain tensor
+        return loss.full_tensor() if hasattr(loss, "full_tensor") else loss
+
+    def _step(self, stage_module, inputs, targets, loss_fn):
         c = self.config
         if self.pp == 1:
             m = c.microbatches

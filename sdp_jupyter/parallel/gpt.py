@@ -36,7 +36,8 @@ class GPTConfig:
         from sdp_jupyter.advisor import ModelShape
 
         return ModelShape(layers=self.layers, hidden=self.hidden, heads=self.heads, vocab=self.vocab,
-                          ffn=self.ffn_width, max_positions=self.seq_len, tied_embeddings=False)
+                          ffn=self.ffn_width, max_positions=self.seq_len, tied_embeddings=False,
+                          dropout=False)
 
 
 class Attention(nn.Module):
