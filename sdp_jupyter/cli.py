@@ -2,7 +2,7 @@
 
     sdp-train --nodes 4 --backend gloo train.py --epochs 3
 
-Options are the same as %%sdp_train's (one option table, sdp_jupyter.launch.spec.OPTIONS), except the
+Options are the same as %%sdp_train's (one option table, sdp_jupyter.launch.spec.all_options()), except the
 notebook-only --wait (the CLI always waits), --push and --result. Rank 0's output (or every rank's,
 with --ranks-output all) streams to stdout. Exit status: 0 when the job succeeded, 1 when it failed,
 2 on bad options (nothing launched), 130 when stopped with Ctrl-C.
@@ -12,7 +12,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from sdp_jupyter.launch import OPTIONS, JobSpec, SpecError, launch
+from sdp_jupyter.launch import JobSpec, SpecError, launch
+from sdp_jupyter.launch.spec import all_options
 
 NOTEBOOK_ONLY = ("--wait", "--push", "--result")
 
@@ -20,7 +21,7 @@ NOTEBOOK_ONLY = ("--wait", "--push", "--result")
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sdp-train", description="Run a training script as a distributed job on this machine.")
-    for opt in OPTIONS:
+    for opt in all_options():
         if opt.flag not in NOTEBOOK_ONLY:
             parser.add_argument(opt.flag, **opt.argparse_kwargs())
     parser.add_argument("script", help="the training script (.py), run as __main__ on every rank")

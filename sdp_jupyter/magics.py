@@ -15,13 +15,14 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.display import display
 
 import sdp_jupyter.launch as launching
-from sdp_jupyter.launch import OPTIONS, Job, JobError, JobSpec, SpecError
+from sdp_jupyter.launch import Job, JobError, JobSpec, SpecError
+from sdp_jupyter.launch.spec import all_options
 from sdp_jupyter.ui.jobview import widgets_enabled
 
 
 def _with_options(func):
     """Add every row of the option table to a magic (so `%%sdp_train?` shows them all)."""
-    for opt in reversed(OPTIONS):
+    for opt in reversed(all_options()):
         func = magic_arguments.argument(opt.flag, **opt.argparse_kwargs())(func)
     return magic_arguments.magic_arguments()(func)
 

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from sdp_jupyter.launch import OPTIONS, JobSpec, SpecError, launch
+from sdp_jupyter.launch import JobSpec, SpecError, launch
+from sdp_jupyter.launch.spec import all_options
 from sdp_jupyter.launch.local import LocalLauncher, LocalRun
 from sdp_jupyter.launch.job import Job
 from sdp_jupyter.launch.worker import script_arguments
@@ -92,8 +93,23 @@ def test_magic_line_round_trips_through_the_magic_parser():
 
 def test_every_option_maps_to_a_field_or_is_wait():
     fields = set(JobSpec.__dataclass_fields__)
-    for opt in OPTIONS:
-        assert opt.field in fields or opt.flag == "--wait", opt
+    flags = [opt.flag for opt in all_options()]
+    assert len(flags) == len(set(flags)), "two providers define the same option"
+    for opt in all_options():
+        assert (opt.field or "").split(".")[0] in fields or opt.flag == "--wait", opt
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sdp_jupyter.launch.sagemaker") is None,
+                    reason="no SageMaker options installed")
+def test_provider_options_fill_dict_fields_and_round_trip():
+    values = _parse_magic_line("%%sdp_train --target sagemaker --instance-type ml.p4d.24xlarge --spot "
+                               "--input train=s3://b/train --max-run 600")
+    spec = JobSpec.from_options(values, code="x")
+    assert spec.sagemaker["instance_type"] == "ml.p4d.24xlarge" and spec.sagemaker["spot"] is True
+    assert spec.sagemaker["max_run"] == "600" and spec.sagemaker["inputs"] == ["train=s3://b/train"]
+    line = spec.to_magic_line()
+    assert "--instance-type ml.p4d.24xlarge" in line and "--spot" in line and "--input train=s3://b/train" in line
+    assert JobSpec.from_options(_parse_magic_line(line), code="x") == spec
 
 
 def test_script_arguments_follow_sagemaker_hyperparameter_convention():

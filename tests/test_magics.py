@@ -12,7 +12,8 @@ import pytest
 from IPython.core.error import UsageError
 
 from conftest import wait_no_processes, worker_processes
-from sdp_jupyter.launch import OPTIONS, Job, JobError
+from sdp_jupyter.launch import Job, JobError
+from sdp_jupyter.launch.spec import all_options
 
 
 @pytest.fixture
@@ -34,7 +35,7 @@ def run(ip, cell):
 
 def test_help_lists_every_option(ip):
     doc = ip.find_cell_magic("sdp_train").__doc__
-    for opt in OPTIONS:
+    for opt in all_options():
         assert opt.flag in doc, opt.flag
     assert "one process per rank" in doc
 

@@ -11,6 +11,8 @@ and one `Option` row.
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import importlib.util
 import json
 import re
 import shlex
@@ -99,6 +101,24 @@ OPTIONS: tuple[Option, ...] = (
 )
 
 OPTIONS_BY_FIELD = {o.field: o for o in OPTIONS if o.field}
+
+# Modules that add rows to the option table ("module:ATTRIBUTE", a tuple of Option). Their fields are
+# "<dict field of JobSpec>.<key>", e.g. "sagemaker.instance_type" fills JobSpec.sagemaker["instance_type"].
+OPTION_PROVIDERS = ["sdp_jupyter.launch.sagemaker:SAGEMAKER_OPTIONS"]
+
+
+def all_options() -> tuple[Option, ...]:
+    """The core options plus those of every installed provider (what %%sdp_train and sdp-train accept)."""
+    rows = list(OPTIONS)
+    for provider in OPTION_PROVIDERS:
+        module, attr = provider.split(":")
+        try:
+            if importlib.util.find_spec(module) is None:
+                continue
+        except ImportError:
+            continue
+        rows += list(getattr(importlib.import_module(module), attr, ()))
+    return tuple(rows)
 
 
 def _flag(field_name: str) -> str:
@@ -265,11 +285,14 @@ class JobSpec:
     def from_options(cls, values: dict, **extra) -> "JobSpec":
         """Build from parsed option values keyed by argparse dest (None = not given)."""
         fields: dict[str, Any] = dict(extra)
-        for opt in OPTIONS:
-            if opt.field is None:
-                continue
+        for opt in all_options():
             value = values.get(opt.flag.lstrip("-").replace("-", "_"))
-            if value is not None:
+            if opt.field is None or value is None or (opt.kind == "flag" and value is False):
+                continue
+            if "." in opt.field:  # a key of a dict field (JobSpec.sagemaker)
+                top, key = opt.field.split(".", 1)
+                fields[top] = {**(fields.get(top) or {}), key: value}
+            else:
                 fields[opt.field] = value
         return cls(**fields)
 
@@ -277,10 +300,14 @@ class JobSpec:
         """The `%%sdp_train ...` line that builds this spec (the cell's code goes below it)."""
         default = JobSpec(code="pass")
         parts = ["%%sdp_train"]
-        for opt in OPTIONS:
+        for opt in all_options():
             if opt.field is None:
                 if opt.flag == "--wait" and wait:
                     parts.append("--wait")
+                continue
+            if "." in opt.field:
+                top, key = opt.field.split(".", 1)
+                parts += _render_key(opt, (getattr(self, top) or {}).get(key))
                 continue
             value = getattr(self, opt.field)
             if value == getattr(default, opt.field):
@@ -300,3 +327,16 @@ class JobSpec:
             else:
                 parts += [opt.flag, shlex.quote(str(value))]
         return " ".join(parts)
+
+
+def _render_key(opt: Option, value: Any) -> list[str]:
+    """Tokens that set one key of a dict field (e.g. --instance-type ml.p4d.24xlarge)."""
+    if value is None or value is False or value == {} or value == []:
+        return []
+    if opt.kind == "flag":
+        return [opt.flag]
+    if opt.kind == "append":
+        items = [f"{k}={v}" for k, v in value.items()] if isinstance(value, dict) else \
+            list(value) if isinstance(value, (list, tuple)) else [value]
+        return [tok for item in items for tok in (opt.flag, shlex.quote(str(item)))]
+    return [opt.flag, shlex.quote(str(value))]
