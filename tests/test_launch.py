@@ -161,3 +161,12 @@ def test_bad_input_launches_nothing(tmp_path):
     with pytest.raises(SpecError, match="does not exist"):
         launch(str(tmp_path / "missing.py"), jobs_dir=str(root))
     assert not root.exists() or not any(root.iterdir())
+
+
+def test_launch_is_both_the_package_and_the_function():
+    import sdp_jupyter
+    import sdp_jupyter.launch as package
+    from sdp_jupyter.launch import launch as function
+
+    assert sdp_jupyter.launch is package is function
+    assert callable(package) and callable(package.get_job) and "JobSpec" in package.__call__.__doc__

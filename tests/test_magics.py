@@ -184,3 +184,32 @@ def test_ctrl_c_with_wait_stops_the_job(jobs_dir):
     assert "ERROR: JobError job ctrlc was stopped (Ctrl-C)" in rest
     assert Job.open("ctrlc").state == "stopped"
     assert wait_no_processes(jobs_dir) == []
+
+
+@pytest.mark.slow
+def test_job_view_streams_ranks_and_its_stop_button_stops_the_job(jobs_dir):
+    from sdp_jupyter.launch import launch
+    from sdp_jupyter.ui.jobview import JobView
+
+    job = launch(code="import os, time\nprint('hello from', os.environ['RANK'], flush=True)\ntime.sleep(300)",
+                 nodes=2, backend="gloo", name="viewed")
+    view = JobView(job)
+
+    def text(rank):
+        return "".join(o.get("text", "") for o in view.outputs[rank].outputs)
+
+    deadline = time.monotonic() + 60
+    while "hello from 0" not in text(0) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert "hello from 0" in text(0) and "running" in view.header.value and "viewed" in view.header.value
+    while "hello from 1" not in job.logs(1):
+        time.sleep(0.1)
+    assert text(1) == ""  # --ranks-output 0: rank 1 is one click away...
+    view.ranks.selected_index = 1
+    assert "hello from 1" in text(1)  # ...and filled from its log when opened
+    view.stop_button.click()
+    assert job.wait(30) == "stopped"
+    deadline = time.monotonic() + 5
+    while "stopped" not in view.header.value and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert "stopped" in view.header.value and view.stop_button.disabled

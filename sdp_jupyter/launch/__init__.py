@@ -11,7 +11,9 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import sys
 import threading
+import types
 from pathlib import Path
 
 from sdp_jupyter.launch import jobdir
@@ -43,8 +45,8 @@ def get_launcher(target: str):
     raise SpecError("--target", f"{target!r} is not one of local, sagemaker")
 
 
-def launch(spec_or_script: JobSpec | str | os.PathLike | None = None, *, push: dict | None = None,
-           **fields) -> Job:
+def _launch(spec_or_script: JobSpec | str | os.PathLike | None = None, *, push: dict | None = None,
+            **fields) -> Job:
     """Start a job and return its handle at once (use job.wait() to block).
 
     spec_or_script: a JobSpec, or the path of a .py file; or leave it out and pass code="...".
@@ -64,6 +66,20 @@ def launch(spec_or_script: JobSpec | str | os.PathLike | None = None, *, push: d
         _JOBS.pop(job.name, None)
         _JOBS[job.name] = job
     return job
+
+
+class _LaunchModule(types.ModuleType):
+    """This package is callable: `sdp_jupyter.launch(...)` starts a job and `sdp_jupyter.launch.get_job`
+    is the package's function, whichever was imported first."""
+
+    def __call__(self, spec_or_script=None, *, push=None, **fields) -> Job:
+        return _launch(spec_or_script, push=push, **fields)
+
+    __call__.__doc__ = _launch.__doc__
+
+
+sys.modules[__name__].__class__ = _LaunchModule
+launch = sys.modules[__name__]  # `from sdp_jupyter.launch import launch` is this same callable
 
 
 def jobs() -> list[Job]:
