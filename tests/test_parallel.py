@@ -58,7 +58,7 @@ def _full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _worker(rank, world, port, config, outdir):
+def _worker(rank, world, port, config, outdir, backend=None):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
@@ -68,7 +68,7 @@ def _worker(rank, world, port, config, outdir):
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        hp = parallel.setup(config)
+        hp = parallel.setup(config, backend=backend)
         stage = hp.parallelize(fresh_model())
         opt = hp.optimizer(stage.parameters(), torch.optim.AdamW, **OPT)
         x, y = data()
@@ -83,7 +83,9 @@ def _worker(rank, world, port, config, outdir):
             loss = loss.clone()
             dist.all_reduce(loss, group=hp.mesh["dp"].get_group())
             loss = (loss / hp.dp).item()
+        dp_backend = dist.get_backend(hp.dp_group) if hp.dp_group is not None else None
         torch.save({"loss": loss, "grads": grads, "params": params, "describe": hp.describe(),
+                    "dp_backend": dp_backend,
                     "offload": vars(hp.offload_stats)}, os.path.join(outdir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -95,9 +97,9 @@ def free_port():
         return s.getsockname()[1]
 
 
-def run(config: ParallelConfig, world: int):
+def run(config: ParallelConfig, world: int, backend=None):
     with tempfile.TemporaryDirectory() as d:
-        mp.start_processes(_worker, args=(world, free_port(), config, d), nprocs=world,
+        mp.start_processes(_worker, args=(world, free_port(), config, d, backend), nprocs=world,
                            start_method="spawn")
         return [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(world)]
 
@@ -121,6 +123,8 @@ SCENARIOS = {
     "tp2-checkpoint-no-sp": (ParallelConfig(tp=2, sequence_parallel=False, checkpointing="layer"), 2),
     "pp2-gpipe": (ParallelConfig(pp=2, microbatches=4, schedule="gpipe"), 2),
     "dp2-zero1": (ParallelConfig(sharding="optimizer"), 2),
+    # plain data parallelism: the gradient average runs on our engine, the mesh on gloo
+    "tp2-dp2-smddp": (ParallelConfig(tp=2), 4, "smddp"),
     "dp2-fsdp2": (ParallelConfig(sharding="full", checkpointing="selective"), 2),
     # the notebook's layout, with offloading: one 4-process run covers tp x pp x offload
     "tp2-pp2-1f1b-offload": (ParallelConfig(tp=2, pp=2, microbatches=4, checkpointing="layer",
@@ -131,9 +135,11 @@ SCENARIOS = {
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_hybrid_step_equals_single_process(name):
-    config, world = SCENARIOS[name]
-    results = run(config, world)
+    config, world, *backend = SCENARIOS[name]
+    results = run(config, world, *backend)
     check_against_reference(results)
+    if backend == ["smddp"]:
+        assert {r["dp_backend"] for r in results} == {"smddp"}
     if config.offload_activations:
         # save_on_cpu cannot copy a DTensor; our hook offloads its local shard and rebuilds it.
         # With per-layer checkpointing the blocks save only their inputs; the sequence-parallel

@@ -311,6 +311,9 @@ class Hybrid:
     mesh: object  # DeviceMesh (pp, dp, tp)
     device: torch.device
     offload_stats: OffloadStats = field(default_factory=OffloadStats)
+    #: the group plain data parallelism averages gradients over: the mesh's dp group, or one of the
+    #: same ranks on our smddp engine when the job asked for it
+    dp_group: object = None
     _stages: list = field(default_factory=list)
 
     @property
@@ -443,19 +446,46 @@ class Hybrid:
         """Average gradients over dp (FSDP2 already reduce-scattered them)."""
         if self.config.sharding in ("gradients", "full"):
             return
-        average_gradients(stage_module.parameters(), self.mesh["dp"].get_group(), self.dp)
+        group = self.dp_group if self.dp_group is not None else self.mesh["dp"].get_group()
+        average_gradients(stage_module.parameters(), group, self.dp)
+
+
+def _smddp_dp_group(mesh):
+    """The dp groups of ``mesh`` again, on the smddp engine (every rank creates every group, in
+    the same order, as ``new_group`` requires); this rank's, or None when the engine refuses."""
+    import sdp_jupyter.torch  # noqa: F401  registers the "smddp" backend
+
+    dp_ranks = mesh.mesh.permute(0, 2, 1).reshape(-1, mesh["dp"].size()).tolist()  # (pp, tp, dp)
+    mine = None
+    me = dist.get_rank()
+    for ranks in dp_ranks:
+        g = dist.new_group(ranks, backend="smddp")
+        if me in ranks:
+            mine = g
+    return mine
 
 
 def setup(config: ParallelConfig | None = None, backend: str | None = None) -> Hybrid:
-    """Initialise the default process group when the script has not (``SDP_BACKEND``, else nccl
-    with GPUs and gloo without) and build the (pp, dp, tp) mesh from ``config`` or the environment."""
+    """Initialise the default process group when the script has not and build the (pp, dp, tp)
+    mesh from ``config`` or the environment.
+
+    Backend: ``backend``, else ``SDP_BACKEND`` (the job's ``--backend``), else nccl with GPUs and
+    gloo without. Tensor and pipeline parallelism need point-to-point and gather/scatter
+    collectives our engine does not have, so with ``smddp`` the mesh runs on gloo/nccl and only the
+    data-parallel gradient average goes through the smddp engine (its own groups)."""
     config = config or ParallelConfig.from_env()
     cuda = torch.cuda.is_available()
+    wanted = backend or os.environ.get("SDP_BACKEND") or ("nccl" if cuda else "gloo")
+    mesh_backend = ("nccl" if cuda else "gloo") if wanted == "smddp" else wanted
     if not dist.is_initialized():
-        dist.init_process_group(backend or os.environ.get("SDP_BACKEND") or ("nccl" if cuda else "gloo"))
+        dist.init_process_group(mesh_backend)
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
     mesh = build_mesh(config, dist.get_world_size(), device.type)
-    return Hybrid(config, mesh, device)
+    hp = Hybrid(config, mesh, device)
+    if wanted == "smddp" and hp.dp > 1 and config.sharding == "none":
+        hp.dp_group = _smddp_dp_group(mesh)
+    return hp
+
 from sdp_jupyter.parallel import gpt  # noqa: E402,F401  (parallel.gpt without a second import)
