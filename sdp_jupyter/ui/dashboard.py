@@ -15,7 +15,7 @@ last lines are drawn, or on `stop()` / `close()`. A finished job reopened from d
 from __future__ import annotations
 
 import threading
-import time
+import traceback
 import weakref
 from typing import Any
 
@@ -65,7 +65,7 @@ def header_text(frame: Frame, name: str = "", ref: Frame | None = None, ref_name
         top.append(f"step {frame.last_step}" + (f" / {frame.total_steps}" if frame.total_steps else ""))
     if frame.eta_s is not None and not frame.done:
         top.append(f"ETA {_fmt_duration(frame.eta_s)}")
-    second = []
+    second, third = [], []
     rate = frame.samples_per_s if not frame.done else (frame.steady_samples_per_s or frame.samples_per_s)
     second.append(f"{_fmt_rate(rate)} {frame.unit}" if rate else f"- {frame.unit}")
     if frame.mean_util is not None:
@@ -77,13 +77,13 @@ def header_text(frame: Frame, name: str = "", ref: Frame | None = None, ref_name
             second.append(f"scaling efficiency {eff:.2f} vs {ref_name or 'reference'} "
                           f"({_world(ref)}→{_world(frame)} ranks)")
     if frame.comm_share is not None:
-        second.append(f"exposed comm {100 * frame.comm_share:.0f}% of step")
+        third.append(f"exposed comm {100 * frame.comm_share:.0f}% of step")
     if frame.input_bound is not None:
         if frame.input_bound >= INPUT_BOUND_SHARE:
-            second.append(f"⚠ input-bound: {100 * frame.input_bound:.0f}% of step time waiting for data")
+            third.append(f"⚠ input-bound: {100 * frame.input_bound:.0f}% of step time waiting for data")
         else:
-            second.append(f"data wait {100 * frame.input_bound:.0f}% of step")
-    return " · ".join(top) + "<br>" + " · ".join(second)
+            third.append(f"data wait {100 * frame.input_bound:.0f}% of step")
+    return "<br>".join(" · ".join(part) for part in (top, second, third) if part)
 
 
 class Dashboard(go.FigureWidget):
@@ -93,9 +93,9 @@ class Dashboard(go.FigureWidget):
                  name: str | None = None, start: bool = True):
         fig = make_subplots(
             rows=2, cols=2, vertical_spacing=0.14, horizontal_spacing=0.08,
-            subplot_titles=("Throughput (x: seconds since start)", "Utilization", "Loss", "Per step: compute vs exposed communication"))
+            subplot_titles=("Throughput (x: seconds since start)", "Utilization", "Loss", "Per step (s): compute, exposed comm, data wait"))
         fig.update_layout(
-            height=640, margin=dict(t=110, l=60, r=20, b=40), barmode="stack", template="plotly_white",
+            width=1000, height=700, margin=dict(t=130, l=60, r=20, b=40), barmode="stack", template="plotly_white",
             legend=dict(orientation="h", y=-0.08, x=0), title=dict(text="", x=0.01, y=0.97, font=dict(size=14)),
             uirevision="sdp")  # keep the user's zoom across redraws
         fig.update_xaxes(title_text="step", row=2, col=1)
@@ -116,6 +116,7 @@ class Dashboard(go.FigureWidget):
         self._interval = interval
         self._frame: Frame | None = None
         self._redraws = 0
+        self._errors: list[str] = []  # tracebacks from the background thread (see `errors`)
         self.refresh()
         if start and not self._reader.done():
             self.start()
@@ -130,6 +131,11 @@ class Dashboard(go.FigureWidget):
     @property
     def redraws(self) -> int:
         return self._redraws
+
+    @property
+    def errors(self) -> list[str]:
+        """Tracebacks of failed background refreshes (empty when all went well)."""
+        return list(self._errors)
 
     @property
     def running(self) -> bool:
@@ -244,16 +250,21 @@ class Dashboard(go.FigureWidget):
 
 def _follow(ref: "weakref.ref[Dashboard]", stop: threading.Event, interval: float) -> None:
     """Background loop: poll, redraw when something arrived, end when the job has ended."""
-    idle = 0
+    idle = failures = 0
     while not stop.wait(interval if idle < 20 else 4 * interval):
         dash = ref()
         if dash is None:
             return
         try:
             changed = dash.refresh()
-        except Exception as exc:  # keep the kernel quiet; show the problem in the header once
-            dash.layout.title.text = f"dashboard stopped: {type(exc).__name__}: {exc}"
-            return
+            failures = 0
+        except Exception:  # keep the kernel quiet: record it, retry, give up after a few in a row
+            dash._errors.append(traceback.format_exc())
+            failures += 1
+            if failures >= 5:
+                dash.layout.title.text = "dashboard stopped: " + dash._errors[-1].strip().splitlines()[-1]
+                return
+            continue
         idle = 0 if changed else idle + 1
         if dash._reader.done():
             return
