@@ -14,16 +14,12 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import shlex
 import signal
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from moto_fixtures import BUCKET, MotoAWS, ROLE, aws  # noqa: F401  (aws is a fixture)
+from moto_fixtures import BUCKET, ROLE, LocalContainers, MotoAWS, aws  # noqa: F401  (aws is a fixture)
 
 pytest.importorskip("sagemaker.train")
 pytest.importorskip("torch")
@@ -62,68 +58,6 @@ print(f"RESULT rank={rank} world={world} sum={t.item()} epochs={a.epochs} lr={a.
 '''
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def download(aws, uri: str, dest: Path) -> None:
-    bucket, _, prefix = uri[len("s3://"):].partition("/")
-    s3 = aws.client("s3")
-    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/"):
-        for obj in page.get("Contents", []):
-            target = dest / obj["Key"][len(prefix) + 1:]
-            target.parent.mkdir(parents=True, exist_ok=True)
-            s3.download_file(bucket, obj["Key"], str(target))
-
-
-SET_ENV = r'''
-import json, os, sys
-drivers, out, config = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-sys.path.insert(0, os.path.join(drivers, "scripts"))
-import environment  # SageMaker's own: sm_drivers/scripts/environment.py
-# it reads these two from /opt/ml/input/data/sm_drivers; ours are under the test's tmp dir
-environment.read_source_code_json = lambda: json.load(open(os.path.join(drivers, "sourcecode.json")))
-environment.read_distributed_json = lambda: json.load(open(os.path.join(drivers, "distributed.json")))
-environment.set_env(config["resource"], config["channels"], config["hyperparameters"], output_file=out)
-'''
-
-
-def container_env(drivers: Path, host: int, hosts: int, request: dict, root: Path, port: int) -> dict:
-    """The environment of host `host` (1-based), as SageMaker's environment.py computes it."""
-    resource = {"current_host": f"algo-{host}", "current_instance_type": request["ResourceConfig"]["InstanceType"],
-                "hosts": [f"algo-{h}" for h in range(1, hosts + 1)], "network_interface_name": "lo"}
-    channels = {c["ChannelName"]: {"TrainingInputMode": "File"} for c in request["InputDataConfig"]}
-    root.mkdir(parents=True, exist_ok=True)
-    out = root / "sm_training.env"
-    config = {"resource": resource, "channels": channels, "hyperparameters": request["HyperParameters"]}
-    done = subprocess.run([sys.executable, "-c", SET_ENV, str(drivers), str(out), json.dumps(config)],
-                          env={**os.environ, "TRAINING_JOB_NAME": request["TrainingJobName"]},
-                          capture_output=True, text=True)
-    assert done.returncode == 0, done.stdout + done.stderr
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST", "SDP_", "SM_"))}
-    env.pop("PYTHONPATH", None)  # the job must find sdp_jupyter in its own source directory
-    env.update(request["Environment"])
-    for line in out.read_text().splitlines():
-        key, _, value = line[len("export "):].partition("=")
-        env[key] = shlex.split(value)[0] if value else ""
-    opt_ml = root / "opt" / "ml"
-    for key, value in list(env.items()):
-        if value.startswith("/opt/ml"):
-            env[key] = str(opt_ml) + value[len("/opt/ml"):]
-    env.update({
-        "TRAINING_JOB_NAME": request["TrainingJobName"],
-        "SM_MASTER_ADDR": "127.0.0.1", "SM_MASTER_PORT": str(port),  # algo-1 does not resolve here
-        "GLOO_SOCKET_IFNAME": "lo",
-        "PATH": f"{Path(sys.executable).parent}:{env.get('PATH', '')}",  # torchrun of this venv
-    })
-    for sub in ("model", "output/data", "checkpoints", "input/data/train"):
-        (opt_ml / sub).mkdir(parents=True, exist_ok=True)
-    (opt_ml / "input" / "data" / "train" / "data.txt").write_text("hello\n")
-    return env
-
-
 def run_job_like_sagemaker(aws, tmp_path, name: str, tag: str, first_done=(1, 2)):
     spec = JobSpec(code=CELL, name=name, target="sagemaker", nodes=2, procs_per_node=1, backend="gloo",
                    hyperparameters={"epochs": 2, "lr": 0.1, "tag": tag}, jobs_dir=str(tmp_path / "jobs"),
@@ -132,21 +66,12 @@ def run_job_like_sagemaker(aws, tmp_path, name: str, tag: str, first_done=(1, 2)
     job = launch(spec)
     request = MotoAWS.create_requests[-1]
     assert request["TrainingJobName"] == job.training_job_name
-    uris = {c["ChannelName"]: c["DataSource"]["S3DataSource"]["S3Uri"] for c in request["InputDataConfig"]}
-    image = tmp_path / "image"
-    code, drivers = image / "code", image / "sm_drivers"
-    download(aws, uris["code"], code)
-    download(aws, uris["sm_drivers"], drivers)
-    port = free_port()
-    hosts = []
-    for host in (1, 2):
-        root = tmp_path / f"algo-{host}"
-        env = container_env(drivers, host, 2, request, root, port)
-        # sm_train.sh: cd /opt/ml/input/data/code; $SM_PYTHON_CMD .../torchrun_driver.py
-        proc = subprocess.Popen([sys.executable, str(drivers / "distributed_drivers" / "torchrun_driver.py")],
-                                cwd=code, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
-        hosts.append((proc, root, env))
+    aws.client("s3").put_object(Bucket=BUCKET, Key="data/train/data.txt", Body=b"hello\n")
+    containers = LocalContainers(aws, request, tmp_path)
+    containers.prepare()
+    containers.start()
+    hosts = [(proc, containers.workdir / f"algo-{h + 1}", env)
+             for h, (proc, env) in enumerate(zip(containers.procs, containers.envs))]
     outputs = {}
     try:
         for host in first_done:
@@ -163,7 +88,7 @@ def run_job_like_sagemaker(aws, tmp_path, name: str, tag: str, first_done=(1, 2)
     job.stop(wait=False)
     aws.set_status(job.training_job_name, "Stopped")
     job.wait(20)
-    return code, outputs
+    return containers.code, outputs
 
 
 def test_uploaded_source_runs_under_sagemakers_torchrun_driver(aws, tmp_path):

@@ -58,8 +58,8 @@ DEFAULT_MAX_RUN = 24 * 3600
 DEFAULT_POLL_INTERVAL = 10.0
 METRICS_POLL_INTERVAL = 30.0
 
-#: The options only this target reads; they fill JobSpec.sagemaker (key = flag without "--",
-#: "-" -> "_"). `options_from_values` turns parsed argparse values into that dict.
+#: The options only this target reads (spec.OPTION_PROVIDERS adds them to %%sdp_train and sdp-train);
+#: field "sagemaker.<key>" fills JobSpec.sagemaker[<key>].
 SAGEMAKER_OPTIONS: tuple[Option, ...] = (
     Option("--instance-type", "sagemaker.instance_type",
            "SageMaker instance type (default: ml.p4d.24xlarge for smddp, ml.g5.2xlarge for nccl, "
@@ -145,17 +145,6 @@ def validate_request(params: dict, *, partial: bool = False, when: str = "before
 # ------------------------------------------------------------------------------------------------
 # Options
 # ------------------------------------------------------------------------------------------------
-def options_from_values(values: dict) -> dict:
-    """argparse values (dest names) -> the JobSpec.sagemaker dict (only the options given)."""
-    out = {}
-    for opt in SAGEMAKER_OPTIONS:
-        value = values.get(opt.flag.lstrip("-").replace("-", "_"))
-        if value is None or value is False:
-            continue
-        out[opt.field.split(".", 1)[1]] = value
-    return out
-
-
 _OPTION_KEYS = {opt.field.split(".", 1)[1]: opt.flag for opt in SAGEMAKER_OPTIONS}
 
 
@@ -652,7 +641,7 @@ class SageMakerLauncher:
         job._update(sagemaker=dict(job.status.get("sagemaker") or {}, training_job_name=name))
         print(f"[sdp_jupyter] SageMaker training job {name} created in {plan.region} "
               f"({spec.nodes} x {plan.instance_type}, {plan.procs_per_node} process(es) per host)")
-        job.follow()
+        job.mirror()
         return job
 
 
@@ -687,12 +676,12 @@ class SageMakerJob(Job):
     host algo-(i+1)'s CloudWatch stream (all of its ranks)."""
 
     @classmethod
-    def open(cls, name_or_dir, root=None, follow: bool = False) -> "SageMakerJob":
-        """Reopen from the job directory; with follow, keep mirroring the remote job if it still runs."""
+    def open(cls, name_or_dir, root=None, mirror: bool = False) -> "SageMakerJob":
+        """Reopen from the job directory; with mirror, keep following the remote job if it still runs."""
         plain = Job.open(name_or_dir, root)
         job = cls(plain.spec, plain.dir)
-        if follow:
-            job.follow()
+        if mirror:
+            job.mirror()
         return job
 
     # ---------------------------------------------------------------- facts
@@ -717,7 +706,7 @@ class SageMakerJob(Job):
         return boto_session(self.sagemaker.get("region"))
 
     # ---------------------------------------------------------------- following the remote job
-    def follow(self) -> None:
+    def mirror(self) -> None:
         """Mirror the remote job into the job directory from a background thread until it ends."""
         if self._run is None and not self.done and self.training_job_name:
             self._run = SageMakerRun(self)
@@ -742,7 +731,7 @@ class SageMakerJob(Job):
                 raise JobError(f"job {self.name}: StopTrainingJob failed: {e}", self) from e
         self._update(stop_requested=time.time())
         if self._run is None:
-            self.follow()
+            self.mirror()
         if wait:
             self.wait()
         return self.state
