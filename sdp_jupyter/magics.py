@@ -199,6 +199,8 @@ class SdpMagics(Magics):
             return
         print(job.summary())
         job.raise_for_state()
+        if job.spec.result:
+            self._store_result(job, job.spec.result)
 
     def _job(self, name: str | None) -> Job:
         try:

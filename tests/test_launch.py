@@ -170,3 +170,15 @@ def test_launch_is_both_the_package_and_the_function():
 
     assert sdp_jupyter.launch is package is function
     assert callable(package) and callable(package.get_job) and "JobSpec" in package.__call__.__doc__
+
+
+def test_each_local_node_sees_its_own_gpus(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    spec = LocalLauncher().resolve(JobSpec(code="x", name="g", nodes=2, procs_per_node=2, backend="gloo",
+                                           jobs_dir=str(tmp_path)))
+    run = LocalRun(Job(spec, tmp_path / "g"), LocalLauncher())
+    run.gpus = 4  # as NVML would report on a 4-GPU machine
+    assert [run.environment(r, 0, 1)["CUDA_VISIBLE_DEVICES"] for r in range(4)] == ["4,5", "4,5", "6,7", "6,7"]
+    assert run.environment(0, 0, 1)["SM_NUM_GPUS"] == "2"
+    run.gpus = 0
+    assert run.environment(3, 0, 1)["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"  # no GPU found: left alone

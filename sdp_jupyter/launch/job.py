@@ -73,6 +73,10 @@ class Job:
         if not spec_file.is_file():
             raise JobError(f"no job {str(name_or_dir)!r}: {spec_file} does not exist. "
                            f"List jobs with %sdp_jobs or sdp_jupyter.launch.list_jobs()")
+        target = (jobdir.read_json(path / jobdir.STATUS, {}) or {}).get("target")
+        if cls is Job and target == "sagemaker" and importlib.util.find_spec("sdp_jupyter.launch.sagemaker"):
+            # the SageMaker job's own class knows its logs (one per host) and remote state
+            return importlib.import_module("sdp_jupyter.launch.sagemaker").SageMakerJob.open(path)
         return cls(JobSpec.from_json(spec_file.read_text()), path)
 
     @classmethod

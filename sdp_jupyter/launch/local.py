@@ -148,6 +148,7 @@ class LocalRun:
         self.launcher = launcher
         self.world_size = self.spec.nodes * self.spec.procs_per_node
         self.secret = secrets.token_hex(32)
+        self.gpus = gpu_count()
         self._stop = threading.Event()
         self._stop_reason: str | None = None
         self._procs: list[subprocess.Popen] = []
@@ -186,7 +187,7 @@ class LocalRun:
             "LOCAL_WORLD_SIZE": str(ppn), "GROUP_RANK": str(node), "NODE_RANK": str(node),
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
             "SM_HOSTS": json.dumps(hosts), "SM_CURRENT_HOST": hosts[node],
-            "SM_NUM_GPUS": str(ppn if gpu_count() else 0),
+            "SM_NUM_GPUS": str(min(ppn, self.gpus)),
             "SM_MODEL_DIR": os.path.join(job_dir, "model"),
             "SM_OUTPUT_DATA_DIR": os.path.join(job_dir, "output"),
             "SM_HPS": json.dumps(spec.hyperparameters),
@@ -195,6 +196,11 @@ class LocalRun:
             "SDP_RESTART": str(attempt), "SDP_LAUNCHER_PID": str(os.getpid()),
         })
         env.setdefault("SM_CHANNEL_TRAIN", os.path.join(job_dir, "data", "train"))
+        if self.gpus >= spec.nodes * ppn and "CUDA_VISIBLE_DEVICES" not in spec.env:
+            # each local "node" sees its own GPUs, as separate hosts would (LOCAL_RANK indexes them)
+            parent = os.environ.get("CUDA_VISIBLE_DEVICES")
+            ids = [v.strip() for v in parent.split(",")] if parent else [str(i) for i in range(self.gpus)]
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(ids[node * ppn:(node + 1) * ppn])
         for key, value in spec.hyperparameters.items():
             env[f"SM_HP_{key.upper()}"] = value if isinstance(value, str) else json.dumps(value)
         env["SDP_CHECKPOINT_DIR"] = str(Path(spec.checkpoint_dir).expanduser().absolute()) \
