@@ -124,8 +124,11 @@ class JobDirSource:
         self.skipped = 0
         self._done = False
 
+    def _status(self) -> dict:
+        return _load_json(os.path.join(self.job_dir, "status.json"))
+
     def _state(self) -> str | None:
-        return _load_json(os.path.join(self.job_dir, "status.json")).get("state")
+        return self._status().get("state")
 
     def poll(self) -> list[dict]:
         if self._done:
@@ -147,11 +150,14 @@ class JobDirSource:
 
     def info(self) -> dict:
         spec = _load_json(os.path.join(self.job_dir, "spec.json"))
-        info = {"name": spec.get("name") or os.path.basename(self.job_dir), "state": self._state(),
+        status = self._status()
+        info = {"name": spec.get("name") or os.path.basename(self.job_dir), "state": status.get("state"),
                 "skipped_lines": self.skipped}
+        if isinstance(status.get("world_size"), int):
+            info["world_size"] = status["world_size"]
         nodes = _first(spec, "nodes", "num_nodes", "instance_count")
         per_node = _first(spec, "procs_per_node", "nproc_per_node", "gpus_per_node", "processes_per_node")
-        if isinstance(nodes, int) and isinstance(per_node, int):
+        if isinstance(nodes, int) and isinstance(per_node, int) and "world_size" not in info:
             info["world_size"] = nodes * per_node
         if isinstance(nodes, int):
             info["nodes"] = nodes
