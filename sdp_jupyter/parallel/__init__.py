@@ -16,7 +16,8 @@ The pieces, each usable alone:
   RowwiseParallel for wo and proj, SequenceParallel for the layer norms when sequence parallelism is
   on) over the ``tp`` mesh dimension, which holds consecutive ranks (one node);
 * pipeline parallelism: ``torch.distributed.pipelining`` (PipelineStage, ScheduleGPipe,
-  Schedule1F1B, ScheduleInterleaved1F1B) over ``pp``, the outermost dimension (across nodes);
+  Schedule1F1B; the interleaved schedule is in the formula only) over ``pp``, the outermost
+  dimension (across nodes);
 * sharding over ``dp``: ``"optimizer"`` with ``ZeroRedundancyOptimizer`` (ZeRO-1, SageMaker's
   shard_optimizer_state), ``"gradients"``/``"full"`` with FSDP2 ``fully_shard``
   (reshard_after_forward False / True);
@@ -400,6 +401,9 @@ class Hybrid:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
         c = self.config
+        if c.schedule == "interleaved" and c.virtual_stages > 1:
+            raise NotImplementedError("interleaved schedules (several stages per rank) are in the "
+                                      "advisor's formula but not in parallelize() yet: use 1f1b")
         stage = PipelineStage(stage_module, self.pp_rank, self.pp, self.device,
                               group=self.mesh["pp"].get_group())
         # torch's schedules have no active-microbatch cap; 1F1B holds at most pp per stage, so a
