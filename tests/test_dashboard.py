@@ -143,3 +143,14 @@ def test_snapshot_is_self_contained_html(tmp_path):
     fr = read(tmp_path / "job")
     loss = [json.dumps(v) for v in fr.steps[0]["loss"][:3]]
     assert all(v in html for v in loss)
+
+
+def test_a_diverging_loss_is_drawn_as_a_gap(tmp_path):
+    rep = Reporter(str(tmp_path), 0)
+    for i, loss in enumerate([1.0, float("nan"), float("inf"), 0.5]):
+        rep.report(step=i, samples=4, loss=loss)
+    rep.close()
+    set_state(tmp_path, "failed")
+    dash = dashboard(tmp_path)
+    assert dash.trace("loss rank 0").y == (1.0, None, None, 0.5)
+    json.dumps(dash.to_plotly_json()["data"], allow_nan=False)  # what the widget sends must be strict JSON

@@ -14,6 +14,7 @@ last lines are drawn, or on `stop()` / `close()`. A finished job reopened from d
 """
 from __future__ import annotations
 
+import math
 import threading
 import traceback
 import weakref
@@ -207,7 +208,9 @@ class Dashboard(go.FigureWidget):
             x, y = fr.throughput[rank]
             updates[self._ensure(f"throughput rank {rank}", "throughput", color=color)] = {"x": tuple(x), "y": tuple(y)}
             cols = fr.steps[rank]
-            pts = [(s, v) for s, v in zip(cols["step"], cols["loss"]) if isinstance(v, (int, float))]
+            # a diverging loss (NaN, inf) is a gap: the widget's JSON sync cannot carry non-finite floats
+            pts = [(s, v if math.isfinite(v) else None) for s, v in zip(cols["step"], cols["loss"])
+                   if isinstance(v, (int, float))]
             if pts:
                 updates[self._ensure(f"loss rank {rank}", "loss", color=color)] = {
                     "x": tuple(p[0] for p in pts), "y": tuple(p[1] for p in pts)}
