@@ -248,12 +248,14 @@ def test_sampler_stops_when_its_parent_dies(tmp_path):
 
 
 @pytest.mark.slow
-def test_sampler_stops_when_the_job_reaches_a_final_state(tmp_path):
-    samp = start_sampler(tmp_path, 0, "--interval", "0.2")
+def test_sampler_stops_when_the_job_reaches_a_final_state_and_never_counts_itself(tmp_path):
+    samp = start_sampler(tmp_path, 0, "--interval", "0.2", "--cpu")  # started with the job's environment
     path = tmp_path / "metrics" / "system-node-0.jsonl"
-    wait_for(lambda: path.exists() and len(lines(path)) >= 2, timeout=30, what="first samples")
+    wait_for(lambda: path.exists() and len(lines(path)) >= 4, timeout=30, what="first samples")
     set_state(tmp_path, "succeeded")
     assert samp.wait(timeout=10) == 0
+    assert "CPU sampling requested" in lines(path)[0]["note"]
+    assert all(x["nproc"] == 0 for x in lines(path)[1:])  # no worker ran: the sampler is not one
 
 
 def _alive(pid: int) -> bool:

@@ -95,7 +95,10 @@ class PsutilSource:
             return list(self.procs)
         self._next_scan = now + (5.0 if self.procs else 0.0)  # workers may start after the sampler
         found = []
+        me = os.getpid()
         for p in self.psutil.process_iter():
+            if p.pid == me:  # the sampler may carry the job's environment itself
+                continue
             try:
                 env = p.environ()
             except (self.psutil.Error, OSError):
