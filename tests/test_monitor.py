@@ -154,7 +154,17 @@ def test_reader_reads_a_job_killed_mid_run(tmp_path):
     for r in (0, 1):
         got = fr.rank_steps(r)
         assert got == list(range(len(got))) and len(got) > 20
-    assert fr.done is False and fr.steady_samples_per_s > 0
+    assert fr.done is False and fr.steady_samples_per_s > 0  # no pids recorded: cannot tell
+    # with the pids the launcher records, a job whose processes are all gone reads as ended ("lost")
+    launcher = subprocess.Popen([sys.executable, "-c", "pass"])
+    launcher.wait()
+    status = {"state": "running", "pids": [p.pid for p in procs], "launcher_pid": launcher.pid}
+    (tmp_path / "status.json").write_text(json.dumps(status))
+    fr = read(tmp_path)
+    assert fr.done is True and fr.state == "lost" and fr.skipped_lines == 1
+    status["launcher_pid"] = os.getpid()  # a live launcher: the job may still be running
+    (tmp_path / "status.json").write_text(json.dumps(status))
+    assert read(tmp_path).done is False
 
 
 def test_metrics_windows_are_bounded_and_totals_are_not():

@@ -128,12 +128,13 @@ class JobDirSource:
         return _load_json(os.path.join(self.job_dir, "status.json"))
 
     def _state(self) -> str | None:
-        return self._status().get("state")
+        status = self._status()
+        return "lost" if _lost(status) else status.get("state")
 
     def poll(self) -> list[dict]:
         if self._done:
             return []
-        final = self._state() in FINAL_STATES  # read the state first: lines written before it count
+        final = self._state() in FINAL_STATES + ("lost",)  # read it first: lines written before it count
         for path in sorted(glob.glob(os.path.join(self.job_dir, "metrics", "*.jsonl"))):
             if path not in self.tails:
                 self.tails[path] = _Tail(path)
@@ -151,7 +152,8 @@ class JobDirSource:
     def info(self) -> dict:
         spec = _load_json(os.path.join(self.job_dir, "spec.json"))
         status = self._status()
-        info = {"name": spec.get("name") or os.path.basename(self.job_dir), "state": status.get("state"),
+        info = {"name": spec.get("name") or os.path.basename(self.job_dir),
+                "state": "lost" if _lost(status) else status.get("state"),
                 "skipped_lines": self.skipped}
         if isinstance(status.get("world_size"), int):
             info["world_size"] = status["world_size"]
@@ -167,6 +169,32 @@ class JobDirSource:
         if isinstance(total, int):
             info["total_steps"] = total
         return info
+
+
+def _pid_alive(pid) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (ProcessLookupError, ValueError, TypeError, OverflowError):
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie is dead for our purpose
+        with open(f"/proc/{int(pid)}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def _lost(status: dict) -> bool:
+    """A job whose status still says pending/running but whose launcher and ranks are all gone
+    (the kernel was killed): it will never write again."""
+    if status.get("state") not in ("pending", "running"):
+        return False
+    pids = status.get("pids")
+    if not isinstance(pids, list) or not pids:
+        return False
+    launcher = status.get("launcher_pid")
+    return not any(_pid_alive(p) for p in pids + ([launcher] if launcher else []))
 
 
 def _first(d: dict, *keys):
