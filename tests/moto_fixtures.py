@@ -422,8 +422,11 @@ class SageMakerStandIn:
 @contextlib.contextmanager
 def moto_aws(tmp_dir: str):
     """Start moto on a free 127.0.0.1 port, point the environment at it, create the bucket."""
+    import logging
+
     from moto.server import ThreadedMotoServer
 
+    logging.getLogger("werkzeug").setLevel(logging.CRITICAL)  # moto's request log and 501 tracebacks
     _patch_stop_training_job()
     port = _free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
@@ -454,8 +457,5 @@ def moto_aws(tmp_dir: str):
 
 @pytest.fixture(scope="module")
 def aws(tmp_path_factory):
-    import logging
-
-    logging.getLogger("werkzeug").setLevel(logging.CRITICAL)  # moto's request log
     with moto_aws(str(tmp_path_factory.mktemp("aws"))) as a:
         yield a
