@@ -8,6 +8,7 @@
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/uio.h>
+#include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -22,6 +23,9 @@
 namespace sdp {
 
 constexpr int kMaxLocal = 256;
+// All-reduces up to this size within one node take a one-barrier path: every rank sums all
+// slots itself, alternating between two slot sets so no second barrier is needed.
+constexpr size_t kSmallBytes = 64 << 10;
 constexpr uint32_t kShmMagic = 0x4d484453;  // "SDHM"
 
 // Description of the collective a local rank is about to run, compared across the node.
@@ -42,7 +46,7 @@ struct ShmHeader {
   uint32_t error_remote;                          // 1: the error came from another node
   char error_msg[2048];
   alignas(64) std::atomic<uint64_t> rank_arrivals[kMaxLocal];
-  CollDesc desc[kMaxLocal];
+  CollDesc desc[3][kMaxLocal];  // [0], [1]: alternate sets of the one-barrier path; [2]: the others
 };
 
 namespace {
@@ -108,6 +112,9 @@ std::string Engine::ranks_list(const std::vector<int>& ranks) const {
 
 char* Engine::slot(int local) const { return shm_data_ + size_t(local) * cfg_.chunk_bytes; }
 char* Engine::red_area() const { return slot(local_size()); }
+char* Engine::small_slot(int set, int local) const {
+  return slot(local_size() + 1) + (size_t(set) * size_t(local_size()) + size_t(local)) * kSmallBytes;
+}
 
 std::pair<int, std::string> Engine::prepare() {
   int L = local_size();
@@ -119,7 +126,7 @@ std::pair<int, std::string> Engine::prepare() {
       std::snprintf(name, sizeof(name), "/sdp-%d-%02x%02x%02x%02x%02x%02x", getpid(), rnd[0], rnd[1], rnd[2], rnd[3], rnd[4], rnd[5]);
       shm_name_ = name;
       size_t hdr = round_up(sizeof(ShmHeader), 4096);
-      shm_size_ = hdr + size_t(L + 1) * cfg_.chunk_bytes;
+      shm_size_ = hdr + size_t(L + 1) * cfg_.chunk_bytes + 2 * size_t(L) * kSmallBytes;
       int fd = shm_open(shm_name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
       if (fd < 0) throw Error("cannot create shared memory " + shm_name_ + ": " + std::strerror(errno));
       if (ftruncate(fd, off_t(shm_size_)) != 0) {
@@ -276,12 +283,18 @@ uint64_t Engine::submit(Coll c, void* buf, size_t count, DType t, ReduceOp op, i
 
 void Engine::wait(uint64_t h, double timeout_s) {
   std::unique_lock<std::mutex> lk(mu_);
-  auto pred = [&] { return completed_ >= h || (failed_from_ && h >= failed_from_) || stopping_; };
-  if (timeout_s > 0) {
-    if (!done_cv_.wait_for(lk, std::chrono::duration<double>(timeout_s), pred))
+  auto finished = [&] { return completed_ >= h || (failed_from_ && h >= failed_from_) || stopping_; };
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                                          std::chrono::duration<double>(timeout_s > 0 ? timeout_s : 1e9));
+  while (!finished()) {
+    // The waiting thread runs queued work itself when the progress thread is not busy: a
+    // blocking call then costs no thread hand-off (it matters for small collectives).
+    if (!busy_ && !queue_.empty() && queue_.front().id <= h) {
+      execute_front(lk);
+      continue;
+    }
+    if (done_cv_.wait_until(lk, deadline) == std::cv_status::timeout && !finished())
       throw Error("timed out after " + fmt_seconds(timeout_s) + " s waiting for collective handle " + std::to_string(h));
-  } else {
-    done_cv_.wait(lk, pred);
   }
   if (failed_from_ && h >= failed_from_) throw Error(broken_);
   if (completed_ < h) throw Error("the process group was shut down before this collective ran");
@@ -303,56 +316,63 @@ Stats Engine::stats() {
   return stats_;
 }
 
+void Engine::execute_front(std::unique_lock<std::mutex>& lk) {
+  // Called with mu_ held and busy_ false; runs the first queued collective with mu_ released.
+  busy_ = true;
+  Work w = queue_.front();
+  bool already_broken = failed_from_ != 0;
+  lk.unlock();
+  std::string err;
+  double t0 = now_s();
+  if (!already_broken) {
+    try {
+      run(w);
+    } catch (const Error& e) {
+      err = e.what();
+    } catch (const std::exception& e) {
+      err = std::string("internal error: ") + e.what();
+    }
+  }
+  lk.lock();
+  busy_ = false;
+  queue_.pop_front();
+  if (!err.empty() && !failed_from_) {
+    failed_from_ = w.id;
+    broken_ = err;
+  }
+  if (!failed_from_) {
+    completed_ = w.id;
+    stats_.collectives++;
+    stats_.bytes += w.count * dtype_size(w.dtype);
+    stats_.busy_s += now_s() - t0;
+  }
+  done_cv_.notify_all();
+  work_cv_.notify_all();
+}
+
 void Engine::progress_loop() {
+  std::unique_lock<std::mutex> lk(mu_);
   for (;;) {
-    Work w;
-    {
-      std::unique_lock<std::mutex> lk(mu_);
-      if (queue_.empty() && !stopping_) work_cv_.wait_for(lk, std::chrono::milliseconds(20));
-      if (queue_.empty()) {
-        if (stopping_) return;
-        bool broken = failed_from_ != 0;
-        lk.unlock();
-        if (!broken) {
-          try { idle_check(); } catch (const Error& e) {
-            std::lock_guard<std::mutex> g(mu_);
-            if (!failed_from_) { failed_from_ = next_id_; broken_ = e.what(); }
-            done_cv_.notify_all();
-          }
-        }
-        continue;
-      }
-      w = queue_.front();
+    if (!busy_ && !queue_.empty()) {
+      execute_front(lk);
+      continue;
     }
+    if (stopping_ && queue_.empty()) return;
+    work_cv_.wait_for(lk, std::chrono::milliseconds(20));
+    if (busy_ || !queue_.empty() || stopping_ || failed_from_) continue;
+    // Idle: notice dead ranks and error frames early, so the next call fails fast.
+    busy_ = true;
+    lk.unlock();
     std::string err;
-    double t0 = now_s();
-    bool already_broken;
-    {
-      std::lock_guard<std::mutex> g(mu_);
-      already_broken = failed_from_ != 0;
-    }
-    if (!already_broken) {
-      try {
-        run(w);
-      } catch (const Error& e) {
-        err = e.what();
-      } catch (const std::exception& e) {
-        err = std::string("internal error: ") + e.what();
-      }
-    }
-    std::lock_guard<std::mutex> g(mu_);
-    queue_.pop_front();
+    try { idle_check(); } catch (const Error& e) { err = e.what(); }
+    lk.lock();
+    busy_ = false;
     if (!err.empty() && !failed_from_) {
-      failed_from_ = w.id;
+      failed_from_ = next_id_;
       broken_ = err;
     }
-    if (!failed_from_) {
-      completed_ = w.id;
-      stats_.collectives++;
-      stats_.bytes += w.count * dtype_size(w.dtype);
-      stats_.busy_s += now_s() - t0;
-    }
     done_cv_.notify_all();
+    work_cv_.notify_all();
   }
 }
 
@@ -375,8 +395,8 @@ void Engine::run(const Work& w) {
 
 // ---------------------------------------------------------------- node-level synchronisation
 
-void Engine::publish_desc(const Work& w) {
-  CollDesc& d = shm_->desc[local_];
+void Engine::publish_desc(const Work& w, int set) {
+  CollDesc& d = shm_->desc[set][local_];
   d.seq = seq_;
   d.count = w.count;
   d.root = uint32_t(w.root);
@@ -386,12 +406,12 @@ void Engine::publish_desc(const Work& w) {
   d.valid = 1;
 }
 
-void Engine::check_descs(const Work& w) {
+void Engine::check_descs(const Work& w, int set) {
   // Every local rank runs the same comparison against the same data, so all of them fail together.
-  const CollDesc& a = shm_->desc[0];
+  const CollDesc& a = shm_->desc[set][0];
   int ra = ranks_of_node_[node_][0];
   for (int l = 1; l < local_size(); ++l) {
-    const CollDesc& b = shm_->desc[l];
+    const CollDesc& b = shm_->desc[set][l];
     int rb = ranks_of_node_[node_][l];
     std::string field, va, vb;
     if (a.seq != b.seq) { field = "collective number"; va = std::to_string(a.seq); vb = std::to_string(b.seq); }
@@ -418,9 +438,21 @@ void Engine::node_barrier() {
     futex_wake_all(&shm_->wake);
     return;
   }
+  // Wait in three stages: a short pause-spin (the peers are usually microseconds away), then
+  // sched_yield for up to ~200 us (gives the core away when it is oversubscribed, costs ~1 us
+  // when it is not), then a futex sleep that also checks health and the deadline.
   for (int i = 0; i < cfg_.spin; ++i) {
     if (shm_->arrivals.load(std::memory_order_acquire) >= target) return;
     cpu_relax();
+  }
+  if (cfg_.spin > 0) {
+    double until = now_s() + 200e-6;
+    do {
+      for (int i = 0; i < 32; ++i) {
+        if (shm_->arrivals.load(std::memory_order_acquire) >= target) return;
+        sched_yield();
+      }
+    } while (now_s() < until);
   }
   for (;;) {
     uint32_t w = shm_->wake.load(std::memory_order_acquire);
@@ -741,15 +773,26 @@ void Engine::run_allreduce(const Work& w) {
   size_t esz = dtype_size(w.dtype);
   size_t chunk = std::max<size_t>(1, cfg_.chunk_bytes / esz);
   double divisor = w.op == ReduceOp::AVG ? double(world_size()) : 1.0;
+  if (N == 1 && L > 1 && w.count * esz <= kSmallBytes) {
+    small_set_ ^= 1;
+    std::memcpy(small_slot(small_set_, local_), w.buf, w.count * esz);
+    publish_desc(w, small_set_);
+    node_barrier();
+    check_descs(w, small_set_);
+    for (int l = 0; l < L; ++l) srcs_[l] = small_slot(small_set_, l);
+    reduce_many(w.dtype, w.op, w.buf, srcs_.data(), L, w.count);
+    copy_scaled(w.dtype, w.buf, w.buf, w.count, divisor);
+    return;
+  }
   for (size_t off = 0; off < w.count; off += chunk) {
     size_t n = std::min(chunk, w.count - off);
     char* user = w.buf + off * esz;
     char* red = user;
     if (L > 1) {
       std::memcpy(slot(local_), user, n * esz);
-      if (off == 0) publish_desc(w);
+      if (off == 0) publish_desc(w, 2);
       node_barrier();
-      if (off == 0) check_descs(w);
+      if (off == 0) check_descs(w, 2);
       size_t p0 = n * size_t(local_) / size_t(L), p1 = n * size_t(local_ + 1) / size_t(L);
       for (int l = 0; l < L; ++l) srcs_[l] = slot(l) + p0 * esz;
       red = red_area();
@@ -779,9 +822,9 @@ void Engine::run_broadcast(const Work& w) {
     if (L > 1) {
       src = node_ == root_node ? slot(root_local) : red_area();
       if (i_am_root) std::memcpy(src, user, n * esz);
-      if (off == 0) publish_desc(w);
+      if (off == 0) publish_desc(w, 2);
       node_barrier();
-      if (off == 0) check_descs(w);
+      if (off == 0) check_descs(w, 2);
     }
     if (N > 1 && is_leader()) {
       FrameHeader h{};

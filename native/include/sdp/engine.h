@@ -110,6 +110,7 @@ class Engine {
   };
 
   void progress_loop();
+  void execute_front(std::unique_lock<std::mutex>& lk);
   void acceptor_loop();
   void run(const Work& w);
   void run_allreduce(const Work& w);
@@ -124,12 +125,13 @@ class Engine {
   void check_deadline(const std::string& waiting_for);
   [[noreturn]] void fail(const std::string& msg, bool remote = false);
   void send_error_frames(const std::string& msg);
-  void publish_desc(const Work& w);
-  void check_descs(const Work& w);
+  void publish_desc(const Work& w, int set);
+  void check_descs(const Work& w, int set);
   std::string rank_name(int r) const;
   std::string ranks_list(const std::vector<int>& ranks) const;
   char* slot(int local) const;
   char* red_area() const;
+  char* small_slot(int set, int local) const;
   void idle_check();
 
   EngineConfig cfg_;
@@ -147,6 +149,7 @@ class Engine {
   std::vector<char> recv_buf_;       // leader: one shard-sized buffer per peer node
   std::vector<const void*> srcs_;
   uint64_t barrier_count_ = 0;
+  int small_set_ = 0;
   uint64_t seq_ = 0;                 // sequence number of the collective being executed
   std::string cur_desc_;             // "all_reduce #12 (1000 x float32, SUM)" for messages
   double op_deadline_ = 0;
@@ -168,6 +171,7 @@ class Engine {
   uint64_t failed_from_ = 0;   // first handle that failed (0: none)
   std::string broken_;
   bool stopping_ = false;
+  bool busy_ = false;          // a thread is executing a collective or an idle check
   bool connected_ = false;
   std::thread progress_;
   Stats stats_;

@@ -1,0 +1,73 @@
+"""Shared by the benchmarks: start W ranks of this machine as `nodes` x `per_node`, collect JSON."""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import tempfile
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(script: str, world: int, per_node: int, args: list[str], timeout: float = 1800,
+              extra_env: dict | None = None) -> list[dict]:
+    """Run `python script --worker ARGS` as `world` ranks; each prints one JSON line at the end."""
+    port, secret = free_port(), secrets.token_hex(16)
+    procs = []
+    tmp = tempfile.mkdtemp(prefix="sdp-bench-")
+    for r in range(world):
+        env = dict(os.environ)
+        env.update({"RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r % per_node),
+                    "LOCAL_WORLD_SIZE": str(per_node), "GROUP_RANK": str(r // per_node),
+                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "SDP_JOB_SECRET": secret,
+                    "OMP_NUM_THREADS": "1"})
+        env.update(extra_env or {})
+        out = open(os.path.join(tmp, f"{r}.out"), "w+")
+        procs.append((subprocess.Popen([sys.executable, script, "--worker", *args], stdout=out,
+                                       stderr=subprocess.STDOUT, env=env, start_new_session=True), out))
+    results = []
+    failed = []
+    for r, (p, out) in enumerate(procs):
+        try:
+            p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+        out.seek(0)
+        text = out.read()
+        lines = [ln for ln in text.splitlines() if ln.startswith("{")]
+        if p.returncode != 0 or not lines:
+            failed.append(f"rank {r} exited {p.returncode}:\n{text[-2000:]}")
+        else:
+            results.append(json.loads(lines[-1]))
+    if failed:
+        raise RuntimeError("\n".join(failed))
+    return results
+
+
+def machine_info() -> dict:
+    import platform
+
+    import numpy as np
+
+    a = np.ones(64 << 18, dtype=np.float32)  # 64 MiB
+    b = np.empty_like(a)
+    import time
+    best = 1e9
+    for _ in range(5):
+        t0 = time.perf_counter()
+        np.copyto(b, a)
+        best = min(best, time.perf_counter() - t0)
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        load = None
+    return {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+            "memcpy_GBps": a.nbytes / best / 1e9, "loadavg_1min": load}

@@ -1,0 +1,114 @@
+"""all_reduce: smddp vs gloo in the same run, as one node and as one rank per node.
+
+    python benchmarks/allreduce.py                       # full sweep (4 KiB .. 256 MiB, fp32/fp16/bf16, 2 and 4 ranks)
+    python benchmarks/allreduce.py --quick               # 4 KiB, 1 MiB, 64 MiB; fp32 and fp16; 2 ranks
+
+Prints a table with latency, bus bandwidth (size/time x 2(n-1)/n) and the smddp/gloo ratio, the
+single-core memcpy bandwidth of this machine measured in the same run (the ceiling), and writes
+everything to benchmarks/results/allreduce.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+SIZES_FULL = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20]
+SIZES_QUICK = [4 << 10, 1 << 20, 64 << 20]
+
+
+def worker(backend: str, sizes: list[int], dtypes: list[str], budget: float) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import sdp_jupyter.torch  # noqa: F401
+
+    dist.init_process_group(backend)
+    world = dist.get_world_size()
+    out = []
+    for dtype in dtypes:
+        dt = getattr(torch, dtype)
+        for size in sizes:
+            n = size // torch.empty(0, dtype=dt).element_size()
+            t = torch.ones(n, dtype=dt)
+            dist.all_reduce(t)  # warm-up: connections, first touch
+            t0 = time.perf_counter()
+            dist.all_reduce(t)
+            # Every rank must run the same number of collectives: agree on the slowest estimate.
+            est = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            dist.all_reduce(est, op=dist.ReduceOp.MAX)
+            iters = int(min(200, max(3, budget / max(est.item(), 1e-6))))
+            dist.barrier()
+            times = []
+            for _ in range(iters):
+                t0 = time.perf_counter()
+                dist.all_reduce(t)
+                times.append(time.perf_counter() - t0)
+            times.sort()
+            dist.barrier()
+            out.append({"dtype": dtype, "bytes": size, "median_s": times[len(times) // 2], "min_s": times[0],
+                        "iters": len(times)})
+    dist.destroy_process_group()
+    print(json.dumps({"rank": dist.get_rank() if dist.is_initialized() else None, "world": world, "rows": out}))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--backend", default="smddp")
+    ap.add_argument("--quick", action="store_true", help="a few sizes, 2 ranks, fp32/fp16")
+    ap.add_argument("--ranks", default=None, help="comma list of world sizes (default 2,4; quick: 2)")
+    ap.add_argument("--dtypes", default=None, help="comma list (default float32,float16,bfloat16)")
+    ap.add_argument("--sizes", default=None, help="comma list of bytes")
+    ap.add_argument("--budget", type=float, default=0.5, help="seconds of timing per size (at least 3 iterations)")
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "allreduce.json"))
+    a = ap.parse_args()
+    sizes = [int(s) for s in a.sizes.split(",")] if a.sizes else (SIZES_QUICK if a.quick else SIZES_FULL)
+    dtypes = a.dtypes.split(",") if a.dtypes else (["float32", "float16"] if a.quick else ["float32", "float16", "bfloat16"])
+    if a.worker:
+        worker(a.backend, sizes, dtypes, a.budget)
+        return
+
+    from _spawn import machine_info, run_ranks
+
+    ranks = [int(r) for r in a.ranks.split(",")] if a.ranks else ([2] if a.quick else [2, 4])
+    info = machine_info()
+    print(f"machine: {info['cpus']} cpus, single-core memcpy {info['memcpy_GBps']:.2f} GB/s, "
+          f"load {info['loadavg_1min']}", flush=True)
+    rows = []
+    for world in ranks:
+        for layout, per_node in (("1 node", world), ("1 rank/node", 1)):
+            res = {}
+            for backend in ("smddp", "gloo"):
+                args = ["--backend", backend, "--sizes", ",".join(map(str, sizes)), "--dtypes", ",".join(dtypes),
+                        "--budget", str(a.budget)]
+                out = run_ranks(os.path.abspath(__file__), world, per_node, args)
+                # A collective ends when the slowest rank is done: take the max over ranks.
+                res[backend] = [max(o["rows"][i]["median_s"] for o in out) for i in range(len(out[0]["rows"]))]
+                keys = [(r["dtype"], r["bytes"]) for r in out[0]["rows"]]
+            for i, (dtype, size) in enumerate(keys):
+                f = 2 * (world - 1) / world
+                row = {"world": world, "layout": layout, "dtype": dtype, "bytes": size}
+                for b in ("smddp", "gloo"):
+                    row[f"{b}_latency_us"] = res[b][i] * 1e6
+                    row[f"{b}_busbw_GBps"] = size / res[b][i] * f / 1e9
+                row["busbw_ratio"] = row["smddp_busbw_GBps"] / row["gloo_busbw_GBps"]
+                row["smddp_fraction_of_memcpy"] = row["smddp_busbw_GBps"] / info["memcpy_GBps"]
+                rows.append(row)
+                print(f"{world} ranks {layout:12s} {dtype:9s} {size / 1024:>9.0f} KiB | smddp "
+                      f"{row['smddp_latency_us']:>10.0f} us {row['smddp_busbw_GBps']:6.2f} GB/s | gloo "
+                      f"{row['gloo_latency_us']:>10.0f} us {row['gloo_busbw_GBps']:6.2f} GB/s | x{row['busbw_ratio']:5.2f}"
+                      f" | {100 * row['smddp_fraction_of_memcpy']:4.0f}% memcpy", flush=True)
+    os.makedirs(os.path.dirname(a.out), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump({"machine": info, "command": " ".join(sys.argv), "rows": rows}, f, indent=1)
+    print(f"results: {a.out}")
+
+
+if __name__ == "__main__":
+    main()
