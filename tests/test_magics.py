@@ -213,3 +213,31 @@ def test_job_view_streams_ranks_and_its_stop_button_stops_the_job(jobs_dir):
     while "stopped" not in view.header.value and time.monotonic() < deadline:
         time.sleep(0.1)
     assert "stopped" in view.header.value and view.stop_button.disabled
+
+
+@pytest.mark.slow
+def test_stop_endpoint_needs_the_token_and_stops_a_live_job(jobs_dir):
+    import urllib.error
+    import urllib.request
+
+    from sdp_jupyter.launch import launch
+    from sdp_jupyter.ui.jobview import StopServer
+
+    job = launch(code="import time\nprint('up', flush=True)\ntime.sleep(300)", backend="gloo", name="http-stop")
+    server = StopServer.get()
+    url = server.url(job)
+
+    def post(u):
+        try:
+            return urllib.request.urlopen(urllib.request.Request(u, method="POST"), timeout=10).status
+        except urllib.error.HTTPError as e:
+            return e.code
+
+    assert post(url.replace(server.token, "0" * len(server.token))) == 403
+    assert post(url.replace("http-stop", "other-job")) == 404
+    while "up" not in job.logs(0):
+        time.sleep(0.05)
+    assert job.state == "running"
+    assert post(url) == 202
+    assert job.wait(30) == "stopped"
+    assert "interrupted (SIGINT) at" in job.logs(0) and "script.py, line 4" in job.logs(0)  # line 1 is the header

@@ -139,12 +139,17 @@ def main() -> int:
             return e.code or 0
         print(e.code, file=sys.stderr)
         return 1
+    except KeyboardInterrupt as e:  # the launcher stops ranks with SIGINT first: say where, briefly
+        frames = traceback.extract_tb(_strip_our_frames(e.__traceback__))
+        where = f" at {frames[-1].filename}, line {frames[-1].lineno}" if frames else ""
+        print(f"[sdp_jupyter] rank {os.environ.get('RANK', '?')} interrupted (SIGINT){where}", file=sys.stderr)
+        sys.stderr.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)  # exit status: killed by SIGINT, as without us
+        return 1
     except BaseException as e:
         traceback.print_exception(type(e), e, _strip_our_frames(e.__traceback__))
         sys.stderr.flush()
-        if isinstance(e, KeyboardInterrupt):
-            signal.signal(signal.SIGINT, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGINT)
         return 1
     code = 0
     if rank0 and value is not None:

@@ -1,17 +1,29 @@
 """JobView: the small live view of a Job (state, elapsed time, per-rank output, Stop button).
 
 It is a view over a `Job`, which works without a notebook; the view only subscribes to the job's
-output lines and redraws from a background thread at a bounded rate (4 per second), so the Stop
-button and the output keep working while other cells run.
+output lines and redraws from a background thread at a bounded rate (4 per second), so the output
+keeps streaming while other cells run.
+
+The Stop button must work while another cell keeps the kernel busy, but a widget's comm message is
+handled only when the running cell ends (even with JupyterLab's subshells). So the button also
+POSTs to a small HTTP endpoint served by a kernel thread on 127.0.0.1 (random port, per-kernel
+token): that reaches the job at once when the browser runs on the kernel's machine (a local
+Jupyter); elsewhere the comm message still stops the job as soon as the kernel is free.
 """
 from __future__ import annotations
 
 import collections
+import hmac
 import html
 import importlib.util
+import secrets
 import threading
+import urllib.parse
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import anywidget
 import ipywidgets as w
+import traitlets
 
 REFRESH_S = 0.25
 SHOWN_LINES = 1000  # lines per rank kept in the view; the rank's log has all of them
@@ -30,6 +42,101 @@ def widgets_enabled() -> bool:
     return ip is not None and getattr(ip, "kernel", None) is not None
 
 
+class StopServer:
+    """Kernel-side HTTP endpoint `POST /stop/<job name>?token=...` on 127.0.0.1, one per kernel."""
+
+    _instance: "StopServer | None" = None
+    _lock = threading.Lock()
+
+    def __init__(self):
+        self.token = secrets.token_hex(16)
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 (http.server's naming)
+                self.send_response(server.handle(self.path))
+                self.send_header("Access-Control-Allow-Origin", "*")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args):  # the kernel's stderr is not a request log
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.port = self.httpd.server_address[1]
+        threading.Thread(target=self.httpd.serve_forever, daemon=True, name="sdp-stop-server").start()
+
+    @classmethod
+    def get(cls) -> "StopServer":
+        with cls._lock:
+            if cls._instance is None:
+                cls._instance = cls()
+            return cls._instance
+
+    def url(self, job) -> str:
+        return f"http://127.0.0.1:{self.port}/stop/{urllib.parse.quote(job.name)}?token={self.token}"
+
+    def handle(self, path: str) -> int:
+        parsed = urllib.parse.urlsplit(path)
+        token = urllib.parse.parse_qs(parsed.query).get("token", [""])[0]
+        if not hmac.compare_digest(token, self.token):
+            return 403
+        if not parsed.path.startswith("/stop/"):
+            return 404
+        name = urllib.parse.unquote(parsed.path[len("/stop/"):])
+        from sdp_jupyter.launch import jobs
+
+        job = next((j for j in reversed(jobs()) if j.name == name), None)
+        if job is None or not job.live:
+            return 404
+        threading.Thread(target=lambda: job.stop(wait=False), daemon=True).start()
+        return 202
+
+
+class StopButton(anywidget.AnyWidget):
+    """A Stop button that reaches the kernel even while a cell runs (see the module docstring)."""
+
+    _esm = """
+    function render({ model, el }) {
+      const button = document.createElement("button");
+      button.className = "jupyter-widgets jupyter-button widget-button mod-danger sdp-stop";
+      button.style.width = "90px";
+      const draw = () => {
+        button.textContent = model.get("description");
+        button.disabled = model.get("disabled");
+      };
+      draw();
+      model.on("change:description", draw);
+      model.on("change:disabled", draw);
+      button.addEventListener("click", () => {
+        button.disabled = true;
+        button.textContent = "Stopping";
+        const url = model.get("url");
+        if (url) fetch(url, { method: "POST", mode: "no-cors" }).catch(() => {});
+        model.send({ event: "stop" });
+      });
+      el.appendChild(button);
+    }
+    export default { render };
+    """
+    description = traitlets.Unicode("Stop").tag(sync=True)
+    disabled = traitlets.Bool(False).tag(sync=True)
+    url = traitlets.Unicode("").tag(sync=True)
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._handlers = []
+        self.on_msg(lambda _widget, content, _buffers: content.get("event") == "stop" and self.click())
+
+    def on_click(self, handler) -> None:
+        self._handlers.append(handler)
+
+    def click(self) -> None:
+        for handler in self._handlers:
+            handler(self)
+
+
 class JobView(w.VBox):
     def __init__(self, job):
         self.job = job
@@ -39,8 +146,8 @@ class JobView(w.VBox):
         self._live = set(range(job.world_size)) if job.spec.ranks_output == "all" else {0}
         self.header = w.HTML()
         self.error = w.HTML()
-        self.stop_button = w.Button(description="Stop", icon="stop", button_style="danger",
-                                    tooltip="stop every rank of this job", layout=w.Layout(width="90px"))
+        self.stop_button = StopButton(url=StopServer.get().url(job) if job.live else "",
+                                      disabled=not job.live or job.done)
         self.stop_button.on_click(self._on_stop)
         buttons = [self.stop_button]
         self.extra = w.Output()
@@ -85,7 +192,8 @@ class JobView(w.VBox):
     def _on_stop(self, _button) -> None:
         self.stop_button.disabled = True
         self.stop_button.description = "Stopping"
-        threading.Thread(target=lambda: self.job.stop(wait=False), daemon=True).start()
+        if self.job.live and not self.job.done:
+            threading.Thread(target=lambda: self.job.stop(wait=False), daemon=True).start()
 
     def _on_dashboard(self, _button) -> None:
         self.dashboard_button.disabled = True
