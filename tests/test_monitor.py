@@ -138,6 +138,7 @@ def test_reader_of_a_finished_job_keeps_a_whole_unterminated_last_line_and_drops
 def test_reader_of_a_missing_or_empty_job_directory_gives_an_empty_frame(tmp_path):
     fr = read(tmp_path / "nothing-here")
     assert fr.ranks == [] and fr.samples_per_s is None and fr.throughput_total == ((), ())
+    assert repr(fr).startswith("Frame(state=None, ranks=[], last_step=None")
 
 
 @pytest.mark.slow
@@ -288,3 +289,4 @@ def test_real_job_directory_from_two_ranks_and_a_sampler(tmp_path):
     assert fr.system[(0, "cpu")]["util"] and fr.util_kind == "CPU" and fr.system_sources == {0: "psutil"}
     # 16 samples per ~0.02 s step per rank: between 200 and 1600 samples/s in all on a loaded 2-core box
     assert 200 < fr.steady_samples_per_s < 1600
+    assert "ranks=[0, 1], last_step=29" in repr(fr) and "CPU" in repr(fr) and len(repr(fr)) < 400

@@ -248,6 +248,16 @@ class Frame:
     events: int = 0
     skipped_lines: int = 0
 
+    def __repr__(self) -> str:  # job.metrics() in a notebook: a summary, not every column
+        def num(v, fmt):
+            return "-" if v is None else format(v, fmt)
+
+        return (f"Frame(state={self.state!r}, ranks={self.ranks}, last_step={self.last_step!r}, "
+                f"total_steps={self.total_steps!r}, {self.unit}={num(self.samples_per_s, '.1f')}, "
+                f"steady={num(self.steady_samples_per_s, '.1f')}, util={num(self.mean_util, '.0f')}% "
+                f"{self.util_kind or ''}, input_bound={num(self.input_bound, '.2f')}, "
+                f"comm_share={num(self.comm_share, '.2f')}, devices={len(self.system)}, events={self.events})")
+
     def rank_steps(self, rank: int) -> list:
         """Step numbers recorded for `rank` (within the window)."""
         return list(self.steps.get(rank, {}).get("step", ()))
