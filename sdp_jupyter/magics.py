@@ -24,7 +24,11 @@ def _with_options(func):
     """Add every row of the option table to a magic (so `%%sdp_train?` shows them all)."""
     for opt in reversed(all_options()):
         func = magic_arguments.argument(opt.flag, **opt.argparse_kwargs())(func)
-    return magic_arguments.magic_arguments()(func)
+    func = magic_arguments.magic_arguments()(func)
+    # magic_arguments writes the usage as a line magic ("%sdp_train"); this one is a cell magic
+    func.parser.prog = f"%%{func.__name__}"
+    func.__doc__ = func.__doc__.replace(f"%{func.__name__} [", f"%%{func.__name__} [", 1)
+    return func
 
 
 def parse_line(magic_func, line: str):
