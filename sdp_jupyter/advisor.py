@@ -17,7 +17,8 @@ The memory model, per GPU (one rank of pipeline stage ``i``):
 * activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
   Models"): per layer and microbatch ``s*b*h*(34 + 5*a*s/h)`` bytes at 16-bit, divided by ``tp``
   with sequence parallelism (``s*b*h*(10 + 24/tp + 5*a*s/(h*tp))`` without it); the ``5as/h``
-  (attention scores) term vanishes with flash attention or selective recomputation; with per-layer
+  (attention scores) term vanishes with flash attention or selective recomputation (34 is for
+  ffn = 4h: the MLP's two ffn-wide tensors count 4*ffn/h in general); with per-layer
   checkpointing only each layer's input (``2*s*b*h/tp``) is kept, plus one layer recomputed at a time.
 * in-flight microbatches per stage: 1 without pipelining, ``m`` for GPipe, ``min(p - i, m)`` for
   1F1B, ``min(m, ((p - i - 1) * 2 + (v - 1) * p + 1) / v)`` for interleaved with ``v`` chunks per
@@ -129,6 +130,22 @@ class ModelShape:
             raise ValueError("config lacks n_layer/n_embd/n_head/vocab_size")
         return cls(layers=layers, hidden=hidden, heads=heads, vocab=vocab, ffn=ffn,
                    max_positions=get("n_positions") or get("max_position_embeddings") or 0)
+
+
+def shape_of(module) -> ModelShape:
+    """The shape of a torch module: ``sdp_jupyter.parallel.gpt.GPT`` (its ``cfg``), a Hugging Face
+    model (its ``config``), else a GPT shape guessed from its parameter count (``from_params``)."""
+    cfg = getattr(module, "cfg", None)
+    if cfg is not None and hasattr(cfg, "shape"):
+        return cfg.shape()
+    config = getattr(module, "config", None)
+    if config is not None:
+        try:
+            return ModelShape.from_config(config)
+        except ValueError:
+            pass
+    n = sum(p.numel() for p in module.parameters())
+    return ModelShape.from_params(n, name=f"{type(module).__name__} (shape guessed from {n:,} parameters)")
 
 
 @dataclass(frozen=True)
@@ -271,9 +288,16 @@ class ParallelConfig:
 class Workload:
     model: ModelShape
     seq_len: int
-    batch: int  # per model replica (tp x pp group); global batch = batch * dp
+    batch: int  # per model replica (tp x pp group) with prescaled_batch; global = replica batch * dp
     precision: str = "bf16"  # mixed precision with fp32 master weights, or plain fp32
     optimizer: str = "adam"
+    #: SageMaker's prescaled_batch: True, ``batch`` is what the whole tp group processes (every tp
+    #: rank reads the same samples); False, every tp rank reads its own ``batch`` samples and the
+    #: group processes ``tp * batch``
+    prescaled_batch: bool = True
+
+    def replica_batch(self, tp: int) -> int:
+        return self.batch if self.prescaled_batch else self.batch * tp
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
@@ -382,7 +406,7 @@ class Estimate:
 
     @property
     def global_batch(self) -> int:
-        return self.workload.batch * self.dp
+        return self.workload.replica_batch(self.config.tp) * self.dp
 
     def terms(self) -> tuple[Term, ...]:
         return self.peak_stage.terms
@@ -459,11 +483,12 @@ def memory_by_stage(workload: Workload, cluster: Cluster, config: ParallelConfig
     dp = max(1, cluster.world_size // (t * p))
     wb, gb, ob = _bytes_per_param(workload)
     act_scale = (2 if workload.precision == "fp32" else 1)  # the paper's constants are for 16-bit
-    b = workload.batch / c.microbatches  # microbatch size
+    b = workload.replica_batch(t) / c.microbatches  # microbatch size
     h, a, V = m_.hidden, m_.heads, m_.vocab
     sbh = s * b * h
     # without dropout: no masks (2 sbh) and no dropout copy/mask of the scores (3 as^2 b)
     k_sbh, k_as = (34, 5) if m_.dropout else (32, 2)
+    k_sbh += 4 * m_.ffn / h - 16  # the paper's MLP keeps 2 x 8sbh at ffn = 4h: 4*ffn/h in general
     attn = 0.0 if (c.flash_attention or c.checkpointing == "selective") else k_as * a * s / h
     sp = c.sequence_parallel or t == 1
     if sp:
@@ -572,8 +597,8 @@ def validate(workload: Workload, cluster: Cluster, config: ParallelConfig,
     if m.layers % p:
         f.append(Finding("error", "pp", f"layers={m.layers} is not divisible by pp={p}: stages "
                          "would be unbalanced.", f"use a pp that divides {m.layers}"))
-    if workload.batch % mb:
-        f.append(Finding("error", "microbatches", f"batch {workload.batch} is not divisible by "
+    if workload.replica_batch(t) % mb:
+        f.append(Finding("error", "microbatches", f"batch {workload.replica_batch(t)} is not divisible by "
                          f"microbatches={mb}.", "make the batch a multiple of the microbatch count"))
     if p > 1 and mb < p:
         f.append(Finding("warning", "microbatches", f"microbatches={mb} < pp={p}: the pipeline "
@@ -751,10 +776,11 @@ def recommend(workload: Workload, cluster: Cluster, proposed: ParallelConfig = P
                 return done(e)
         t *= 2
     # 5. pipeline parallelism across nodes
+    deepest = None
     for p in range(cfg.pp + 1, workload.model.layers + 1):
         if workload.model.layers % p or cluster.world_size % (cfg.tp * p):
             continue
-        m = _pipeline_microbatches(workload.batch, p)
+        m = _pipeline_microbatches(workload.replica_batch(cfg.tp), p)
         trial = replace(cfg, pp=p, microbatches=m, active_microbatches=p if m > p else None)
         e = est(trial)
         steps.append(Step("pipeline parallelism", e, f"pp={p}, microbatches={m} (bubble "
@@ -762,12 +788,10 @@ def recommend(workload: Workload, cluster: Cluster, proposed: ParallelConfig = P
                           f"{_verdict(e)}"))
         if e.ok:
             return done(e)
-        if e.valid and cluster.world_size // (cfg.tp * p) == 1:
-            cfg = trial  # the pipeline cannot grow further: a single replica
-            break
-        if p >= 2 * cluster.nodes and p >= 8:
-            cfg = trial
-            break
+        if e.valid:
+            deepest = trial
+    if deepest is not None:
+        cfg = deepest  # nothing fitted: the batch rung starts from the deepest valid pipeline
     # 6. smaller batch
     b = workload.batch
     while b > 1:
@@ -887,9 +911,10 @@ REFERENCES = (
 )
 
 
-def measure(workload: Workload, cluster: Cluster, config: ParallelConfig, stage: int | None = None):
+def measure(workload: Workload, cluster: Cluster, config: ParallelConfig, stage: int | None = None,
+            build=None):
     """Measure mode (imports torch): simulate one rank at full size under fake tensors and compare
     with this formula. See ``sdp_jupyter.parallel.measure``."""
     from sdp_jupyter.parallel.measure import measure as _measure
 
-    return _measure(workload, cluster, config, stage)
+    return _measure(workload, cluster, config, stage, build)

@@ -307,3 +307,24 @@ def test_env_round_trip_names():
     assert env["SDP_TP"] == "2" and env["SDP_PP"] == "2" and env["SDP_MICROBATCHES"] == "4"
     assert env["SDP_ACTIVE_MICROBATCHES"] == "2" and env["SDP_SHARD_OPTIMIZER"] == "optimizer"
     assert env["SDP_CHECKPOINT_ACTIVATIONS"] == "layer" and env["SDP_OFFLOAD_ACTIVATIONS"] == "1"
+
+
+def test_prescaled_batch_false_means_tp_times_the_batch_per_replica():
+    m = ref("10B").workload.model
+    pre = Workload(m, seq_len=512, batch=40, precision="fp16")
+    per_rank = Workload(m, seq_len=512, batch=10, precision="fp16", prescaled_batch=False)
+    cfg = ParallelConfig(tp=4, sharding="optimizer", checkpointing="layer")
+    a, b = A.estimate(pre, P4D, cfg), A.estimate(per_rank, P4D, cfg)
+    assert a.peak == b.peak and a.global_batch == b.global_batch == 40 * 32
+
+
+def test_shape_of_a_torch_module():
+    torch = pytest.importorskip("torch")
+    from sdp_jupyter.parallel import gpt
+
+    cfg = gpt.GPTConfig(layers=3, hidden=64, heads=4, vocab=100, seq_len=32)
+    model = gpt.GPT(cfg)
+    shape = A.shape_of(model)
+    assert shape.params(32) == sum(p.numel() for p in model.parameters())
+    guessed = A.shape_of(torch.nn.Linear(4096, 4096 * 24))
+    assert guessed.layers >= 2 and "guessed" in guessed.name

@@ -70,3 +70,16 @@ def test_storage_tracker_counts_new_storages_once():
     assert tr.peak == 2 * 4096, tr.peak  # a and b, then a and c
     assert tr.live == 2 * 4096
     del a, c
+
+
+def test_measure_a_module_built_by_the_caller():
+    """A module the caller builds (here a GPT with a wider MLP than the workload's default) is what
+    gets simulated: its parameters are what is measured."""
+    from sdp_jupyter.parallel import gpt
+
+    cfg = gpt.GPTConfig(layers=2, hidden=512, heads=8, vocab=4096, seq_len=256, ffn=4096)
+    w = A.Workload(cfg.shape(), seq_len=256, batch=4)
+    r = measure(w, NODE, ParallelConfig(), build=lambda: gpt.GPT(cfg))
+    n = cfg.shape().params(256)
+    assert r.by_category["Parameter"] == 4 * n
+    assert r.ratio == pytest.approx(1.0, abs=0.06)

@@ -96,8 +96,12 @@ def _zero1_partition(params, world: int, rank: int):
 
 
 def measure(workload: A.Workload, cluster: A.Cluster, config: A.ParallelConfig,
-            stage: int | None = None) -> Measurement:
-    """Simulate the rank of ``stage`` (default: the formula's peak stage) and measure its peak."""
+            stage: int | None = None, build=None) -> Measurement:
+    """Simulate the rank of ``stage`` (default: the formula's peak stage) and measure its peak.
+
+    ``build``: a function returning the torch module to simulate (called under fake tensors, so it
+    allocates nothing), in the layout ``sdp_jupyter.parallel`` expects; default: our GPT of the
+    workload's shape. ``workload.model`` should describe it (``advisor.shape_of(module)``)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -119,7 +123,7 @@ def measure(workload: A.Workload, cluster: A.Cluster, config: A.ParallelConfig,
     n = max(1, int(round(A.in_flight(config, stage))))
     with fake_world(cluster.world_size, rank):
         hp = parallel.setup(config)  # the mesh holds real (tiny) tensors: outside fake mode
-        return _simulate(hp, g, workload, config, est, stage, rank, b, n)
+        return _simulate(hp, build or (lambda: gpt.GPT(g)), workload, config, est, stage, rank, b, n)
 
 
 class StorageTracker:
@@ -198,7 +202,7 @@ def _nbytes(tensors) -> int:
     return total
 
 
-def _simulate(hp, g, workload, config, est, stage, rank, b, n):
+def _simulate(hp, build, workload, config, est, stage, rank, b, n):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from sdp_jupyter.parallel import gpt
@@ -208,7 +212,7 @@ def _simulate(hp, g, workload, config, est, stage, rank, b, n):
         raise NotImplementedError("measure() simulates sharding='optimizer' (ZeRO-1); FSDP2 does "
                                   "not run under fake tensors here")
     with FakeTensorMode(allow_non_fake_inputs=True):  # the mesh's rank tensor is real
-        model = hp.parallelize(gpt.GPT(g))
+        model = hp.parallelize(build())
         params = list(model.parameters())
         owned = params
         if config.sharding == "optimizer" and hp.dp > 1:
