@@ -182,3 +182,12 @@ def test_each_local_node_sees_its_own_gpus(tmp_path, monkeypatch):
     assert run.environment(0, 0, 1)["SM_NUM_GPUS"] == "2"
     run.gpus = 0
     assert run.environment(3, 0, 1)["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"  # no GPU found: left alone
+
+
+def test_a_folder_that_is_not_a_job_is_never_cleared(tmp_path):
+    precious = tmp_path / "Documents"
+    precious.mkdir()
+    (precious / "thesis.tex").write_text("years of work")
+    with pytest.raises(SpecError, match="not a job directory"):
+        launch(code="x", name="Documents", jobs_dir=str(tmp_path), backend="gloo")
+    assert (precious / "thesis.tex").read_text() == "years of work"

@@ -95,6 +95,11 @@ class Job:
         if running:
             raise SpecError("--name", f"job {spec.name} is still running; stop it (%sdp_stop {spec.name}) "
                                       "or choose another --name")
+        if job_dir.is_dir() and not (job_dir / jobdir.SPEC).is_file() \
+                and any(e.name not in jobdir.KNOWN_ENTRIES for e in job_dir.iterdir()):
+            # re-running a name clears the old job's files: never do that to a folder that is not a job's
+            raise SpecError("--name", f"{job_dir} exists and is not a job directory, so it is left alone; "
+                                      "choose another --name or --jobs-dir")
         jobdir.prepare(job_dir)
         if spec.code is not None:
             # line 1 is the magic line, so line numbers in tracebacks are the cell's own

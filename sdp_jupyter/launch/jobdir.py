@@ -19,6 +19,9 @@ PUSH = "push.pkl"
 LOGS = "logs"
 METRICS = "metrics"
 CHECKPOINTS = "checkpoints"
+# what a job directory may hold; a folder with anything else and no spec.json is not a job's
+KNOWN_ENTRIES = frozenset({SCRIPT, SPEC, STATUS, RESULT, PUSH, LOGS, METRICS, CHECKPOINTS, "model", "output",
+                           "data", "sagemaker_source"})
 
 
 def jobs_root(root: str | os.PathLike | None = None) -> Path:
