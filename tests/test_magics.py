@@ -1,7 +1,6 @@
 """The magics through IPython's InteractiveShell (text mode: no widget frontend)."""
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys

@@ -6,7 +6,6 @@ leftover processes after the kernel has shut down.
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest

@@ -14,7 +14,6 @@ import os
 import sys
 import threading
 import types
-from pathlib import Path
 
 from sdp_jupyter.launch import jobdir
 from sdp_jupyter.launch.job import Job, JobError
