@@ -290,3 +290,16 @@ def test_real_job_directory_from_two_ranks_and_a_sampler(tmp_path):
     # 16 samples per ~0.02 s step per rank: between 200 and 1600 samples/s in all on a loaded 2-core box
     assert 200 < fr.steady_samples_per_s < 1600
     assert "ranks=[0, 1], last_step=29" in repr(fr) and "CPU" in repr(fr) and len(repr(fr)) < 400
+
+
+def test_mean_utilization_covers_the_gpus_when_there_are_any():
+    m = Metrics()
+    m.update([{"t": 10.0, "kind": "system", "node": 0, "device": "gpu", "source": "cloudwatch", "util": 80.0},
+              {"t": 10.0, "kind": "system", "node": 1, "device": "gpu0", "source": "nvml", "util": 40.0},
+              {"t": 10.0, "kind": "system", "node": 0, "device": "cpu", "source": "cloudwatch", "util": 5.0}])
+    fr = m.frame()
+    assert (fr.util_kind, fr.mean_util) == ("GPU", 60.0)
+    cpu_only = Metrics()
+    cpu_only.update([{"t": 10.0 + i, "kind": "system", "node": 0, "device": "cpu", "source": "psutil", "util": 10.0 * i}
+                     for i in range(10)])  # within 5 s of the last sample (t=19): t=14..19, util 40..90
+    assert (cpu_only.frame().util_kind, cpu_only.frame().mean_util) == ("CPU", 65.0)

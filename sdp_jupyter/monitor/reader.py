@@ -235,8 +235,8 @@ class Frame:
     system_sources: dict = field(default_factory=dict)  # node -> "nvml" | "psutil"
     samples_per_s: float | None = None             # current, over the last few seconds
     steady_samples_per_s: float | None = None      # whole run after warm-up (for scaling efficiency)
-    mean_util: float | None = None                 # recent mean over devices, percent
-    util_kind: str | None = None                   # "GPU", "CPU" or "GPU+CPU"
+    mean_util: float | None = None                 # recent mean over the GPUs (else the CPUs), percent
+    util_kind: str | None = None                   # "GPU" or "CPU": what mean_util covers
     last_step: Any = None
     total_steps: int | None = None
     eta_s: float | None = None
@@ -455,20 +455,21 @@ class Metrics:
         return total or None
 
     def _system_frame(self, fr: Frame, t0: float) -> None:
-        utils, kinds = [], set()
+        utils: dict[str, list] = {"GPU": [], "CPU": []}
         for key in sorted(self.system, key=lambda k: (_sort_key(k[0]), _device_key(k[1]))):
             recs = list(self.system[key])
             cols = {c: [r.get(c) for r in recs] for c in SYSTEM_COLUMNS}
             cols["t"] = [x - t0 for x in cols["t"]]
             fr.system[key] = cols
-            recent = [r.get("util") for r in recs
-                      if self.now - r["t"] <= self.recent_s and isinstance(r.get("util"), (int, float))]
-            utils.extend(recent)
-            if recent:
-                kinds.add("CPU" if key[1] == "cpu" else "GPU")
+            # "recent" is relative to the device's own latest sample: CloudWatch points lag by minutes
+            last = recs[-1]["t"] if recs else 0.0
+            utils["CPU" if key[1] == "cpu" else "GPU"].extend(
+                r["util"] for r in recs if last - r["t"] <= self.recent_s and isinstance(r.get("util"), (int, float)))
         fr.system_sources = dict(self.sources)
-        fr.mean_util = sum(utils) / len(utils) if utils else None
-        fr.util_kind = "+".join(sorted(kinds, reverse=True)) or None
+        # The mean covers the GPUs when there are any (CPU lines next to them are context, not the answer).
+        kind = "GPU" if utils["GPU"] else ("CPU" if utils["CPU"] else None)
+        fr.util_kind = kind
+        fr.mean_util = sum(utils[kind]) / len(utils[kind]) if kind else None
 
     def _eta(self, fr: Frame) -> float | None:
         if not fr.total_steps or not isinstance(fr.last_step, (int, float)) or not fr.ranks:

@@ -239,8 +239,10 @@ class Dashboard(go.FigureWidget):
                 if field == "compute" or any(v for v in vals):
                     i = self._ensure(f"{label} (rank {fr.ranks[0]})", "steps", kind="bar", color=color)
                     updates[i] = {"x": steps, "y": tuple(vals)}
-        util_title = {"CPU": "CPU utilization, no GPU (x: seconds)", "GPU": "GPU utilization (x: seconds)",
-                      "GPU+CPU": "GPU and CPU utilization (x: seconds)"}.get(fr.util_kind or "", "Utilization")
+        cpu_too = any(dev == "cpu" for _, dev in fr.system)
+        util_title = {"CPU": "CPU utilization, no GPU (x: seconds)",
+                      "GPU": "GPU and CPU utilization (x: seconds)" if cpu_too else "GPU utilization (x: seconds)",
+                      }.get(fr.util_kind or "", "Utilization")
         title = header_text(fr, self._name, ref, self._ref_name)
         with self.batch_update():
             for i, props in updates.items():
