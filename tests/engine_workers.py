@@ -206,3 +206,62 @@ def slow_job(seconds: float):
     c.all_reduce(x)
     comm.shutdown()
     return x.tolist()
+
+
+def wrapper_vs_stock(steps: int, accumulate: int, dtype: str, fusion: int, unused: bool):
+    """Our DDP wrapper and stock DDP, same data, same seed: return both final parameter sets."""
+    import torch
+    import torch.distributed as dist
+
+    import sdp_jupyter.torch as sdt
+
+    dist.init_process_group("smddp")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dt = getattr(torch, dtype)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(6, 32)
+            self.b = torch.nn.Linear(32, 32)
+            self.c = torch.nn.Linear(32, 2)
+            self.spare = torch.nn.Linear(32, 2)  # used only on rank 0 when `unused`
+
+        def forward(self, x):
+            h = torch.tanh(self.b(torch.tanh(self.a(x))))
+            out = self.c(h)
+            if not unused or rank == 0:
+                out = out + 0.1 * self.spare(h)
+            return out
+
+    results = {}
+    for kind in ("ours", "stock"):
+        torch.manual_seed(0)
+        net = Net().to(dt)
+        if kind == "ours":
+            model = sdt.DistributedDataParallel(net, fusion_threshold=fusion, find_unused_parameters=unused)
+        else:
+            model = torch.nn.parallel.DistributedDataParallel(net, find_unused_parameters=unused)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        g = torch.Generator().manual_seed(7)
+        for step in range(steps):
+            opt.zero_grad()
+            for micro in range(accumulate):
+                x = torch.randn(4 * world, 6, generator=g).to(dt)
+                y = torch.randn(4 * world, 2, generator=g).to(dt)
+                xs, ys = x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4]
+                ctx = model.no_sync() if micro < accumulate - 1 else _nullcontext()
+                with ctx:
+                    torch.nn.functional.mse_loss(model(xs).float(), ys.float()).backward()
+            opt.step()
+        results[kind] = [p.detach().float().clone() for p in net.parameters()]
+        if kind == "ours":
+            results["last_step"] = dict(model.last_step)
+            results["buckets"] = len(model.buckets)
+    dist.destroy_process_group()
+    return results
+
+
+def _nullcontext():
+    import contextlib
+    return contextlib.nullcontext()

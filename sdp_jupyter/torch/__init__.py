@@ -319,4 +319,7 @@ def init(backend: str | None = None, **kwargs) -> None:
         dist.init_process_group(backend, **kwargs)
 
 
-__all__ = ["ProcessGroupSMDDP", "SmddpWork", "SmddpError", "init", "register", "BACKEND_NAME"]
+from sdp_jupyter.torch.ddp import DistributedDataParallel  # noqa: E402
+
+__all__ = ["ProcessGroupSMDDP", "SmddpWork", "SmddpError", "DistributedDataParallel", "init", "register",
+           "BACKEND_NAME"]
