@@ -5,6 +5,7 @@ configuration and compares the loss, every gradient and every updated parameter,
 tensors, with the same step run in one process on the whole batch.
 """
 import os
+import re
 import socket
 import tempfile
 
@@ -36,9 +37,10 @@ def fresh_model():
 
 
 def clean(name: str) -> str:
+    """A stage's parameter name as the full model calls it (wrappers and chunk indices removed)."""
     for junk in ("_checkpoint_wrapped_module.", "inner."):
         name = name.replace(junk, "")
-    return name
+    return re.sub(r"^\d+\.", "", name)  # interleaved: chunk k of an nn.ModuleList
 
 
 def reference(microbatches: int = 1):
@@ -122,6 +124,8 @@ SCENARIOS = {
     "tp2-sequence-parallel": (ParallelConfig(tp=2), 2),
     "tp2-checkpoint-no-sp": (ParallelConfig(tp=2, sequence_parallel=False, checkpointing="layer"), 2),
     "pp2-gpipe": (ParallelConfig(pp=2, microbatches=4, schedule="gpipe"), 2),
+    "pp2-interleaved-2-chunks": (ParallelConfig(pp=2, microbatches=4, schedule="interleaved",
+                                                virtual_stages=2), 2),
     "dp2-zero1": (ParallelConfig(sharding="optimizer"), 2),
     # plain data parallelism: the gradient average runs on our engine, the mesh on gloo
     "tp2-dp2-smddp": (ParallelConfig(tp=2), 4, "smddp"),

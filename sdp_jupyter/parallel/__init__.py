@@ -16,8 +16,8 @@ The pieces, each usable alone:
   RowwiseParallel for wo and proj, SequenceParallel for the layer norms when sequence parallelism is
   on) over the ``tp`` mesh dimension, which holds consecutive ranks (one node);
 * pipeline parallelism: ``torch.distributed.pipelining`` (PipelineStage, ScheduleGPipe,
-  Schedule1F1B; the interleaved schedule is in the formula only) over ``pp``, the outermost
-  dimension (across nodes);
+  Schedule1F1B, ScheduleInterleaved1F1B with ``virtual_stages`` chunks per rank) over ``pp``, the
+  outermost dimension (across nodes);
 * sharding over ``dp``: ``"optimizer"`` with ``ZeroRedundancyOptimizer`` (ZeRO-1, SageMaker's
   shard_optimizer_state), ``"gradients"``/``"full"`` with FSDP2 ``fully_shard``
   (reshard_after_forward False / True);
@@ -354,11 +354,27 @@ class Hybrid:
                 f"tp {self.tp_rank}/{self.tp} ({self.config.describe()})")
 
     # -- building the stage
+    @property
+    def virtual_stages(self) -> int:
+        c = self.config
+        return c.virtual_stages if (c.schedule == "interleaved" and self.pp > 1) else 1
+
     def parallelize(self, model: nn.Module) -> nn.Module:
         """Split for the pipeline, then tensor parallelism, checkpointing, sharding, offloading
-        (torchtitan's order). Returns this rank's stage module."""
+        (torchtitan's order). Returns this rank's stage module; with the interleaved schedule an
+        ``nn.ModuleList`` of its ``virtual_stages`` chunks (stages r, r + pp, r + 2 pp, ...)."""
+        v = self.virtual_stages
+        if v == 1:
+            part = split_for_pipeline(model, self.pp, self.pp_rank) if self.pp > 1 else model
+            return self._prepare(part)
+        import copy
+
+        copies = [copy.deepcopy(model) for _ in range(v - 1)] + [model]
+        return nn.ModuleList(self._prepare(split_for_pipeline(m, self.pp * v, self.pp_rank + k * self.pp))
+                             for k, m in enumerate(copies))
+
+    def _prepare(self, model: nn.Module) -> nn.Module:
         c = self.config
-        model = split_for_pipeline(model, self.pp, self.pp_rank) if self.pp > 1 else model
         if any(p.device != self.device for p in model.parameters()):
             model.to(self.device)
         apply_tensor_parallel(model, self.mesh["tp"], c.sequence_parallel and self.tp > 1)
@@ -398,14 +414,15 @@ class Hybrid:
         return nullcontext()
 
     def _schedule(self, stage_module: nn.Module, loss_fn):
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                                  ScheduleInterleaved1F1B)
 
-        c = self.config
-        if c.schedule == "interleaved" and c.virtual_stages > 1:
-            raise NotImplementedError("interleaved schedules (several stages per rank) are in the "
-                                      "advisor's formula but not in parallelize() yet: use 1f1b")
-        stage = PipelineStage(stage_module, self.pp_rank, self.pp, self.device,
-                              group=self.mesh["pp"].get_group())
+        c, group, v = self.config, self.mesh["pp"].get_group(), self.virtual_stages
+        if v > 1:
+            stages = [PipelineStage(chunk, self.pp_rank + k * self.pp, self.pp * v, self.device, group=group)
+                      for k, chunk in enumerate(stage_module)]
+            return ScheduleInterleaved1F1B(stages, n_microbatches=c.microbatches, loss_fn=loss_fn)
+        stage = PipelineStage(stage_module, self.pp_rank, self.pp, self.device, group=group)
         # torch's schedules have no active-microbatch cap; 1F1B holds at most pp per stage, so a
         # cap below the microbatch count selects it
         use_1f1b = c.schedule != "gpipe" or (c.active_microbatches is not None

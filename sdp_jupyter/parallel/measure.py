@@ -18,7 +18,9 @@ parameters (ZeroRedundancyOptimizer's greedy partition by size); FSDP2 runs as i
 Limits, stated: fp32 only (bf16 mixed precision needs fp32 master copies the plain optimizer does
 not keep, so the comparison would not be like for like); CPU attention is the fused kernel (no s*s
 scores: compare with ``flash_attention=True``, which is what this module passes to the formula);
-activation offloading is not simulated (the CPU copies would count as device memory here).
+activation offloading, FSDP2 (``sharding="gradients"/"full"``) and the interleaved schedule are not
+simulated (offloaded copies would count as device memory here; FSDP2 does not run under fake tensors
+on CPU; interleaving holds several chunks per rank).
 """
 from __future__ import annotations
 
@@ -208,6 +210,8 @@ def _simulate(hp, build, workload, config, est, stage, rank, b, n):
     from sdp_jupyter.parallel import gpt
 
     m, tp = workload.model, config.tp
+    if hp.virtual_stages > 1:
+        raise NotImplementedError("measure() simulates one stage per rank; not the interleaved schedule")
     if config.sharding in ("gradients", "full"):
         raise NotImplementedError("measure() simulates sharding='optimizer' (ZeRO-1); FSDP2 does "
                                   "not run under fake tensors here")
