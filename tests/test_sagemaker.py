@@ -304,6 +304,14 @@ def test_job_runs_to_completion_with_logs_and_metrics(aws, tmp_path):
     assert gpu[0]["util"] == [80.0] and gpu[1]["util"] == [40.0]
     assert frame.system[(0, "cpu")]["util"] == [10.0]
     assert gpu[0]["mem_total"] == [8 * 40 * 2**30] and gpu[0]["mem_used"] == [0.5 * 8 * 40 * 2**30]
+    # the dashboard draws them (per-host GPU lines from CloudWatch, per-rank loss from the log lines)
+    dash = job.dashboard()
+    try:
+        assert dash.trace("node 0 GPU").y == (80.0,) and dash.trace("node 1 GPU").y == (40.0,)
+        assert dash.trace("node 0 CPU, whole machine").y == (10.0,)
+        assert dash.trace("loss rank 3").y == (2.0, 1.0, 2.0 / 3, 0.5)
+    finally:
+        dash.stop()
     # the view: one pane per host, rank 0's host open, SageMaker status in the header
     wait_for(lambda: "Completed" in view.header.value and "succeeded" in view.header.value, what="view")
     assert [view.ranks.get_title(h) for h in (0, 1)] == ["algo-1 (ranks 0-1)", "algo-2 (ranks 2-3) (opens its log)"]
@@ -314,8 +322,12 @@ def test_job_runs_to_completion_with_logs_and_metrics(aws, tmp_path):
     view.ranks.selected_index = 1
     assert "hello from algo-2" in view.outputs[1].outputs[0]["text"]
     # and a new handle reopened from the directory alone
-    again = sm.SageMakerJob.open(job.dir)
+    from sdp_jupyter.launch import Job
+
+    again = Job.open(job.dir)
+    assert isinstance(again, sm.SageMakerJob)
     assert again.state == "succeeded" and again.training_job_name == name and not again.live
+    assert again.logs(1).startswith("hello from algo-2\n")
 
 
 def test_failed_job_shows_the_failure_reason(aws, tmp_path):

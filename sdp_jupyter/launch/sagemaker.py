@@ -678,8 +678,7 @@ class SageMakerJob(Job):
     @classmethod
     def open(cls, name_or_dir, root=None, mirror: bool = False) -> "SageMakerJob":
         """Reopen from the job directory; with mirror, keep following the remote job if it still runs."""
-        plain = Job.open(name_or_dir, root)
-        job = cls(plain.spec, plain.dir)
+        job = super().open(name_or_dir, root)  # Job.open builds a cls (it dispatches only for Job itself)
         if mirror:
             job.mirror()
         return job
