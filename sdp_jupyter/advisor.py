@@ -234,6 +234,10 @@ class ParallelConfig:
             parts.append("flash attention")
         return ", ".join(parts)
 
+    def env_options(self) -> str:
+        """The same as ``%%sdp_train`` options: ``--env SDP_TP=2 --env SDP_PP=2 ...``."""
+        return " ".join(f"--env {k}={v}" for k, v in self.env().items())
+
     def env(self) -> dict[str, str]:
         """The worker environment that carries this configuration (read by sdp_jupyter.parallel)."""
         e = {"SDP_TP": str(self.tp), "SDP_PP": str(self.pp),
@@ -837,8 +841,7 @@ def explain(workload: Workload, cluster: Cluster, config: ParallelConfig,
                                   f"GiB vs {base.peak_gib:.1f} GiB); {what_it_buys}"))
 
     if config.sharding != "none":
-        add("sharding", replace(config, sharding="none"),
-            f"it frees {(estimate(workload, cluster, replace(config, sharding='none'), overhead).peak - base.peak) / GiB:.1f} GiB for batch")
+        add("sharding", replace(config, sharding="none"), "it frees memory for batch")
     if config.checkpointing != "none":
         add("checkpointing", replace(config, checkpointing="none"), "it frees memory for batch")
     if config.tp > 1:
@@ -858,15 +861,11 @@ def explain(workload: Workload, cluster: Cluster, config: ParallelConfig,
             out.append(KnobReason("microbatches", True, e, f"needed: with one microbatch {_verdict(e)}; "
                                   + msg))
     if config.active_microbatches is not None:
-        for sched in ("gpipe", config.schedule):
-            uncapped = replace(config, active_microbatches=None, schedule=sched)
-            e = estimate(workload, cluster, uncapped, overhead, headroom)
-            if sched == "gpipe":
-                gp = e
-        saved = gp.peak - base.peak
+        gp = estimate(workload, cluster, replace(config, active_microbatches=None, schedule="gpipe"),
+                      overhead, headroom)
         msg = (f"active_microbatches={config.active_microbatches} caps the microbatches a stage "
                f"holds; a GPipe schedule without the cap holds {gp.peak_stage.in_flight:g} "
-               f"({gp.peak_gib:.1f} GiB, {saved / GiB:+.1f} GiB)")
+               f"({gp.peak_gib:.1f} GiB, {(gp.peak - base.peak) / GiB:+.1f} GiB)")
         out.append(KnobReason("active_microbatches", not gp.ok, gp,
                               ("needed: " if not gp.ok else "not needed to fit with 1F1B; ") + msg))
     if config.offload_activations:

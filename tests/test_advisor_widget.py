@@ -56,3 +56,8 @@ def test_preset_switch_loads_reference():
     view = AdvisorView.from_reference("GPT-2 10B")
     view.preset.value = "GPT-2 60B"
     assert view.config == ref("60B").config and view.nodes.value == 32
+
+
+def test_view_shows_the_job_options_for_the_configuration():
+    view = AdvisorView.from_reference("GPT-2 60B")
+    assert "--nodes 32 --procs-per-node 8 --env SDP_TP=8 --env SDP_PP=2" in view.result.value

@@ -191,7 +191,10 @@ class AdvisorView:
         except ValueError as exc:  # a shape the formula cannot take (e.g. hidden % heads)
             self.result.value = f"<b style='color:#b00'>{html.escape(str(exc))}</b>"
             return
-        self.result.value = render(e)
+        self.result.value = render(e) + (
+            "<div style='font-size:smaller'>run it: <code>%%sdp_train --nodes "
+            f"{e.cluster.nodes} --procs-per-node {e.cluster.gpus_per_node} "
+            f"{html.escape(e.config.env_options())}</code></div>")
         if not self._ladder:
             self.notes.value = ""
 
