@@ -289,3 +289,19 @@ def test_cli(tmp_path, jobs_dir):
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and "--nodes: must be 1 or more" in run.stderr
     assert not (jobs_dir / "never").exists()
+
+
+def test_restarts_run_out_and_the_job_fails(tmp_path, jobs_dir):
+    script = write(tmp_path / "always_fails.py", """
+        import os, sys
+        print("attempt", os.environ["SDP_RESTART"], "rank", os.environ["RANK"])
+        sys.exit(2 if os.environ["RANK"] == "1" else 0)
+    """)
+    job = launch(script, nodes=2, backend="gloo", max_restarts=2, name="runs-out")
+    assert job.wait(120) == "failed"
+    assert job.restarts == 2 and len(job.status["restart_errors"]) == 2
+    assert job.error.startswith("rank 1 (node 1, local rank 0) exited with code 2")
+    log = job.logs(1)
+    assert [line for line in log.splitlines() if line.startswith("attempt")] == \
+        ["attempt 0 rank 1", "attempt 1 rank 1", "attempt 2 rank 1"]
+    assert "[sdp_jupyter] restart 2 of 2 after: rank 1" in log
