@@ -14,14 +14,12 @@ import os
 import pickle
 import threading
 import time
-import weakref
 from pathlib import Path
 from typing import Callable
 
 from sdp_jupyter.launch import jobdir
 from sdp_jupyter.launch.spec import JobSpec
 
-_LIVE_JOBS: weakref.WeakSet = weakref.WeakSet()  # jobs whose run lives in this process (launchers add them)
 TAIL_LINES = 2000  # lines per rank kept in memory for views opened late; the log file has them all
 
 
@@ -89,10 +87,7 @@ class Job:
         from sdp_jupyter.launch.spec import SpecError
 
         job_dir = jobdir.jobs_root(spec.jobs_dir) / spec.name
-        running = any(j.dir == job_dir and not j.done for j in _LIVE_JOBS)
-        if not running and (job_dir / jobdir.SPEC).is_file():
-            running = cls.open(job_dir).state in ("pending", "running")
-        if running:
+        if (job_dir / jobdir.SPEC).is_file() and cls.open(job_dir).state in ("pending", "running"):
             raise SpecError("--name", f"job {spec.name} is still running; stop it (%sdp_stop {spec.name}) "
                                       "or choose another --name")
         if job_dir.is_dir() and not (job_dir / jobdir.SPEC).is_file() \

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import sdp_jupyter
 from sdp_jupyter.launch import jobdir
-from sdp_jupyter.launch.job import _LIVE_JOBS, Job
+from sdp_jupyter.launch.job import Job
 from sdp_jupyter.launch.spec import JobSpec, SpecError
 
 PACKAGE_PARENT = str(Path(sdp_jupyter.__file__).resolve().parent.parent)
@@ -117,7 +117,6 @@ class LocalLauncher:
                     world_size=spec.nodes * spec.procs_per_node)
         run = LocalRun(job, self)
         job._run = run
-        _LIVE_JOBS.add(job)
         run.start()
         return job
 
