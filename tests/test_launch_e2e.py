@@ -13,7 +13,8 @@ import time
 import pytest
 
 from conftest import REPO, job_processes, wait_no_processes, worker_processes
-from sdp_jupyter.launch import Job, LocalLauncher, JobSpec, launch
+from sdp_jupyter.launch import Job, JobSpec, LocalLauncher, launch
+from sdp_jupyter.launch.job import read_metrics_lines
 
 pytestmark = pytest.mark.slow
 
@@ -31,6 +32,9 @@ def test_environment_output_and_result(tmp_path, jobs_dir):
                 "SM_OUTPUT_DATA_DIR", "SM_CHANNEL_TRAIN", "SM_HPS", "SDP_JOB_SECRET", "SDP_CHECKPOINT_DIR"]
         print(json.dumps({k: os.environ[k] for k in keys} | {"argv": sys.argv[1:], "main": __name__}))
         print("to stderr from", os.environ["RANK"], file=sys.stderr)
+        import sdp_jupyter
+        for step in range(3):
+            sdp_jupyter.report(step=step, samples=8, loss=1.0 / (step + 1))
         {"rank": int(os.environ["RANK"]), "argv": sys.argv[1:]}
     """)
     job = launch(script, nodes=2, procs_per_node=2, backend="gloo", args=["--x", "1"],
@@ -58,6 +62,30 @@ def test_environment_output_and_result(tmp_path, jobs_dir):
     assert (again.state, again.exit_codes, again.result()) == ("succeeded", [0, 0, 0, 0], job.result())
     assert again.logs(3, tail=1) == "to stderr from 3\n"
     assert json.loads((job.dir / "spec.json").read_text())["nodes"] == 2
+    # metrics: through the monitor's reader when installed, else the raw lines
+    frame = job.metrics()
+    if isinstance(frame, list):
+        steps = [m for m in frame if m.get("kind") == "step"]
+        assert sorted((m["rank"], m["step"]) for m in steps) == [(r, s) for r in range(4) for s in range(3)]
+    else:
+        assert sorted(frame.ranks) == [0, 1, 2, 3] and frame.steps[0]["loss"][-1] == pytest.approx(1 / 3)
+    raw = read_metrics_lines(job.dir)
+    assert len([m for m in raw if m.get("kind") == "step"]) == 12
+
+
+def test_metrics_without_the_monitor_reader(tmp_path, monkeypatch):
+    import importlib.util
+
+    from sdp_jupyter.launch import job as job_module
+
+    (tmp_path / "metrics").mkdir()
+    (tmp_path / "metrics" / "rank-0.jsonl").write_text('{"t": 2, "kind": "step", "step": 1}\n{"t": 1, "kind": "st')
+    (tmp_path / "metrics" / "rank-1.jsonl").write_text('{"t": 1.5, "kind": "step", "step": 0}\nnot json\n')
+    real = importlib.util.find_spec
+    monkeypatch.setattr(job_module.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "sdp_jupyter.monitor.reader" else real(name, *a))
+    job = Job(JobSpec(code="x"), tmp_path)
+    assert [m["step"] for m in job.metrics()] == [0, 1]  # sorted by time; partial and bad lines skipped
 
 
 def test_two_torch_jobs_at_once_torchrun_style(tmp_path, jobs_dir):
