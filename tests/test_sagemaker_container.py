@@ -15,6 +15,7 @@ import json
 import os
 import pickle
 import signal
+import sys
 from pathlib import Path
 
 import pytest
@@ -53,15 +54,41 @@ if a.tag == "boom" and rank == 1:
     raise ZeroDivisionError("division by zero in rank 1")
 print(f"RESULT rank={rank} world={world} sum={t.item()} epochs={a.epochs} lr={a.lr} data={data} "
       f"host={os.environ['SM_CURRENT_HOST']} nodes={os.environ['SDP_NUM_NODES']} "
+      f"backend={dist.get_backend()} provider={os.environ.get('SDP_SMDDP_PROVIDER')} "
       f"pkg={sdp_jupyter.__file__}", flush=True)
 {"sum": t.item(), "world": world}
 '''
 
 
-def run_job_like_sagemaker(aws, tmp_path, name: str, tag: str, first_done=(1, 2)):
-    spec = JobSpec(code=CELL, name=name, target="sagemaker", nodes=2, procs_per_node=1, backend="gloo",
+# SageMaker's smdistributed exists only in AWS's images. This stand-in has its import path and, like
+# the real one, registers the "smddp" torch.distributed backend when torch_smddp is imported (here
+# backed by gloo); the test checks that the entry point imports it and the script's
+# init_process_group("smddp") then runs on it.
+STAND_IN_SMDDP = """
+import torch.distributed as dist
+
+def _create(store, rank, size, timeout):
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+dist.Backend.register_backend("smddp", _create, devices=["cpu"])
+print("smdistributed stand-in: smddp registered", flush=True)
+"""
+
+
+def stand_in_smdistributed(root: Path) -> Path:
+    pkg = root / "smdistributed" / "dataparallel" / "torch"
+    pkg.mkdir(parents=True)
+    for d in (pkg, pkg.parent, pkg.parent.parent):
+        (d / "__init__.py").write_text("")
+    (pkg / "torch_smddp.py").write_text(STAND_IN_SMDDP)
+    return root
+
+
+def run_job_like_sagemaker(aws, tmp_path, name: str, tag: str, first_done=(1, 2), backend="gloo",
+                           instance_type="ml.m5.xlarge", pythonpath=None):
+    spec = JobSpec(code=CELL, name=name, target="sagemaker", nodes=2, procs_per_node=1, backend=backend,
                    hyperparameters={"epochs": 2, "lr": 0.1, "tag": tag}, jobs_dir=str(tmp_path / "jobs"),
-                   sagemaker={"role": ROLE, "bucket": BUCKET, "instance_type": "ml.m5.xlarge", "poll_interval": 0.2,
+                   sagemaker={"role": ROLE, "bucket": BUCKET, "instance_type": instance_type, "poll_interval": 0.2,
                               "inputs": [f"train=s3://{BUCKET}/data/train"]})
     job = launch(spec)
     request = MotoAWS.create_requests[-1]
@@ -69,6 +96,9 @@ def run_job_like_sagemaker(aws, tmp_path, name: str, tag: str, first_done=(1, 2)
     aws.client("s3").put_object(Bucket=BUCKET, Key="data/train/data.txt", Body=b"hello\n")
     containers = LocalContainers(aws, request, tmp_path)
     containers.prepare()
+    if pythonpath:
+        for env in containers.envs:
+            env["PYTHONPATH"] = str(pythonpath)
     containers.start()
     hosts = [(proc, containers.workdir / f"algo-{h + 1}", env)
              for h, (proc, env) in enumerate(zip(containers.procs, containers.envs))]
@@ -101,7 +131,7 @@ def test_uploaded_source_runs_under_sagemakers_torchrun_driver(aws, tmp_path):
         assert f"--node_rank={rank} sdp_entry.py --epochs 2 --lr 0.1 --tag ok" in out
         # the same script, unchanged: hyperparameters as argv, channel, checkpoint dir, our package copy
         assert (f"RESULT rank={rank} world=2 sum=3.0 epochs=2 lr=0.1 data=hello host=algo-{host} nodes=2 "
-                f"pkg={code}/sdp_jupyter/__init__.py") in out
+                f"backend=gloo provider=None pkg={code}/sdp_jupyter/__init__.py") in out
         ckpt = root / "opt" / "ml" / "checkpoints" / f"rank{rank}.json"
         assert json.loads(ckpt.read_text()) == {"sum": 3.0}
         # report() lines reach stdout (so CloudWatch) in the documented format
@@ -123,3 +153,27 @@ def test_a_failing_rank_becomes_the_failure_reason(aws, tmp_path):
     failure = Path(env["SM_OUTPUT_FAILURE"])
     assert failure.read_text() == ("rank 1 of job in-container-fail failed: "
                                    "ZeroDivisionError: division by zero in rank 1")
+
+
+def test_smddp_job_uses_sagemakers_smdistributed(aws, tmp_path):
+    path = stand_in_smdistributed(tmp_path / "image-site-packages")
+    _, outputs = run_job_like_sagemaker(aws, tmp_path, "in-container-smddp", "ok", backend="smddp",
+                                        instance_type="ml.p4d.24xlarge", pythonpath=path)
+    for host, (rc, out, _, env) in sorted(outputs.items()):
+        assert rc == 0, out
+        assert env["SDP_BACKEND"] == "smddp"
+        assert "smdistributed stand-in: smddp registered" in out
+        assert f"RESULT rank={host - 1} world=2 sum=3.0" in out
+        assert "backend=smddp provider=smdistributed" in out
+
+
+def test_smddp_without_smdistributed_says_which_image(monkeypatch, capsys):
+    from sdp_jupyter.launch import sagemaker_entry
+
+    monkeypatch.setitem(sys.modules, "smdistributed", None)  # not in this image
+    env = {"SDP_BACKEND": "smddp"}
+    assert sagemaker_entry.load_smddp(env) is None
+    err = capsys.readouterr().err
+    assert "no SageMaker smdistributed.dataparallel" in err and "2.3.0" in err and "--backend nccl" in err
+    assert "SDP_SMDDP_PROVIDER" not in env
+    assert sagemaker_entry.load_smddp({"SDP_BACKEND": "gloo"}) is None
