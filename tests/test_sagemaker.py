@@ -434,3 +434,19 @@ def test_cloudwatch_source_is_a_metrics_source(aws, tmp_path):
     assert reader.done() and frame.done and frame.state == "succeeded"
     assert frame.system[(1, "gpu")]["util"] == [100.0]
     assert job.wait(30) == "succeeded"
+
+
+def test_host_metrics_wait_for_a_complete_minute(aws):
+    """A minute is emitted once per host and device, when both of its metrics are in (or it is old)."""
+    name = "metrics-only-20261122000000"
+    hm = cloudwatch.HostMetrics(name, 1, "ml.g5.12xlarge", region=REGION, start=time.time() - 600)
+    t = (time.time() // 60) * 60
+    aws.put_host_metric(name, 1, "CPUUtilization", 2400.0, t)  # 0-100 x 48 vCPUs
+    aws.put_host_metric(name, 1, "GPUUtilization", 200.0, t)   # 0-100 x 4 GPUs
+    assert hm.poll() == []  # MemoryUtilization / GPUMemoryUtilization of that minute may still come
+    aws.put_host_metric(name, 1, "MemoryUtilization", 20.0, t)
+    cpu = hm.poll()
+    assert [(e["device"], e["util"], e["mem_util"], e["ncpu"]) for e in cpu] == [("cpu", 50.0, 20.0, 48)]
+    gpu = hm.poll(now=t + hm.lag_s + 1)  # an old minute is complete as it is
+    assert [(e["device"], e["util"], e["gpus"], "mem_util" in e) for e in gpu] == [("gpu", 50.0, 4, False)]
+    assert hm.poll(final=True) == []  # each minute once

@@ -247,12 +247,13 @@ class HostMetrics:
                 kwargs["NextToken"] = token
         events = []
         for (host, t), metrics in sorted(values.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-            if not final and now - t < self.lag_s and len(metrics) < len(HOST_METRICS):
-                continue  # this minute may still get its other metrics
             for device in ("gpu", "cpu"):
                 key = (host, device, t)
                 if key in self.seen:
                     continue
+                wanted = [m for m, (dev, _, _) in HOST_METRICS.items() if dev == device]
+                if not final and now - t < self.lag_s and any(m not in metrics for m in wanted):
+                    continue  # this minute may still get the device's other metric
                 ev = self._event(host, device, t, metrics)
                 if ev is not None:
                     self.seen.add(key)
