@@ -47,6 +47,7 @@ OPTIMIZERS = ("adam", "adamw", "sgd_momentum", "sgd")
 SHARDING = ("none", "optimizer", "gradients", "full")
 CHECKPOINTING = ("none", "selective", "layer")
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
+RUNTIMES = ("megatron", "torch")
 
 #: optimizer state bytes per parameter (fp32), not counting a mixed-precision master copy
 _OPT_STATE_BYTES = {"adam": 8, "adamw": 8, "sgd_momentum": 4, "sgd": 0}
@@ -198,10 +199,15 @@ class ParallelConfig:
     virtual_stages: int = 1  # chunks per rank for the interleaved schedule
     sequence_parallel: bool = True  # shard layer-norm/dropout activations over tp (Megatron SP)
     flash_attention: bool = False  # no s*s attention scores stored
+    #: whose memory behaviour to count: "megatron" (the paper's, SageMaker's library, Megatron) or
+    #: "torch" (sdp_jupyter.parallel on torch 2.13, as measure mode finds it: a replicated gradient
+    #: for the vocabulary-parallel embedding; with sequence parallelism the column-parallel
+    #: projections keep their all-gathered input for backward)
+    runtime: str = "megatron"
 
     def __post_init__(self):
         for f, allowed in (("sharding", SHARDING), ("checkpointing", CHECKPOINTING),
-                           ("schedule", SCHEDULES)):
+                           ("schedule", SCHEDULES), ("runtime", RUNTIMES)):
             if getattr(self, f) not in allowed:
                 raise ValueError(f"{f}={getattr(self, f)!r}: allowed {', '.join(allowed)}")
         for f in ("tp", "pp", "microbatches", "virtual_stages"):
@@ -232,6 +238,8 @@ class ParallelConfig:
             parts.append("no sequence parallelism")
         if self.flash_attention:
             parts.append("flash attention")
+        if self.runtime != "megatron":
+            parts.append(f"{self.runtime} runtime")
         return ", ".join(parts)
 
     def env_options(self) -> str:
@@ -499,6 +507,9 @@ def memory_by_stage(workload: Workload, cluster: Cluster, config: ParallelConfig
         per_layer_full = sbh * (k_sbh + attn) / t * act_scale
         full_how = f"s*b*h*({k_sbh}+{attn:g})/tp"
         layer_input = 2 * sbh / t * act_scale
+        if c.runtime == "torch" and t > 1:  # attention and MLP inputs kept all-gathered
+            per_layer_full += 2 * 2 * sbh * (1 - 1 / t) * act_scale
+            full_how += " + 4*s*b*h*(1-1/tp) gathered inputs"
     else:
         per_layer_full = sbh * (10 + (k_sbh - 10 + attn) / t) * act_scale
         full_how = f"s*b*h*(10+({k_sbh - 10}+{attn:g})/tp)"
@@ -526,6 +537,10 @@ def memory_by_stage(workload: Workload, cluster: Cluster, config: ParallelConfig
                  + (", fp32 master" if wb == 2 else "") + ")"
                  + (f" / dp {dp}" if shard_opt > 1 else "")),
         ]
+        if i == 0 and c.runtime == "torch" and t > 1:
+            terms.append(Term("embedding gradient", V * h * (1 - 1 / t) * gb / shard_grad,
+                              "torch: the vocabulary-parallel embedding's gradient is replicated, "
+                              "V*h*(1-1/tp)"))
         if c.sharding == "full":
             gathered = 2 * (m_.layer_params_sharded() / t + m_.layer_params_replicated()) * wb
             terms.append(Term("gathered layers", gathered, "2 layers unsharded (current + prefetch)"))
@@ -549,6 +564,10 @@ def memory_by_stage(workload: Workload, cluster: Cluster, config: ParallelConfig
             terms.append(Term("logits", n_gpu * logits, f"4*s*b*V/tp fp32 logits x {n_gpu:g}", "loss"))
             terms.append(Term("logits gradient", 2 * logits,
                               "2 x 4*s*b*V/tp: grads of log-softmax and logits (backward)", "loss"))
+            if c.runtime == "torch" and t > 1 and sp:
+                terms.append(Term("head input (gathered)", n_gpu * 2 * sbh * (1 - 1 / t) * act_scale,
+                                  "torch: the column-parallel head keeps its all-gathered input",
+                                  "loss"))
         terms.append(Term("overhead", overhead, "CUDA context, NCCL/cuBLAS workspaces (stated)"))
         stages.append(StageMemory(i, L_i, n, tuple(terms)))
     return tuple(stages)
@@ -911,9 +930,9 @@ REFERENCES = (
 
 
 def measure(workload: Workload, cluster: Cluster, config: ParallelConfig, stage: int | None = None,
-            build=None):
+            build=None, runtime: str = "megatron"):
     """Measure mode (imports torch): simulate one rank at full size under fake tensors and compare
     with this formula. See ``sdp_jupyter.parallel.measure``."""
     from sdp_jupyter.parallel.measure import measure as _measure
 
-    return _measure(workload, cluster, config, stage, build)
+    return _measure(workload, cluster, config, stage, build, runtime)

@@ -61,3 +61,12 @@ def test_preset_switch_loads_reference():
 def test_view_shows_the_job_options_for_the_configuration():
     view = AdvisorView.from_reference("GPT-2 60B")
     assert "--nodes 32 --procs-per-node 8 --env SDP_TP=8 --env SDP_PP=2" in view.result.value
+
+
+def test_torch_accounting_adds_the_embedding_gradient():
+    view = AdvisorView.from_reference("GPT-2 10B")
+    assert "embedding gradient" not in view.result.value
+    before = view.estimate.peak
+    view.runtime.value = "torch"
+    assert view.config.runtime == "torch" and view.estimate.peak > before
+    assert "embedding gradient" in view.result.value

@@ -9,7 +9,7 @@ from sdp_jupyter import advisor as A
 from sdp_jupyter.advisor import GiB, ParallelConfig
 
 pytest.importorskip("torch")
-from sdp_jupyter.parallel.measure import StorageTracker, measure  # noqa: E402
+from sdp_jupyter.parallel.measure import CATEGORIES, StorageTracker, measure  # noqa: E402
 
 W = A.Workload(A.ModelShape(layers=4, hidden=1024, heads=8, vocab=8192), seq_len=512, batch=8)
 NODE = A.Cluster(8, 40.0, 1)
@@ -56,6 +56,17 @@ def test_tensor_parallel_differences_are_the_documented_ones():
     sbh = W.seq_len * W.batch * m.hidden
     gathered = m.layers * 2 * 4 * sbh * (1 - 1 / t)  # fp32, two gathered inputs per block
     assert formula_act < r.by_category["Activation"] <= formula_act + gathered * 1.05, r.table()
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "layer"])
+def test_torch_runtime_accounting_matches_measured_tensor_parallelism(checkpointing):
+    """runtime="torch" adds exactly those differences to the formula: then it agrees with the
+    measurement under tensor parallelism too."""
+    r = measure(W, NODE, ParallelConfig(tp=4, checkpointing=checkpointing), runtime="torch")
+    for cat in ("Parameter", "Gradient"):
+        terms = sum(r.estimate.stages[r.stage].term(t) for t in CATEGORIES[cat])
+        assert r.by_category[cat] == pytest.approx(terms, rel=1e-6), cat
+    assert r.ratio == pytest.approx(1.0, abs=0.08), r.table()
 
 
 def test_storage_tracker_counts_new_storages_once():

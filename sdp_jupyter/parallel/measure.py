@@ -34,9 +34,10 @@ from sdp_jupyter import advisor as A
 
 #: measured category -> the formula's terms it corresponds to ("Activation": everything a step
 #: allocates on top of parameters, gradients and optimizer states, at its peak)
-CATEGORIES = {"Parameter": ("weights", "gathered layers"), "Gradient": ("gradients",),
+CATEGORIES = {"Parameter": ("weights", "gathered layers"), "Gradient": ("gradients", "embedding gradient"),
               "Optstate": ("optimizer states",),
-              "Activation": ("activations", "recomputed layer", "logits", "logits gradient")}
+              "Activation": ("activations", "recomputed layer", "logits", "logits gradient",
+                             "head input (gathered)")}
 
 
 @dataclass(frozen=True)
@@ -98,12 +99,13 @@ def _zero1_partition(params, world: int, rank: int):
 
 
 def measure(workload: A.Workload, cluster: A.Cluster, config: A.ParallelConfig,
-            stage: int | None = None, build=None) -> Measurement:
+            stage: int | None = None, build=None, runtime: str = "megatron") -> Measurement:
     """Simulate the rank of ``stage`` (default: the formula's peak stage) and measure its peak.
 
     ``build``: a function returning the torch module to simulate (called under fake tensors, so it
     allocates nothing), in the layout ``sdp_jupyter.parallel`` expects; default: our GPT of the
-    workload's shape. ``workload.model`` should describe it (``advisor.shape_of(module)``)."""
+    workload's shape. ``workload.model`` should describe it (``advisor.shape_of(module)``).
+    ``runtime``: which accounting the formula uses for the comparison ("megatron" or "torch")."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -112,7 +114,7 @@ def measure(workload: A.Workload, cluster: A.Cluster, config: A.ParallelConfig,
 
     m = replace(workload.model, tied_embeddings=False, dropout=False)  # what parallel.gpt.GPT is
     workload = replace(workload, model=m, precision="fp32")
-    config = replace(config, flash_attention=True, offload_activations=False)
+    config = replace(config, flash_attention=True, offload_activations=False, runtime=runtime)
     est = A.estimate(workload, cluster, config, overhead=0)
     if est.errors:
         raise ValueError("invalid configuration: " + "; ".join(e.message for e in est.errors))

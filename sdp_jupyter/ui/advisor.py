@@ -64,6 +64,7 @@ class AdvisorView:
         self.offload = W.Checkbox(value=config.offload_activations, description="offload activations")
         self.sp = W.Checkbox(value=config.sequence_parallel, description="sequence parallel")
         self.flash = W.Checkbox(value=config.flash_attention, description="flash attention")
+        self.runtime = pick("memory accounting", list(A.RUNTIMES), config.runtime)
         self.allow_instance = W.Checkbox(value=False, description="recommend may change instance type")
         self.recommend_button = W.Button(description="Recommend", button_style="primary")
         self.explain_button = W.Button(description="Explain")
@@ -74,7 +75,7 @@ class AdvisorView:
         knobs = [self.preset, self.layers, self.hidden, self.heads, self.vocab, self.seq_len, self.batch,
                  self.precision, self.optimizer, self.instance, self.nodes, self.gpus, self.gpu_mem,
                  self.tp, self.pp, self.microbatches, self.active, self.schedule, self.sharding,
-                 self.checkpointing, self.offload, self.sp, self.flash]
+                 self.checkpointing, self.offload, self.sp, self.flash, self.runtime]
         for w in knobs:
             w.observe(self._changed, names="value")
         self.recommend_button.on_click(lambda _: self.recommend())
@@ -107,7 +108,8 @@ class AdvisorView:
             tp=self.tp.value, pp=self.pp.value, microbatches=self.microbatches.value,
             active_microbatches=self.active.value or None, sharding=self.sharding.value,
             checkpointing=self.checkpointing.value, offload_activations=self.offload.value,
-            schedule=self.schedule.value, sequence_parallel=self.sp.value, flash_attention=self.flash.value)
+            schedule=self.schedule.value, sequence_parallel=self.sp.value, flash_attention=self.flash.value,
+            runtime=self.runtime.value)
 
     @property
     def estimate(self) -> A.Estimate:
@@ -162,7 +164,7 @@ class AdvisorView:
                              (self.active, config.active_microbatches or 0), (self.schedule, config.schedule),
                              (self.sharding, config.sharding), (self.checkpointing, config.checkpointing),
                              (self.offload, config.offload_activations), (self.sp, config.sequence_parallel),
-                             (self.flash, config.flash_attention)):
+                             (self.flash, config.flash_attention), (self.runtime, config.runtime)):
                     w.value = v
         finally:
             self._quiet = False
