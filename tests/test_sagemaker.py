@@ -450,3 +450,21 @@ def test_host_metrics_wait_for_a_complete_minute(aws):
     gpu = hm.poll(now=t + hm.lag_s + 1)  # an old minute is complete as it is
     assert [(e["device"], e["util"], e["gpus"], "mem_util" in e) for e in gpu] == [("gpu", 50.0, 4, False)]
     assert hm.poll(final=True) == []  # each minute once
+
+
+def test_gate_reaches_a_client_the_sdk_made_before(aws, tmp_path, capsys):
+    """botocore clients copy the session's hooks when they are made, and the SDK caches its client per
+    session: with a given session whose client already exists the gate must still see the request."""
+    import boto3
+    from sagemaker.core.helper.session_helper import Session
+    from sagemaker.core.resources import Base
+
+    boto = boto3.Session(region_name=REGION)
+    Base.get_sagemaker_client(session=boto, region_name=None, service_name="sagemaker")
+    launcher = sm.SageMakerLauncher(session=Session(boto_session=boto, default_bucket=BUCKET))
+    job = launcher.start(make_spec(tmp_path, "given-session", backend="gloo",
+                                   sagemaker={"instance_type": "ml.m5.xlarge"}))
+    assert job.request == wire_request()  # seen (and checked) by the gate
+    assert "was not checked" not in capsys.readouterr().out
+    aws.set_status(job.training_job_name, "Completed")
+    assert job.wait(20) == "succeeded"

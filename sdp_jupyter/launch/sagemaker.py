@@ -584,12 +584,23 @@ class _RequestGate:
             jobdir.write_json_atomic(self.path, self.request)
         return None
 
+    def _emitters(self, boto):
+        """The session's hooks, and those of the client the SDK will use: botocore clients copy the
+        session's hooks when they are made, and the SDK caches its client per session."""
+        from sagemaker.core.resources import Base
+
+        client = Base.get_sagemaker_client(session=boto, region_name=None, service_name="sagemaker")
+        return (boto.events, client.meta.events)
+
     def install(self, boto):
         boto.events.register(self.EVENT, self, unique_id=f"sdp-gate-{id(self)}")
+        for events in self._emitters(boto):
+            events.register(self.EVENT, self, unique_id=f"sdp-gate-{id(self)}")
         return self
 
     def remove(self, boto):
-        boto.events.unregister(self.EVENT, unique_id=f"sdp-gate-{id(self)}")
+        for events in self._emitters(boto):
+            events.unregister(self.EVENT, unique_id=f"sdp-gate-{id(self)}")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -638,6 +649,11 @@ class SageMakerLauncher:
         finally:
             gate.remove(sm_session.boto_session)
         name = (gate.request or {}).get("TrainingJobName")
+        if name is None:
+            # the SDK sent it through a client the gate did not reach (see _RequestGate._emitters)
+            name = trainer._latest_training_job.training_job_name
+            print(f"[sdp_jupyter] note: the final CreateTrainingJob request of {name} was not checked here; "
+                  "the options and the draft request were")
         job._update(sagemaker=dict(job.status.get("sagemaker") or {}, training_job_name=name))
         print(f"[sdp_jupyter] SageMaker training job {name} created in {plan.region} "
               f"({spec.nodes} x {plan.instance_type}, {plan.procs_per_node} process(es) per host)")
