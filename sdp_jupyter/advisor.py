@@ -589,40 +589,23 @@ def _pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def validate(workload: Workload, cluster: Cluster, config: ParallelConfig,
-             est: Estimate | None = None) -> list[Finding]:
-    """Every rule the configuration breaks, each with the fix. ``est`` adds the memory-dependent
-    ones (the sharding downsizing check)."""
-    m, c, f = workload.model, config, []
+def validate_layout(config: ParallelConfig, gpus_per_node: int, nodes: int) -> list[Finding]:
+    """The rules that need no model: what a launcher can check from ``--nodes``, GPUs per node and
+    the parallel options alone, before any process starts."""
+    c, f = config, []
     t, p, mb = c.tp, c.pp, c.microbatches
-    world = cluster.world_size
+    world = gpus_per_node * nodes
     if not _pow2(t):
         f.append(Finding("error", "tp", f"tp={t} is not a power of two.",
                          "use 1, 2, 4 or 8: shards must split heads and widths evenly"))
-    if t > cluster.gpus_per_node:
-        f.append(Finding("error", "tp", f"tp={t} is larger than the {cluster.gpus_per_node} GPUs "
+    if t > gpus_per_node:
+        f.append(Finding("error", "tp", f"tp={t} is larger than the {gpus_per_node} GPUs "
                          "of a node: tensor parallelism must not cross nodes (its all-reduces run "
                          "every layer, twice per pass).",
-                         f"tp <= {cluster.gpus_per_node}; use pp across nodes instead"))
+                         f"tp <= {gpus_per_node}; use pp across nodes instead"))
     if world % (t * p):
         f.append(Finding("error", "tp/pp", f"world size {world} is not divisible by tp*pp = {t * p}.",
                          "pick tp and pp whose product divides the number of GPUs"))
-    for name, value in (("heads", m.heads), ("ffn", m.ffn), ("vocab", m.vocab)):
-        if value % t:
-            q = max(128, t)  # a multiple of 128 also keeps the GPU's matrix tiles full
-            fix = (f"pad the vocabulary to a multiple of {q} ({math.ceil(value / q) * q})"
-                   if name == "vocab" else f"use a tp that divides {value}")
-            f.append(Finding("error", "tp", f"{name}={value} is not divisible by tp={t}.", fix))
-    if t > 1 and c.sequence_parallel and workload.seq_len % t:
-        f.append(Finding("error", "tp", f"sequence length {workload.seq_len} is not divisible by "
-                         f"tp={t} (sequence parallelism splits it).",
-                         "pad the sequence or turn sequence parallelism off"))
-    if m.layers % p:
-        f.append(Finding("error", "pp", f"layers={m.layers} is not divisible by pp={p}: stages "
-                         "would be unbalanced.", f"use a pp that divides {m.layers}"))
-    if workload.replica_batch(t) % mb:
-        f.append(Finding("error", "microbatches", f"batch {workload.replica_batch(t)} is not divisible by "
-                         f"microbatches={mb}.", "make the batch a multiple of the microbatch count"))
     if p > 1 and mb < p:
         f.append(Finding("warning", "microbatches", f"microbatches={mb} < pp={p}: the pipeline "
                          f"bubble is {bubble_fraction(c):.0%} of each step.",
@@ -641,13 +624,41 @@ def validate(workload: Workload, cluster: Cluster, config: ParallelConfig,
         f.append(Finding("error", "offload_activations", "activation offloading moves the "
                          "checkpointed inputs of idle microbatches to CPU; it needs "
                          + ", ".join(need) + ".", "turn on " + ", ".join(need) + " or turn offloading off"))
-    if c.schedule == "interleaved" and p > 1 and m.layers % (p * c.virtual_stages):
-        f.append(Finding("error", "virtual_stages", f"layers={m.layers} is not divisible by "
-                         f"pp*virtual_stages={p * c.virtual_stages}.", "change virtual_stages"))
     dp = world // (t * p) if world % (t * p) == 0 else 0
     if c.sharding != "none" and dp == 1:
         f.append(Finding("warning", "sharding", "sharding over a data-parallel group of 1 saves "
                          "nothing.", "turn sharding off, or add nodes"))
+    return f
+
+
+def validate(workload: Workload, cluster: Cluster, config: ParallelConfig,
+             est: Estimate | None = None) -> list[Finding]:
+    """Every rule the configuration breaks, each with the fix (``validate_layout``'s and those that
+    need the model and batch). ``est`` adds the memory-dependent one (the downsizing check)."""
+    m, c = workload.model, config
+    t, p, mb = c.tp, c.pp, c.microbatches
+    world = cluster.world_size
+    f = validate_layout(config, cluster.gpus_per_node, cluster.nodes)
+    for name, value in (("heads", m.heads), ("ffn", m.ffn), ("vocab", m.vocab)):
+        if value % t:
+            q = max(128, t)  # a multiple of 128 also keeps the GPU's matrix tiles full
+            fix = (f"pad the vocabulary to a multiple of {q} ({math.ceil(value / q) * q})"
+                   if name == "vocab" else f"use a tp that divides {value}")
+            f.append(Finding("error", "tp", f"{name}={value} is not divisible by tp={t}.", fix))
+    if t > 1 and c.sequence_parallel and workload.seq_len % t:
+        f.append(Finding("error", "tp", f"sequence length {workload.seq_len} is not divisible by "
+                         f"tp={t} (sequence parallelism splits it).",
+                         "pad the sequence or turn sequence parallelism off"))
+    if m.layers % p:
+        f.append(Finding("error", "pp", f"layers={m.layers} is not divisible by pp={p}: stages "
+                         "would be unbalanced.", f"use a pp that divides {m.layers}"))
+    if workload.replica_batch(t) % mb:
+        f.append(Finding("error", "microbatches", f"batch {workload.replica_batch(t)} is not divisible by "
+                         f"microbatches={mb}.", "make the batch a multiple of the microbatch count"))
+    if c.schedule == "interleaved" and p > 1 and m.layers % (p * c.virtual_stages):
+        f.append(Finding("error", "virtual_stages", f"layers={m.layers} is not divisible by "
+                         f"pp*virtual_stages={p * c.virtual_stages}.", "change virtual_stages"))
+    dp = world // (t * p) if world % (t * p) == 0 else 0
     if est is not None and c.sharding != "none" and dp > 1 and est.fits:
         smallest = min_nodes(workload, cluster, config, est.overhead, est.headroom)
         if smallest is not None and smallest > 1:

@@ -330,3 +330,17 @@ def test_shape_of_a_torch_module():
     assert shape.params(32) == sum(p.numel() for p in model.parameters())
     guessed = A.shape_of(torch.nn.Linear(4096, 4096 * 24))
     assert guessed.layers >= 2 and "guessed" in guessed.name
+
+
+def test_layout_rules_need_no_model():
+    """What a launcher can check from --nodes, GPUs per node and the parallel options alone."""
+    errs = lambda cfg, g=8, n=2: {f.knob for f in A.validate_layout(cfg, g, n) if f.level == "error"}
+    assert errs(ParallelConfig(tp=2, pp=2, microbatches=4)) == set()
+    assert errs(ParallelConfig(tp=16)) == {"tp"}
+    assert errs(ParallelConfig(tp=3)) == {"tp", "tp/pp"}
+    assert errs(ParallelConfig(pp=3)) == {"tp/pp"}
+    assert errs(ParallelConfig(offload_activations=True)) == {"offload_activations"}
+    assert errs(ParallelConfig(tp=2, pp=2), g=1, n=4) == {"tp"}  # 4 one-GPU nodes: tp crosses nodes
+    w = Workload(SMALL, seq_len=128, batch=8)
+    for cfg in (ParallelConfig(tp=16), ParallelConfig(pp=2, microbatches=1)):
+        assert set(map(str, A.validate_layout(cfg, 8, 2))) <= set(map(str, A.validate(w, replace(P4D, nodes=2), cfg)))
