@@ -240,3 +240,11 @@ def test_stop_endpoint_needs_the_token_and_stops_a_live_job(jobs_dir):
     assert post(url) == 202
     assert job.wait(30) == "stopped"
     assert "interrupted (SIGINT) at" in job.logs(0) and "script.py, line 4" in job.logs(0)  # line 1 is the header
+
+
+def test_push_of_a_notebook_defined_class_is_refused(ip, jobs_dir):
+    ip.run_cell("class Local:\n    pass\nlocal_obj = Local()")
+    _, error = run(ip, "%%sdp_train --push local_obj\nx = 1")
+    assert isinstance(error, UsageError) and "Local is defined in the notebook" in str(error)
+    assert list(jobs_dir.iterdir()) == []
+    ip.user_ns.pop("local_obj")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import importlib.util
+import io
 import json
 import os
 import pickle
@@ -131,11 +132,29 @@ def pickle_push(names: list, values: dict) -> bytes | None:
                                   "define it first or remove it from --push")
     for n in names:
         try:
-            pickle.dumps(values[n])
+            _dumps(values[n])
         except Exception as e:
             raise SpecError("--push", f"variable {n!r} ({type(values[n]).__name__}) cannot be pickled ({e}); "
                                       "push plain data (arrays, lists, dicts) instead") from None
-    return pickle.dumps({n: values[n] for n in names})
+    return _dumps({n: values[n] for n in names})
+
+
+class _PushPickler(pickle.Pickler):
+    """Refuses what only the notebook can unpickle: classes and functions defined in __main__ are
+    pickled by reference, and a worker's __main__ is the script, so they would fail there."""
+
+    def reducer_override(self, obj):
+        owner = obj if isinstance(obj, type) or callable(obj) and hasattr(obj, "__qualname__") else type(obj)
+        if getattr(owner, "__module__", None) == "__main__":
+            raise pickle.PicklingError(f"{getattr(owner, '__qualname__', owner)} is defined in the notebook, "
+                                       "so the workers cannot load it; define it in the cell or a module")
+        return NotImplemented
+
+
+def _dumps(value) -> bytes:
+    buffer = io.BytesIO()
+    _PushPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
+    return buffer.getvalue()
 
 
 class LocalRun:
