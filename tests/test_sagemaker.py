@@ -468,3 +468,43 @@ def test_gate_reaches_a_client_the_sdk_made_before(aws, tmp_path, capsys):
     assert "was not checked" not in capsys.readouterr().out
     aws.set_status(job.training_job_name, "Completed")
     assert job.wait(20) == "succeeded"
+
+
+def test_magics_start_list_and_stop_a_sagemaker_job(aws, tmp_path, monkeypatch):
+    import threading
+
+    from IPython.testing.globalipapp import get_ipython
+
+    monkeypatch.setenv("SDP_JOBS_DIR", str(tmp_path / "jobs"))
+    monkeypatch.setenv("SDP_SAGEMAKER_POLL_INTERVAL", "0.1")
+    ip = get_ipython()
+    ip.run_line_magic("load_ext", "sdp_jupyter")
+    result = ip.run_cell(f"%%sdp_train --target sagemaker --name magic-sm --nodes 2 --backend gloo "
+                         f"--instance-type ml.m5.xlarge --role {ROLE} --bucket {BUCKET} --spot --max-run 600\n"
+                         "print('hi')\n")
+    assert result.error_in_exec is None and result.error_before_exec is None
+    job = result.result
+    assert isinstance(job, sm.SageMakerJob) and job.spec.sagemaker["spot"] is True
+    req = wire_request()
+    assert req["TrainingJobName"] == job.training_job_name
+    assert req["StoppingCondition"] == {"MaxRuntimeInSeconds": 600, "MaxWaitTimeInSeconds": 1200}
+    assert (job.dir / "script.py").read_text().startswith(
+        "# %%sdp_train --nodes 2 --procs-per-node 1 --backend gloo --name magic-sm --target sagemaker "
+        f"--instance-type ml.m5.xlarge --role {ROLE} --bucket {BUCKET} --spot --max-run 600\n")
+    table = ip.run_cell("%sdp_jobs")
+    assert table.error_in_exec is None
+    from sdp_jupyter.launch import list_jobs
+
+    listed = {j.name: j for j in list_jobs()}
+    assert isinstance(listed["magic-sm"], sm.SageMakerJob)
+
+    def play_stop():  # SageMaker: Stopping, then Stopped
+        wait_for(lambda: aws.status(job.training_job_name) == "Stopping", what="StopTrainingJob")
+        aws.set_status(job.training_job_name, "Stopped")
+
+    player = threading.Thread(target=play_stop)
+    player.start()
+    stopped = ip.run_cell("%sdp_stop magic-sm")
+    player.join(30)
+    assert stopped.error_in_exec is None
+    assert job.state == "stopped"

@@ -178,7 +178,8 @@ class SageMakerOptions:
     max_run: int | None = None
     volume_size: int | None = None
     keep_alive: int | None = None
-    poll_interval: float = DEFAULT_POLL_INTERVAL
+    poll_interval: float = dataclasses.field(
+        default_factory=lambda: float(os.environ.get("SDP_SAGEMAKER_POLL_INTERVAL") or DEFAULT_POLL_INTERVAL))
 
     @classmethod
     def from_dict(cls, data: dict | None) -> "SageMakerOptions":
