@@ -170,6 +170,9 @@ class JobView(w.VBox):
         self._thread = threading.Thread(target=self._refresh_loop, daemon=True, name=f"sdp-view-{job.name}")
         self._thread.start()
 
+    def __repr__(self) -> str:  # text/plain for frontends without widgets: the job, not the widget tree
+        return f"JobView of {self.job!r} ({self.job.dir})"
+
     # ------------------------------------------------------------------ events
     def _on_line(self, rank: int, text: str) -> None:
         if rank in self._live:
