@@ -172,6 +172,7 @@ def fast_exit(code: int) -> None:
     import io
     import threading
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # already exiting: a stop's SIGINT must not interrupt that
     shutdown = getattr(threading, "_shutdown", None)
     if shutdown is not None:
         shutdown()
