@@ -224,3 +224,27 @@ def test_torch_save_on_cpu_is_what_we_replace():
     lb.backward()
     for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
         torch.testing.assert_close(p.grad, q.grad)
+
+
+def _layout_worker(rank, world, port, outdir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    import torch.distributed as dist
+
+    from sdp_jupyter import parallel
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        parallel.setup(ParallelConfig(tp=2))  # 2 one-process nodes: tp would cross them
+    except ValueError as e:
+        open(os.path.join(outdir, f"rank{rank}.txt"), "w").write(str(e))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_setup_rejects_tensor_parallelism_across_nodes():
+    with tempfile.TemporaryDirectory() as d:
+        mp.start_processes(_layout_worker, args=(2, free_port(), d), nprocs=2, start_method="spawn")
+        msgs = [open(os.path.join(d, f"rank{r}.txt")).read() for r in range(2)]
+    assert all("must not cross nodes" in m for m in msgs)

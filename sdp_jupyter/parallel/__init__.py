@@ -486,6 +486,22 @@ def _smddp_dp_group(mesh):
     return mine
 
 
+def _check_layout(config: ParallelConfig) -> None:
+    """Fail before building anything when the job's layout breaks a rule (tp across nodes, a world
+    size tp*pp does not divide, offloading without its prerequisites): the advisor's message."""
+    from sdp_jupyter.advisor import validate_layout
+
+    world = dist.get_world_size()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+    if dist.get_backend() == "fake" or local <= 0 or world % local:
+        local, nodes = world, 1  # no node layout known: check only what needs none
+    else:
+        nodes = world // local
+    errors = [f for f in validate_layout(config, local, nodes) if f.level == "error"]
+    if errors:
+        raise ValueError("hybrid-parallel layout rejected:\n" + "\n".join(str(e) for e in errors))
+
+
 def setup(config: ParallelConfig | None = None, backend: str | None = None) -> Hybrid:
     """Initialise the default process group when the script has not and build the (pp, dp, tp)
     mesh from ``config`` or the environment.
@@ -503,6 +519,7 @@ def setup(config: ParallelConfig | None = None, backend: str | None = None) -> H
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
+    _check_layout(config)
     mesh = build_mesh(config, dist.get_world_size(), device.type)
     hp = Hybrid(config, mesh, device)
     if wanted == "smddp" and hp.dp > 1 and config.sharding == "none":
