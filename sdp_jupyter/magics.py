@@ -215,6 +215,10 @@ class SdpMagics(Magics):
 
 def load_ipython_extension(ipython) -> None:
     ipython.register_magics(SdpMagics)
+    # %sdp_setup (the job setup form) and %%sdp_cell (store a cell as a training script for it)
+    from sdp_jupyter.ui.setup import register_magics as register_setup_magics
+
+    register_setup_magics(ipython)
 
 
 def unload_ipython_extension(ipython) -> None:

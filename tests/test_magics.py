@@ -32,6 +32,12 @@ def run(ip, cell):
     return result, result.error_in_exec or result.error_before_exec
 
 
+def test_load_ext_registers_the_setup_magics_too(ip):
+    assert "sdp_setup" in ip.magics_manager.magics["line"]
+    assert "sdp_cell" in ip.magics_manager.magics["cell"]
+    assert "sdp_train" in ip.magics_manager.magics["cell"]
+
+
 def test_help_lists_every_option(ip):
     doc = ip.find_cell_magic("sdp_train").__doc__
     for opt in all_options():
