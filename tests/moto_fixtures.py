@@ -305,7 +305,27 @@ class LocalContainers:
             env = container_env(self.drivers, host, self.hosts, self.request, root, port)
             for channel, uri in uris.items():
                 download_channel(self.aws, uri, env[f"SM_CHANNEL_{channel.upper()}"])
+            if self.checkpoint_uri:  # SageMaker restores the checkpoint URI into every host's LocalPath
+                download_channel(self.aws, self.checkpoint_uri, self.checkpoint_dir(env))
             self.envs.append(env)
+
+    @property
+    def checkpoint_uri(self) -> str | None:
+        return (self.request.get("CheckpointConfig") or {}).get("S3Uri")
+
+    def checkpoint_dir(self, env: dict) -> str:
+        local = (self.request.get("CheckpointConfig") or {}).get("LocalPath", "/opt/ml/checkpoints")
+        return env["SM_MODEL_DIR"][:-len("/model")] + local[len("/opt/ml"):]
+
+    def sync_checkpoints(self) -> None:
+        """What SageMaker does during training: every host's LocalPath is uploaded to the URI."""
+        from pathlib import Path
+
+        bucket, _, prefix = self.checkpoint_uri[len("s3://"):].partition("/")
+        for env in self.envs:
+            root = Path(self.checkpoint_dir(env))
+            for path in sorted(p for p in root.rglob("*") if p.is_file()):
+                self.aws.client("s3").upload_file(str(path), bucket, f"{prefix}/{path.relative_to(root)}")
 
     def start(self) -> None:
         import subprocess

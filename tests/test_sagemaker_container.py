@@ -177,3 +177,63 @@ def test_smddp_without_smdistributed_says_which_image(monkeypatch, capsys):
     assert "no SageMaker smdistributed.dataparallel" in err and "2.3.0" in err and "--backend nccl" in err
     assert "SDP_SMDDP_PROVIDER" not in env
     assert sagemaker_entry.load_smddp({"SDP_BACKEND": "gloo"}) is None
+
+
+RESUME_CELL = r'''
+import argparse, os
+import torch
+import torch.distributed as dist
+import sdp_jupyter.checkpoint as ckpt
+
+p = argparse.ArgumentParser()
+p.add_argument("--interrupt_at", type=int)
+a = p.parse_args()
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+state = ckpt.load() or {"step": 0, "total": 0.0}
+start = state["step"]
+print(f"START rank={rank} step={start} dir={os.environ['SDP_CHECKPOINT_DIR']}", flush=True)
+for step in range(start, 6):
+    t = torch.tensor([1.0])
+    dist.all_reduce(t)
+    state["total"] += t.item()
+    state["step"] = step + 1
+    ckpt.save(state)
+    dist.barrier()
+    if start == 0 and state["step"] == a.interrupt_at:
+        print(f"INTERRUPTED rank={rank} after step {state['step']}", flush=True)
+        os._exit(137)  # the spot instance goes away
+print(f"DONE rank={rank} total={state['total']}", flush=True)
+'''
+
+
+def test_spot_restart_resumes_from_the_checkpoint_uri(aws, tmp_path):
+    """A spot interruption: the hosts die after step 3; SageMaker has synced /opt/ml/checkpoints to
+    the job's checkpoint URI and restores it on the new hosts, where the same script resumes."""
+    spec = JobSpec(code=RESUME_CELL, name="spot-resume", target="sagemaker", nodes=2, procs_per_node=1,
+                   backend="gloo", hyperparameters={"interrupt_at": 3}, jobs_dir=str(tmp_path / "jobs"),
+                   sagemaker={"role": ROLE, "bucket": BUCKET, "instance_type": "ml.m5.xlarge", "spot": True,
+                              "poll_interval": 0.2})
+    job = launch(spec)
+    request = MotoAWS.create_requests[-1]
+    assert request["CheckpointConfig"]["S3Uri"] == f"s3://{BUCKET}/spot-resume/checkpoints"
+    outs = []
+    for attempt in ("first", "restart"):
+        containers = LocalContainers(aws, request, tmp_path / attempt)
+        containers.prepare()
+        containers.start()
+        try:
+            outs.append([p.communicate(timeout=240)[0] for p in containers.procs])
+        finally:
+            containers.kill()
+        containers.sync_checkpoints()
+    first, restart = outs
+    for rank in (0, 1):
+        assert f"START rank={rank} step=0 " in first[rank] and f"INTERRUPTED rank={rank} after step 3" in first[rank]
+        assert f"START rank={rank} step=3 " in restart[rank], restart[rank]
+        assert f"DONE rank={rank} total=12.0" in restart[rank]  # 6 steps x 2 ranks, none repeated
+        assert str(tmp_path / "restart" / request["TrainingJobName"] / f"algo-{rank + 1}" / "opt" / "ml" /
+                   "checkpoints") in restart[rank]
+    job.stop(wait=False)
+    aws.set_status(job.training_job_name, "Stopped")
+    assert job.wait(20) == "stopped"
