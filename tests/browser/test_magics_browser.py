@@ -7,7 +7,7 @@ import time
 import nbformat
 import pytest
 
-from browser.conftest import ARTIFACTS, browser, jupyter_server, lab  # noqa: F401  (fixtures)
+from browser.conftest import ARTIFACTS  # the fixtures (lab, jupyter_server) come from that conftest
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
 
