@@ -508,3 +508,27 @@ def test_magics_start_list_and_stop_a_sagemaker_job(aws, tmp_path, monkeypatch):
     player.join(30)
     assert stopped.error_in_exec is None
     assert job.state == "stopped"
+
+
+def test_setup_widget_launches_the_same_choices_on_sagemaker(aws, tmp_path):
+    """The job setup form with target sagemaker: its instance type, nodes, backend and scaled
+    hyperparameters become the training job, and its live view is the SageMaker one."""
+    from sdp_jupyter.launch.sagemaker_view import SageMakerJobView
+    from sdp_jupyter.ui.setup import JobSetup
+
+    form = JobSetup(code=CELL, name="widget-sm", jobs_dir=str(tmp_path / "jobs"), target="sagemaker",
+                    instance_type="ml.p4de.24xlarge", nodes=2, backend="smddp",
+                    sagemaker={"role": ROLE, "bucket": BUCKET, "poll_interval": 0.1})
+    spec = form.spec
+    job = form.launch()
+    req = wire_request()
+    assert isinstance(job, sm.SageMakerJob) and req["TrainingJobName"] == job.training_job_name
+    assert req["ResourceConfig"]["InstanceType"] == "ml.p4de.24xlarge" and req["ResourceConfig"]["InstanceCount"] == 2
+    assert req["Environment"]["SDP_BACKEND"] == "smddp"
+    assert req["HyperParameters"] == {k: v if isinstance(v, str) else json.dumps(v)
+                                      for k, v in spec.hyperparameters.items()}
+    drivers = f"s3://{BUCKET}/widget-sm/{req['TrainingJobName']}/input/sm_drivers"
+    assert s3_json(aws, drivers, "distributed.json")["process_count_per_node"] == 8
+    assert isinstance(form.w_job.children[0], SageMakerJobView)
+    aws.set_status(job.training_job_name, "Completed")
+    assert job.wait(20) == "succeeded"
