@@ -783,7 +783,6 @@ def recommend(workload: Workload, cluster: Cluster, proposed: ParallelConfig = P
         steps.append(Step("larger instance", None, "no larger instance type in the catalogue fits "
                           "as proposed" if bigger else "no instance type with more GPU memory"))
     cfg = proposed
-    dp = cluster.world_size // (cfg.tp * cfg.pp) if cluster.world_size % (cfg.tp * cfg.pp) == 0 else 0
     # 2. sharding
     if cfg.sharding == "none":
         cfg = replace(cfg, sharding="optimizer")

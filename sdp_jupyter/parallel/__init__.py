@@ -36,7 +36,7 @@ and ``ln_f``/``head`` after them, a ``forward`` that skips the parts that are ``
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable, Iterable
 

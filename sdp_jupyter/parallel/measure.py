@@ -5,9 +5,9 @@ How: a fake process group (``torch.testing._internal.distributed.fake_pg``: coll
 once) with the job's real world size gives the real (pp, dp, tp) mesh; under ``FakeTensorMode`` the
 model is built, split for the pipeline, tensor-parallelised, checkpointed and sharded by the same
 ``Hybrid.parallelize`` a job uses, so every tensor has its true per-rank shape and no storage.
-torch's ``MemTracker`` (``torch.distributed._tools.mem_tracker``) follows every storage through a
-training step and reports the peak by category (parameters, gradients, optimizer states,
-activations, temporaries).
+``StorageTracker`` (below; it counts what torch's ``MemTracker`` counts, without the module hooks
+that refuse a module run several times before its backward) follows every storage a training step
+creates; parameters, gradients and optimizer states are summed from the tensors themselves.
 
 The step simulated is the one the formula describes: the stage with the formula's peak holds
 ``in_flight`` microbatches (their forwards first, then their backwards, as a stage does at the
@@ -106,9 +106,6 @@ def measure(workload: A.Workload, cluster: A.Cluster, config: A.ParallelConfig,
     allocates nothing), in the layout ``sdp_jupyter.parallel`` expects; default: our GPT of the
     workload's shape. ``workload.model`` should describe it (``advisor.shape_of(module)``).
     ``runtime``: which accounting the formula uses for the comparison ("megatron" or "torch")."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.mem_tracker import MemTracker
-
     from sdp_jupyter import parallel
     from sdp_jupyter.parallel import gpt
 

@@ -8,7 +8,6 @@ the knobs as they are and sets the ones it chose; "Explain" says why each knob t
 from __future__ import annotations
 
 import html
-from dataclasses import replace
 
 import ipywidgets as W
 
