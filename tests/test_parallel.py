@@ -121,13 +121,13 @@ def check_against_reference(results, atol=1e-5):
 
 
 SCENARIOS = {
-    "tp2-sequence-parallel": (ParallelConfig(tp=2), 2),
     "tp2-checkpoint-no-sp": (ParallelConfig(tp=2, sequence_parallel=False, checkpointing="layer"), 2),
     "pp2-gpipe": (ParallelConfig(pp=2, microbatches=4, schedule="gpipe"), 2),
     "pp2-interleaved-2-chunks": (ParallelConfig(pp=2, microbatches=4, schedule="interleaved",
                                                 virtual_stages=2), 2),
     "dp2-zero1": (ParallelConfig(sharding="optimizer"), 2),
-    # plain data parallelism: the gradient average runs on our engine, the mesh on gloo
+    # tp=2 with sequence parallelism x plain data parallelism: the gradient average runs on our
+    # engine, the mesh on gloo
     "tp2-dp2-smddp": (ParallelConfig(tp=2), 4, "smddp"),
     "dp2-fsdp2": (ParallelConfig(sharding="full", checkpointing="selective"), 2),
     # the notebook's layout, with offloading: one 4-process run covers tp x pp x offload
