@@ -594,7 +594,6 @@ class _RequestGate:
         return (boto.events, client.meta.events)
 
     def install(self, boto):
-        boto.events.register(self.EVENT, self, unique_id=f"sdp-gate-{id(self)}")
         for events in self._emitters(boto):
             events.register(self.EVENT, self, unique_id=f"sdp-gate-{id(self)}")
         return self
