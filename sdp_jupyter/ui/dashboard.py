@@ -14,6 +14,7 @@ last lines are drawn, or on `stop()` / `close()`. A finished job reopened from d
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import traceback
@@ -105,13 +106,13 @@ class Dashboard(go.FigureWidget):
         fig.update_yaxes(title_text="%", range=[0, 105], row=1, col=2)
         fig.update_yaxes(title_text="loss", row=2, col=1)
         fig.update_yaxes(title_text="seconds", rangemode="tozero", row=2, col=2)
+        self._lock = threading.RLock()  # before super(): messages from the browser take it (see _handle_msg)
         super().__init__(fig)
         self._reader = Reader(source, window=window)
         self._ref = Reader(reference, window=100_000) if reference is not None else None
         self._name = name or self._reader.source.info().get("name", "")
         self._ref_name = self._ref.source.info().get("name", "") if self._ref is not None else ""
         self._index: dict[str, int] = {}
-        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._interval = interval
@@ -183,6 +184,23 @@ class Dashboard(go.FigureWidget):
         self.stop()
         super().close()
 
+    # The main thread touches the widget in two places while our thread may be drawing, and both
+    # corrupt the browser's copy of the figure if they interleave with a draw (seen as a blank plot):
+    # - messages from the browser (zoom, trace/layout deltas) are applied inside ipywidgets'
+    #   hold_sync(), which coalesces state changes to their last value; plotly sends each edit by
+    #   setting a trait to the message and straight back to None, so an edit made by our thread in
+    #   that window would reach the browser as None;
+    # - displaying the figure (_repr_mimebundle_) deep-copies data and layout into the traits the
+    #   view starts from.
+    # One lock around those and around each draw keeps them apart.
+    def _handle_msg(self, msg):
+        with self.__dict__.get("_lock") or _NO_LOCK:
+            return super()._handle_msg(msg)
+
+    def _repr_mimebundle_(self, *args, **kwargs):
+        with self.__dict__.get("_lock") or _NO_LOCK:
+            return super()._repr_mimebundle_(*args, **kwargs)
+
     # ---- drawing ---------------------------------------------------------------------------------
 
     def _ensure(self, name: str, panel: str, kind: str = "line", color: str | None = None,
@@ -251,6 +269,9 @@ class Dashboard(go.FigureWidget):
             self.layout.title.text = title
             self.layout.annotations[1].text = util_title
             self.layout.yaxis.title.text = fr.unit
+
+
+_NO_LOCK = contextlib.nullcontext()
 
 
 def _follow(ref: "weakref.ref[Dashboard]", stop: threading.Event, interval: float) -> None:
