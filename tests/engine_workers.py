@@ -265,3 +265,17 @@ def wrapper_vs_stock(steps: int, accumulate: int, dtype: str, fusion: int, unuse
 def _nullcontext():
     import contextlib
     return contextlib.nullcontext()
+
+
+def init_without_import():
+    """A script written for torchrun that never imports sdp_jupyter."""
+    import sys
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("smddp")
+    t = torch.ones(3) * (dist.get_rank() + 1)
+    dist.all_reduce(t)
+    dist.destroy_process_group()
+    return t.tolist(), "sdp_jupyter.torch" in sys.modules
