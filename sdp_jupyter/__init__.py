@@ -16,6 +16,7 @@ _LAZY = {
     "JobSpec": "sdp_jupyter.launch:JobSpec",
     "report": "sdp_jupyter.monitor.reporter:report",
     "JobSetup": "sdp_jupyter.ui.setup:JobSetup",
+    "AdvisorView": "sdp_jupyter.ui.advisor:AdvisorView",
 }
 
 __all__ = sorted(_LAZY) + ["load_ipython_extension", "unload_ipython_extension"]

@@ -112,6 +112,36 @@ def test_provider_options_fill_dict_fields_and_round_trip():
     assert JobSpec.from_options(_parse_magic_line(line), code="x") == spec
 
 
+HYBRID = {"tp": 2, "pp": 2, "microbatches": 4, "active_microbatches": 2, "pipeline_schedule": "interleaved",
+          "virtual_stages": 2, "shard_optimizer": "gradients", "checkpoint_activations": "selective",
+          "offload_activations": False, "sequence_parallel": False}
+
+
+def test_hybrid_parallel_options_round_trip_through_json_and_the_magic_line():
+    spec = JobSpec(code="x", nodes=2, procs_per_node=2, backend="gloo", parallel=HYBRID)
+    assert spec.parallel == {k: v for k, v in HYBRID.items() if k != "offload_activations"}  # defaults dropped
+    assert JobSpec.from_json(spec.to_json()) == spec
+    line = spec.to_magic_line()
+    assert line == ("%%sdp_train --nodes 2 --procs-per-node 2 --backend gloo --tp 2 --pp 2 --microbatches 4 "
+                    "--active-microbatches 2 --pipeline-schedule interleaved --virtual-stages 2 "
+                    "--shard-optimizer gradients --checkpoint-activations selective --no-sequence-parallel")
+    assert JobSpec.from_options(_parse_magic_line(line), code="x") == spec
+    # the bare flags stand for their default level, and render back bare
+    values = _parse_magic_line("%%sdp_train --nodes 2 --procs-per-node 2 --tp 2 --pp 2 --microbatches 4 "
+                               "--shard-optimizer --checkpoint-activations --offload-activations")
+    spec = JobSpec.from_options(values, code="x")
+    assert spec.parallel == {"tp": 2, "pp": 2, "microbatches": 4, "shard_optimizer": "optimizer",
+                             "checkpoint_activations": "layer", "offload_activations": True}
+    assert spec.to_magic_line().endswith("--microbatches 4 --shard-optimizer --checkpoint-activations "
+                                         "--offload-activations")
+    assert JobSpec.from_options(_parse_magic_line(spec.to_magic_line()), code="x") == spec
+    # an old spec.json (no "parallel") still loads, and options at their defaults are no options
+    old = json.loads(JobSpec(code="x").to_json())
+    del old["parallel"]
+    assert JobSpec.from_dict(old).parallel == {}
+    assert JobSpec(code="x", parallel={"tp": 1, "shard_optimizer": "none", "sequence_parallel": True}).parallel == {}
+
+
 def test_script_arguments_follow_sagemaker_hyperparameter_convention():
     spec = JobSpec(code="x", args=["--a", "1"], hyperparameters={"lr": 0.1, "name": "x", "flag": True})
     assert script_arguments(spec.to_dict()) == ["--a", "1", "--lr", "0.1", "--name", "x", "--flag", "true"]
@@ -136,6 +166,36 @@ def test_worker_environment(tmp_path):
     assert env["FOO"] == "bar" and env["SDP_NUM_NODES"] == "2"
     other = LocalRun(job, LocalLauncher())
     assert other.environment(0, 0, 1)["SDP_JOB_SECRET"] != env["SDP_JOB_SECRET"]  # fresh per job
+    assert not any(k in env for k in ("SDP_TP", "SDP_PP", "SDP_MICROBATCHES", "SDP_SHARD_OPTIMIZER"))
+
+
+def test_worker_environment_carries_the_hybrid_parallel_options(tmp_path):
+    from sdp_jupyter.advisor import ParallelConfig
+
+    spec = LocalLauncher().resolve(JobSpec(code="x", name="hyb", nodes=2, procs_per_node=2, backend="gloo",
+                                           jobs_dir=str(tmp_path), parallel=HYBRID))
+    run = LocalRun(Job(spec, tmp_path / "hyb"), LocalLauncher())
+    envs = [run.environment(rank, 0, 1) for rank in range(4)]
+    expected = {"SDP_TP": "2", "SDP_PP": "2", "SDP_MICROBATCHES": "4", "SDP_ACTIVE_MICROBATCHES": "2",
+                "SDP_PIPELINE_SCHEDULE": "interleaved", "SDP_VIRTUAL_STAGES": "2", "SDP_SHARD_OPTIMIZER": "gradients",
+                "SDP_CHECKPOINT_ACTIVATIONS": "selective", "SDP_OFFLOAD_ACTIVATIONS": "0",
+                "SDP_SEQUENCE_PARALLEL": "0"}
+    for env in envs:
+        assert {k: env.get(k) for k in expected} == expected
+    # what sdp_jupyter.parallel.setup() reads back is the configuration asked for
+    assert ParallelConfig.from_env(envs[3]) == ParallelConfig(
+        tp=2, pp=2, microbatches=4, active_microbatches=2, schedule="interleaved", virtual_stages=2,
+        sharding="gradients", checkpointing="selective", sequence_parallel=False)
+
+
+def test_hybrid_layout_is_checked_once_the_launcher_knows_the_processes_per_node(monkeypatch):
+    from sdp_jupyter.launch import local
+
+    monkeypatch.setattr(local, "gpu_count", lambda: 0)  # a CPU-only machine: 1 process per node
+    spec = JobSpec(code="x", nodes=4, parallel={"tp": 2})  # procs per node not known yet: not refused
+    with pytest.raises(SpecError) as info:
+        LocalLauncher().resolve(spec)
+    assert info.value.option == "--tp" and "must not cross nodes" in str(info.value)
 
 
 def test_compat_path_only_without_the_real_library(tmp_path, monkeypatch):

@@ -58,6 +58,29 @@ def test_help_lists_every_option(ip):
     ("%%sdp_train --nodes 2\nx = 1\nfor i in range(3)\n    pass\n", "syntax error on line 3 of the cell"),
     ("%%sdp_train --args '--unclosed\nx = 1", "check the quotes"),
     ("%%sdp_train --env RANK=3\nx = 1", "--env: RANK is set by the launcher"),
+    # hybrid-parallel options: the advisor's layout rules, before any process starts
+    ("%%sdp_train --nodes 4 --procs-per-node 1 --tp 2\nx = 1",
+     "--tp: this job's layout (--nodes 4 x --procs-per-node 1, tp=2, pp=1) cannot run"),
+    ("%%sdp_train --nodes 4 --procs-per-node 1 --tp 2\nx = 1", "tensor parallelism must not cross nodes"),
+    ("%%sdp_train --procs-per-node 3 --tp 3\nx = 1", "tp=3 is not a power of two"),
+    ("%%sdp_train --nodes 3 --procs-per-node 2 --tp 2 --pp 2\nx = 1",
+     "world size 6 is not divisible by tp*pp = 4"),
+    ("%%sdp_train --nodes 2 --procs-per-node 2 --tp 2 --pp 2 --microbatches 4 --offload-activations\nx = 1",
+     "--offload-activations: this job's layout"),
+    ("%%sdp_train --nodes 2 --procs-per-node 2 --tp 2 --pp 2 --microbatches 4 --offload-activations\nx = 1",
+     "add --checkpoint-activations layer, or drop --offload-activations"),
+    ("%%sdp_train --tp two\nx = 1", "--tp: must be a whole number, got 'two'. Fix: --tp 2"),
+    ("%%sdp_train --microbatches 0\nx = 1", "--microbatches: must be 1 or more, got 0"),
+    ("%%sdp_train --shard-optimizer zero3\nx = 1",
+     "--shard-optimizer: 'zero3' is not one of none, optimizer, gradients, full"),
+    ("%%sdp_train --checkpoint-activations all\nx = 1",
+     "--checkpoint-activations: 'all' is not one of none, selective, layer"),
+    ("%%sdp_train --pp 2 --nodes 2 --pipeline-schedule zigzag\nx = 1",
+     "--pipeline-schedule: 'zigzag' is not one of 1f1b, gpipe, interleaved"),
+    ("%%sdp_train --nodes 2 --pp 2 --virtual-stages 2\nx = 1",
+     "--virtual-stages: 2 chunks per rank need the interleaved schedule"),
+    ("%%sdp_train --procs-per-node 2 --tp 2 --env SDP_TP=2\nx = 1", "--env: SDP_TP is set by the hybrid-parallel"),
+    ("%%sdp_train --tp\nx = 1", "--tp: expected one argument"),
 ])
 def test_bad_input_is_one_clear_error_and_launches_nothing(ip, jobs_dir, cell, fragment):
     import threading
@@ -110,6 +133,29 @@ def test_wait_push_result_and_output(ip, capsys):
     _, error = run(ip, "%%sdp_train --nodes 2 --backend gloo --wait --ranks-output all\nimport os\nprint('hi', os.environ['RANK'])")
     shown = capsys.readouterr().out
     assert error is None and "[rank 0] hi 0" in shown and "[rank 1] hi 1" in shown
+
+
+@pytest.mark.slow
+def test_hybrid_parallel_options_reach_every_worker(ip, capsys):
+    _, error = run(ip, textwrap.dedent("""\
+        %%sdp_train --nodes 2 --procs-per-node 2 --tp 2 --pp 2 --microbatches 4 --shard-optimizer --checkpoint-activations --offload-activations --backend gloo --wait --ranks-output all --result res
+        import os
+        from sdp_jupyter.advisor import ParallelConfig
+        cfg = ParallelConfig.from_env()
+        print("cfg", os.environ["RANK"], cfg.describe())
+        from sdp_jupyter.launch.parallel_options import ENV_NAMES
+        {k: os.environ[k] for k in ENV_NAMES if k in os.environ}
+    """))
+    assert error is None, error
+    shown = capsys.readouterr().out
+    described = ("tp=2, pp=2, microbatches=4, schedule=1f1b, sharding=optimizer, checkpointing=layer, "
+                 "offload_activations")
+    for rank in range(4):
+        assert f"[rank {rank}] cfg {rank} {described}" in shown
+    assert ip.user_ns["res"] == {
+        "SDP_TP": "2", "SDP_PP": "2", "SDP_MICROBATCHES": "4", "SDP_PIPELINE_SCHEDULE": "1f1b",
+        "SDP_SHARD_OPTIMIZER": "optimizer", "SDP_CHECKPOINT_ACTIVATIONS": "layer",
+        "SDP_OFFLOAD_ACTIVATIONS": "1", "SDP_SEQUENCE_PARALLEL": "1"}
 
 
 @pytest.mark.slow

@@ -191,6 +191,7 @@ class LocalRun:
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (spec.nodes * ppn))))
         env.update(spec.env)
+        env.update(spec.parallel_env())  # SDP_TP, SDP_PP, ...: only for a job with hybrid-parallel options
         paths = [PACKAGE_PARENT]
         if not smdistributed_installed():
             paths.insert(0, COMPAT_DIR)

@@ -48,7 +48,10 @@ class Option:
     """One command-line option of %%sdp_train / sdp-train.
 
     `field` is the JobSpec field it fills (None for options that only steer the magic, like --wait).
-    `kind`: "value" (one string), "flag" (store_true), "append" (repeatable), "csv" (a,b,c).
+    `kind`: "value" (one string), "flag" (no value: the field gets `const`, True unless said, e.g.
+    --no-sequence-parallel stores False), "optional" (a value that may be left out: the bare flag
+    stands for `const`, e.g. --shard-optimizer = --shard-optimizer optimizer), "append" (repeatable),
+    "csv" (a,b,c).
     """
 
     flag: str
@@ -56,6 +59,7 @@ class Option:
     help: str
     kind: str = "value"
     metavar: str | None = None
+    const: Any = True
 
     def argparse_kwargs(self) -> dict:
         kw: dict[str, Any] = {"help": self.help}
@@ -66,6 +70,9 @@ class Option:
             kw["default"] = None
             if self.kind == "append":
                 kw["action"] = "append"
+            elif self.kind == "optional":
+                kw["nargs"] = "?"
+                kw["const"] = self.const
         kw["dest"] = self.flag.lstrip("-").replace("-", "_")
         return kw
 
@@ -104,7 +111,8 @@ OPTIONS_BY_FIELD = {o.field: o for o in OPTIONS if o.field}
 
 # Modules that add rows to the option table ("module:ATTRIBUTE", a tuple of Option). Their fields are
 # "<dict field of JobSpec>.<key>", e.g. "sagemaker.instance_type" fills JobSpec.sagemaker["instance_type"].
-OPTION_PROVIDERS = ["sdp_jupyter.launch.sagemaker:SAGEMAKER_OPTIONS"]
+OPTION_PROVIDERS = ["sdp_jupyter.launch.sagemaker:SAGEMAKER_OPTIONS",
+                    "sdp_jupyter.launch.parallel_options:PARALLEL_OPTIONS"]
 
 
 def all_options() -> tuple[Option, ...]:
@@ -179,6 +187,9 @@ class JobSpec:
 
     Exactly one of `code` (the cell's source) or `script` (path to a .py file) says what runs.
     `sagemaker` holds options only the SageMaker target reads (owned by sdp_jupyter.launch.sagemaker).
+    `parallel` holds the hybrid-parallel options (tp, pp, microbatches, ...; owned by
+    sdp_jupyter.launch.parallel_options): only those that differ from their defaults are kept, and
+    the workers get them as SDP_TP, SDP_PP, ... (`parallel_env()`).
     """
 
     code: str | None = None
@@ -199,6 +210,7 @@ class JobSpec:
     ranks_output: str = "0"
     jobs_dir: str | None = None
     sagemaker: dict = field(default_factory=dict)
+    parallel: dict = field(default_factory=dict)
 
     def __post_init__(self):
         self.nodes = _whole("nodes", self.nodes, 1, "4")
@@ -251,6 +263,19 @@ class JobSpec:
             raise SpecError("code", "the training code is empty: put the code below the %%sdp_train line")
         if not isinstance(self.sagemaker, dict):
             raise SpecError("sagemaker", f"must be a dict of SageMaker options, got {type(self.sagemaker).__name__}")
+        if self.parallel is None:
+            self.parallel = {}
+        if not isinstance(self.parallel, dict):
+            raise SpecError("parallel", f"must be a dict of hybrid-parallel options, got {self.parallel!r}")
+        if self.parallel:  # checked by the advisor's layout rules; imported only by jobs that use them
+            self.parallel = importlib.import_module("sdp_jupyter.launch.parallel_options").check(self)
+
+    def parallel_env(self) -> dict[str, str]:
+        """The hybrid-parallel options as the workers' SDP_TP, SDP_PP, ... (ParallelConfig.env());
+        empty when none is set, so a job without them runs as before."""
+        if not self.parallel:
+            return {}
+        return importlib.import_module("sdp_jupyter.launch.parallel_options").worker_env(self.parallel)
 
     @staticmethod
     def _choice(field_name: str, value: Any, allowed: tuple) -> str:
@@ -289,6 +314,8 @@ class JobSpec:
             value = values.get(opt.flag.lstrip("-").replace("-", "_"))
             if opt.field is None or value is None or (opt.kind == "flag" and value is False):
                 continue
+            if opt.kind == "flag":
+                value = opt.const
             if "." in opt.field:  # a key of a dict field (JobSpec.sagemaker)
                 top, key = opt.field.split(".", 1)
                 fields[top] = {**(fields.get(top) or {}), key: value}
@@ -331,9 +358,12 @@ class JobSpec:
 
 def _render_key(opt: Option, value: Any) -> list[str]:
     """Tokens that set one key of a dict field (e.g. --instance-type ml.p4d.24xlarge)."""
+    if opt.kind == "flag":
+        on = bool(value) if opt.const is True else (value is not None and value == opt.const)
+        return [opt.flag] if on else []
     if value is None or value is False or value == {} or value == []:
         return []
-    if opt.kind == "flag":
+    if opt.kind == "optional" and value == opt.const:
         return [opt.flag]
     if opt.kind == "append":
         items = [f"{k}={v}" for k, v in value.items()] if isinstance(value, dict) else \
