@@ -67,7 +67,7 @@ PYBIND11_MODULE(_engine, m) {
              return new Engine(std::move(c));
            }),
            py::arg("rank"), py::arg("node_of_rank"), py::arg("secret"), py::arg("bind_addr") = "127.0.0.1",
-           py::arg("timeout") = 300.0, py::arg("chunk_bytes") = size_t(4 << 20), py::arg("spin") = 2000)
+           py::arg("timeout") = 300.0, py::arg("chunk_bytes") = size_t(4 << 20), py::arg("spin") = -1)
       .def("prepare", &Engine::prepare, py::call_guard<py::gil_scoped_release>())
       .def("connect", &Engine::connect, py::call_guard<py::gil_scoped_release>())
       .def(

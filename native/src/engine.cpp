@@ -42,6 +42,7 @@ struct ShmHeader {
   uint64_t chunk_bytes;
   alignas(64) std::atomic<uint64_t> arrivals;
   alignas(64) std::atomic<uint32_t> wake;  // futex word, bumped by the last rank into a barrier
+  std::atomic<uint32_t> sleepers;          // ranks asleep (or about to be) on `wake`
   alignas(64) std::atomic<uint32_t> error_state;  // 0 none, 1 being written, 2 published
   uint32_t error_remote;                          // 1: the error came from another node
   char error_msg[2048];
@@ -90,6 +91,11 @@ Engine::Engine(EngineConfig cfg) : cfg_(std::move(cfg)) {
   local_ = int(std::find(mine.begin(), mine.end(), cfg_.rank) - mine.begin());
   if (int(mine.size()) > kMaxLocal) throw Error("at most 256 ranks per node are supported");
   if (cfg_.chunk_bytes < 4096) cfg_.chunk_bytes = 4096;
+  // Measured on 2 cores with 2 ranks training (docs/benchmarks.md): spinning, then yielding,
+  // beat going to sleep early, even though the machine is oversubscribed: a sleeping rank
+  // pays a wake-up and a trip through the run queue on every barrier.
+  spin_ = cfg_.spin >= 0 ? cfg_.spin : 2000;
+  yield_ = spin_ > 0;
   cfg_.chunk_bytes = round_up(cfg_.chunk_bytes, 64);
   peers_.resize(nn);
   local_fds_.assign(mine.size(), -1);
@@ -257,13 +263,16 @@ void Engine::connect(const std::vector<std::string>& addrs, const std::vector<in
     lk.unlock();
     setup_done_.store(true);
     for (auto& p : peers_)
-      if (p.fd >= 0) set_nonblocking(p.fd);
+      if (p.fd >= 0) {
+        set_nonblocking(p.fd);
+        set_bulk_buffers(p.fd);
+      }
     for (int fd : local_fds_)
       if (fd >= 0) set_nonblocking(fd);
     // Every local rank has mapped the segment before connecting: nothing is left in /dev/shm
     // even if the whole job is killed later.
     if (!shm_name_.empty()) shm_unlink(shm_name_.c_str());
-    if (N > 1) recv_buf_.assign(size_t(N) * (cfg_.chunk_bytes / size_t(N) + 64), 0);
+    if (N > 1) recv_buf_.assign(2 * size_t(N) * recv_slot_bytes(), 0);  // two sets, touched once now
   }
   srcs_.resize(std::max(L, N) + 1);
   connected_ = true;
@@ -434,18 +443,19 @@ void Engine::node_barrier() {
   shm_->rank_arrivals[local_].store(mine, std::memory_order_release);
   uint64_t v = shm_->arrivals.fetch_add(1, std::memory_order_acq_rel) + 1;
   if (v == target) {
-    shm_->wake.fetch_add(1, std::memory_order_acq_rel);
-    futex_wake_all(&shm_->wake);
+    shm_->wake.fetch_add(1);
+    // The wake-up is a system call: skip it when every peer is still spinning.
+    if (shm_->sleepers.load() > 0) futex_wake_all(&shm_->wake);
     return;
   }
   // Wait in three stages: a short pause-spin (the peers are usually microseconds away), then
-  // sched_yield for up to ~200 us (gives the core away when it is oversubscribed, costs ~1 us
-  // when it is not), then a futex sleep that also checks health and the deadline.
-  for (int i = 0; i < cfg_.spin; ++i) {
+  // sched_yield for up to ~200 us, then a futex sleep that also checks health and the
+  // deadline.
+  for (int i = 0; i < spin_; ++i) {
     if (shm_->arrivals.load(std::memory_order_acquire) >= target) return;
     cpu_relax();
   }
-  if (cfg_.spin > 0) {
+  if (yield_) {
     double until = now_s() + 200e-6;
     do {
       for (int i = 0; i < 32; ++i) {
@@ -454,9 +464,14 @@ void Engine::node_barrier() {
       }
     } while (now_s() < until);
   }
+  struct Sleeping {  // counted while this rank may be inside futex_wait
+    std::atomic<uint32_t>& n;
+    explicit Sleeping(std::atomic<uint32_t>& c) : n(c) { n.fetch_add(1); }
+    ~Sleeping() { n.fetch_sub(1); }
+  } sleeping(shm_->sleepers);
   for (;;) {
-    uint32_t w = shm_->wake.load(std::memory_order_acquire);
-    if (shm_->arrivals.load(std::memory_order_acquire) >= target) return;
+    uint32_t w = shm_->wake.load();
+    if (shm_->arrivals.load() >= target) return;
     check_health();
     if (now_s() > op_deadline_) {
       std::vector<int> late;
@@ -496,6 +511,8 @@ void Engine::send_error_frames(const std::string& msg) {
   error_frames_sent_ = true;
   double deadline = now_s() + 1.0;
   for (auto& p : peers_) {
+    p.sendq.clear();
+    p.recvq.clear();
     if (p.fd < 0 || p.bye) continue;
     if (p.send_active) {  // finish the frame in flight so the peer can parse what follows
       size_t hdr_left = p.sdone < sizeof(FrameHeader) ? sizeof(FrameHeader) - p.sdone : 0;
@@ -572,6 +589,7 @@ void Engine::idle_check() {
           p.bye = true;
         } else if (h.type == uint8_t(FrameType::ERROR)) {
           p.recv_active = false;
+          p.rhdr_done = 0;
           pump_recv(p);  // reads and raises the peer's message
         }
       }
@@ -606,7 +624,18 @@ bool Engine::pump_send(Peer& p) {
            "): that rank exited or its host is unreachable");
     }
     p.sdone += size_t(r);
-    if (p.sdone == sizeof(FrameHeader) + p.slen) p.send_active = false;
+    if (p.sdone == sizeof(FrameHeader) + p.slen) {
+      p.send_active = false;
+      if (!p.sendq.empty()) {
+        Peer::Out o = p.sendq.front();
+        p.sendq.pop_front();
+        p.shdr = o.h;
+        p.sdata = o.data;
+        p.slen = o.h.nbytes;
+        p.sdone = 0;
+        p.send_active = true;
+      }
+    }
   }
   return true;
 }
@@ -663,7 +692,15 @@ bool Engine::pump_recv(Peer& p) {
     size_t want = p.rhdr.nbytes - p.rdone;
     if (want == 0) {
       p.recv_active = false;
-      return true;
+      p.recvs_done++;
+      if (p.recvq.empty()) return true;
+      Peer::In in = p.recvq.front();
+      p.recvq.pop_front();
+      p.expect = in.expect;
+      p.rdata = in.dst;
+      p.rhdr_done = p.rdone = 0;
+      p.recv_active = true;
+      continue;
     }
     ssize_t r = ::recv(p.fd, p.rdata + p.rdone, want, 0);
     if (r == 0) fail(rank_name(p.rank) + " exited or closed its connection during " + cur_desc_);
@@ -675,23 +712,53 @@ bool Engine::pump_recv(Peer& p) {
   }
 }
 
-void Engine::exchange() {
+void Engine::post_send(Peer& p, const FrameHeader& h, const char* data) {
+  if (p.send_active) {
+    p.sendq.push_back({h, data});
+    return;
+  }
+  p.shdr = h;
+  p.sdata = data;
+  p.slen = h.nbytes;
+  p.sdone = 0;
+  p.send_active = true;
+}
+
+void Engine::post_recv(Peer& p, const FrameHeader& expect, char* dst) {
+  p.recvs_posted++;
+  if (p.recv_active) {
+    p.recvq.push_back({expect, dst});
+    return;
+  }
+  p.expect = expect;
+  p.rdata = dst;
+  p.rhdr_done = p.rdone = 0;
+  p.recv_active = true;
+}
+
+void Engine::exchange(int scatter_set) {
+  // Moves every posted frame until the scatter into receive set `scatter_set` has arrived from
+  // every peer (with -1: until every posted frame, sends included, is done). Sockets are
+  // non-blocking: a peer that cannot take more data never holds up the others.
   std::vector<pollfd> pfds;
   std::vector<Peer*> who;
   for (;;) {
     pfds.clear();
     who.clear();
+    bool reached = true;
     for (auto& p : peers_) {
       if (p.fd < 0) continue;
       if (p.send_active) pump_send(p);
       if (p.recv_active) pump_recv(p);
+      if (scatter_set < 0 ? (p.send_active || p.recv_active) : p.recvs_done < p.scatter_mark[scatter_set]) reached = false;
       short ev = short((p.send_active ? POLLOUT : 0) | (p.recv_active ? POLLIN : 0));
       if (ev) {
         pfds.push_back({p.fd, ev, 0});
         who.push_back(&p);
       }
     }
-    if (pfds.empty()) return;
+    if (reached) return;
+    if (pfds.empty()) fail("internal error in " + cur_desc_ + ": waiting for frames that were never posted");
     int r = ::poll(pfds.data(), nfds_t(pfds.size()), 50);
     if (r == 0 || (r < 0 && errno == EINTR)) {
       check_health();
@@ -705,12 +772,7 @@ void Engine::exchange() {
   }
 }
 
-void Engine::inter_node_allreduce(const Work& w, char* red, size_t off, size_t n) {
-  int N = num_nodes();
-  size_t esz = dtype_size(w.dtype);
-  auto lo = [&](int k) { return n * size_t(k) / size_t(N); };
-  size_t my_lo = lo(node_), my_n = lo(node_ + 1) - my_lo;
-  size_t slot_bytes = cfg_.chunk_bytes / size_t(N) + 64;
+FrameHeader Engine::frame_base(const Work& w) const {
   FrameHeader base{};
   base.magic = kFrameMagic;
   base.type = uint8_t(FrameType::DATA);
@@ -721,47 +783,102 @@ void Engine::inter_node_allreduce(const Work& w, char* red, size_t off, size_t n
   base.root = uint32_t(w.root);
   base.seq = seq_;
   base.count = w.count;
-  // Phase 1: scatter. Node k receives shard k of every node's chunk.
+  return base;
+}
+
+// Shard k of a chunk of n elements is [n*k/N, n*(k+1)/N): any n, shards differ by at most one.
+static inline size_t shard_lo(size_t n, int k, int N) { return n * size_t(k) / size_t(N); }
+
+size_t Engine::recv_slot_bytes() const { return cfg_.chunk_bytes / size_t(num_nodes()) + 64; }
+
+void Engine::post_scatter(const FrameHeader& base, char* red, size_t off, size_t n, int set) {
+  // Node k receives shard k of every node's chunk, into receive set `set` (two sets, so the
+  // next chunk can arrive while this one is being reduced).
+  int N = num_nodes();
+  size_t esz = dtype_size(DType(base.dtype));
+  size_t my_lo = shard_lo(n, node_, N), my_n = shard_lo(n, node_ + 1, N) - my_lo;
   for (int k = 0; k < N; ++k) {
     if (k == node_) continue;
     Peer& p = peers_[k];
-    p.shdr = base;
-    p.shdr.offset = off + lo(k);
-    p.shdr.nbytes = (lo(k + 1) - lo(k)) * esz;
-    p.sdata = red + lo(k) * esz;
-    p.slen = p.shdr.nbytes;
-    p.sdone = 0;
-    p.send_active = true;
-    p.expect = base;
-    p.expect.offset = off + my_lo;
-    p.expect.nbytes = my_n * esz;
-    p.rdata = recv_buf_.data() + size_t(k) * slot_bytes;
-    p.rhdr_done = p.rdone = 0;
-    p.recv_active = true;
+    FrameHeader h = base;
+    h.offset = off + shard_lo(n, k, N);
+    h.nbytes = (shard_lo(n, k + 1, N) - shard_lo(n, k, N)) * esz;
+    post_send(p, h, red + shard_lo(n, k, N) * esz);
+    FrameHeader e = base;
+    e.offset = off + my_lo;
+    e.nbytes = my_n * esz;
+    post_recv(p, e, recv_buf_.data() + (size_t(set) * size_t(N) + size_t(k)) * recv_slot_bytes());
+    p.scatter_mark[set] = p.recvs_posted;
   }
-  exchange();
+}
+
+void Engine::reduce_shard(const Work& w, char* red, size_t n, int set) {
+  int N = num_nodes();
+  size_t esz = dtype_size(w.dtype);
+  size_t my_lo = shard_lo(n, node_, N), my_n = shard_lo(n, node_ + 1, N) - my_lo;
   int ns = 0;
   srcs_[ns++] = red + my_lo * esz;
   for (int k = 0; k < N; ++k)
-    if (k != node_) srcs_[ns++] = recv_buf_.data() + size_t(k) * slot_bytes;
+    if (k != node_) srcs_[ns++] = recv_buf_.data() + (size_t(set) * size_t(N) + size_t(k)) * recv_slot_bytes();
   reduce_many(w.dtype, w.op, red + my_lo * esz, srcs_.data(), ns, my_n);
-  // Phase 2: gather. Every node gets every reduced shard.
+}
+
+void Engine::post_gather(const FrameHeader& base, char* red, size_t off, size_t n) {
+  // Every node gets every reduced shard, straight into place.
+  int N = num_nodes();
+  size_t esz = dtype_size(DType(base.dtype));
+  size_t my_lo = shard_lo(n, node_, N), my_n = shard_lo(n, node_ + 1, N) - my_lo;
   for (int k = 0; k < N; ++k) {
     if (k == node_) continue;
     Peer& p = peers_[k];
-    p.shdr = base;
-    p.shdr.offset = off + my_lo;
-    p.shdr.nbytes = my_n * esz;
-    p.sdata = red + my_lo * esz;
-    p.slen = p.shdr.nbytes;
-    p.sdone = 0;
-    p.send_active = true;
-    p.expect = base;
-    p.expect.offset = off + lo(k);
-    p.expect.nbytes = (lo(k + 1) - lo(k)) * esz;
-    p.rdata = red + lo(k) * esz;
-    p.rhdr_done = p.rdone = 0;
-    p.recv_active = true;
+    FrameHeader h = base;
+    h.offset = off + my_lo;
+    h.nbytes = my_n * esz;
+    post_send(p, h, red + my_lo * esz);
+    FrameHeader e = base;
+    e.offset = off + shard_lo(n, k, N);
+    e.nbytes = (shard_lo(n, k + 1, N) - shard_lo(n, k, N)) * esz;
+    post_recv(p, e, red + shard_lo(n, k, N) * esz);
+  }
+}
+
+void Engine::inter_node_allreduce(const Work& w, char* red, size_t off, size_t n) {
+  // One chunk that lives in the node's shared memory (several ranks per node): scatter,
+  // reduce, gather, in lockstep with the node's barriers.
+  FrameHeader base = frame_base(w);
+  post_scatter(base, red, off, n, 0);
+  exchange(0);
+  reduce_shard(w, red, n, 0);
+  post_gather(base, red, off, n);
+  exchange();
+}
+
+void Engine::pipelined_allreduce(const Work& w, double divisor) {
+  // One rank per node: the data never leaves the user's buffer. Chunks are pipelined two
+  // deep: chunk k+1's shards travel (the kernel moves them into the socket buffers on both
+  // sides) while chunk k is reduced, and chunk k's reduced shard goes back out behind them.
+  // Each node scales its own shard before sending it, so AVG costs 1/N of a pass.
+  int N = num_nodes();
+  size_t esz = dtype_size(w.dtype);
+  size_t chunk = std::max<size_t>(1, cfg_.chunk_bytes / esz);
+  size_t K = (w.count + chunk - 1) / chunk;
+  FrameHeader base = frame_base(w);
+  auto span = [&](size_t k) { return std::min(chunk, w.count - k * chunk); };
+  for (size_t k = 0; k < std::min<size_t>(K, 2); ++k)
+    post_scatter(base, w.buf + k * chunk * esz, k * chunk, span(k), int(k & 1));
+  for (size_t k = 0; k < K; ++k) {
+    size_t off = k * chunk, n = span(k);
+    char* red = w.buf + off * esz;
+    exchange(int(k & 1));
+    reduce_shard(w, red, n, int(k & 1));
+    if (divisor != 1.0) {
+      size_t my_lo = shard_lo(n, node_, N), my_n = shard_lo(n, node_ + 1, N) - my_lo;
+      copy_scaled(w.dtype, red + my_lo * esz, red + my_lo * esz, my_n, divisor);
+    }
+    post_gather(base, red, off, n);
+    if (k + 2 < K) {
+      post_scatter(base, w.buf + (k + 2) * chunk * esz, (k + 2) * chunk, span(k + 2), int(k & 1));
+    }
   }
   exchange();
 }
@@ -782,6 +899,10 @@ void Engine::run_allreduce(const Work& w) {
     for (int l = 0; l < L; ++l) srcs_[l] = small_slot(small_set_, l);
     reduce_many(w.dtype, w.op, w.buf, srcs_.data(), L, w.count);
     copy_scaled(w.dtype, w.buf, w.buf, w.count, divisor);
+    return;
+  }
+  if (L == 1) {
+    pipelined_allreduce(w, divisor);
     return;
   }
   for (size_t off = 0; off < w.count; off += chunk) {
@@ -827,37 +948,18 @@ void Engine::run_broadcast(const Work& w) {
       if (off == 0) check_descs(w, 2);
     }
     if (N > 1 && is_leader()) {
-      FrameHeader h{};
-      h.magic = kFrameMagic;
-      h.type = uint8_t(FrameType::DATA);
-      h.coll = uint8_t(w.coll);
-      h.dtype = uint8_t(w.dtype);
-      h.op = uint8_t(w.op);
-      h.src_rank = uint32_t(cfg_.rank);
-      h.root = uint32_t(w.root);
-      h.seq = seq_;
-      h.count = w.count;
+      FrameHeader h = frame_base(w);
       h.offset = off;
       h.nbytes = n * esz;
       if (node_ == root_node) {
-        for (int k = 0; k < N; ++k) {
-          if (k == node_) continue;
-          Peer& p = peers_[k];
-          p.shdr = h;
-          p.sdata = src;
-          p.slen = h.nbytes;
-          p.sdone = 0;
-          p.send_active = true;
-        }
+        for (int k = 0; k < N; ++k)
+          if (k != node_) post_send(peers_[k], h, src);
       } else {
-        Peer& p = peers_[root_node];
-        p.expect = h;
-        p.expect.src_rank = uint32_t(ranks_of_node_[root_node][0]);
-        p.rdata = src;
-        p.rhdr_done = p.rdone = 0;
-        p.recv_active = true;
+        h.src_rank = uint32_t(ranks_of_node_[root_node][0]);
+        post_recv(peers_[root_node], h, src);
       }
-      exchange();
+      // One rank per node: the data stays in the user's buffer, so all chunks go out at once.
+      if (L > 1 || off + n >= w.count) exchange();
     }
     if (L > 1) {
       if (N > 1) node_barrier();

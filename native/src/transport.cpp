@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <thread>
 #include <vector>
@@ -80,6 +81,18 @@ void set_nonblocking(int fd) {
 void set_socket_options(int fd) {
   int one = 1;
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+}
+
+void set_bulk_buffers(int fd) {
+  // Fixed socket buffers between node leaders (SDP_SOCKET_BUFFER bytes, 0: kernel autotuning).
+  // 256 KiB was the steadiest of autotuning, 256 KiB and 4 MiB on loopback (docs/benchmarks.md):
+  // larger buffers let more data go cold in the kernel before the receiver copies it out.
+  // The kernel caps the value at net.core.wmem_max / rmem_max.
+  int bytes = 256 << 10;
+  if (const char* e = std::getenv("SDP_SOCKET_BUFFER")) bytes = std::atoi(e);
+  if (bytes <= 0) return;  // 0: leave the kernel's autotuning alone
+  setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &bytes, sizeof(bytes));
+  setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &bytes, sizeof(bytes));
 }
 
 bool write_all(int fd, const void* buf, size_t len, double deadline) {

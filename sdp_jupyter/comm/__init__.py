@@ -135,7 +135,7 @@ class Communicator:
         self.world_size = world_size
         self.timeout = timeout if timeout is not None else _env_float("SDP_TIMEOUT", DEFAULT_TIMEOUT)
         chunk = chunk_bytes if chunk_bytes is not None else _env_int("SDP_CHUNK_BYTES", DEFAULT_CHUNK_BYTES)
-        spin = _env_int("SDP_SPIN", 2000)
+        spin = _env_int("SDP_SPIN", -1)  # -1: the engine's default
         self._store = store
         self._close_store = close_store
         node = node if node is not None else node_key()

@@ -38,7 +38,7 @@ struct EngineConfig {
   std::string bind_addr = "127.0.0.1";
   double timeout_s = 300.0;
   size_t chunk_bytes = 4 << 20;
-  int spin = 2000;  // pause-loop iterations before sleeping on a futex in a node barrier
+  int spin = -1;  // pause-loop iterations before sleeping in a node barrier (-1: default, 2000)
 };
 
 struct ShmHeader;
@@ -107,6 +107,15 @@ class Engine {
     char* rdata = nullptr;
     size_t rhdr_done = 0, rdone = 0;
     FrameHeader rhdr{};
+    // frames posted behind the active ones (the pipelined path keeps several in flight), in
+    // the order they go on the wire; every rank posts in the same order, so the order of
+    // the receives matches the order of the peer's sends
+    struct Out { FrameHeader h; const char* data; };
+    struct In { FrameHeader expect; char* dst; };
+    std::deque<Out> sendq;
+    std::deque<In> recvq;
+    uint64_t recvs_posted = 0, recvs_done = 0;
+    uint64_t scatter_mark[2] = {0, 0};  // recvs_posted after the scatter into each receive set
   };
 
   void progress_loop();
@@ -116,8 +125,16 @@ class Engine {
   void run_allreduce(const Work& w);
   void run_broadcast(const Work& w);
   void inter_node_allreduce(const Work& w, char* red, size_t off, size_t n);
+  void pipelined_allreduce(const Work& w, double divisor);
+  FrameHeader frame_base(const Work& w) const;
+  void post_scatter(const FrameHeader& base, char* red, size_t off, size_t n, int set);
+  void post_gather(const FrameHeader& base, char* red, size_t off, size_t n);
+  void reduce_shard(const Work& w, char* red, size_t n, int set);
+  void post_send(Peer& p, const FrameHeader& h, const char* data);
+  void post_recv(Peer& p, const FrameHeader& expect, char* dst);
+  size_t recv_slot_bytes() const;
   void node_barrier();
-  void exchange();
+  void exchange(int scatter_set = -1);
   bool pump_send(Peer& p);
   bool pump_recv(Peer& p);
   void check_frame(const Peer& p);
@@ -149,6 +166,8 @@ class Engine {
   std::vector<char> recv_buf_;       // leader: one shard-sized buffer per peer node
   std::vector<const void*> srcs_;
   uint64_t barrier_count_ = 0;
+  int spin_ = 0;                     // cfg_.spin resolved
+  bool yield_ = false;               // sched_yield stage in barriers
   int small_set_ = 0;
   uint64_t seq_ = 0;                 // sequence number of the collective being executed
   std::string cur_desc_;             // "all_reduce #12 (1000 x float32, SUM)" for messages

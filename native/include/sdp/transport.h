@@ -53,6 +53,7 @@ int connect_to(const std::string& addr, int port, const std::string& secret, con
 bool accept_handshake(int fd, const std::string& secret, PeerIdentity* who, std::string* why);
 
 void set_nonblocking(int fd);
+void set_bulk_buffers(int fd);
 void set_socket_options(int fd);
 // Blocking helpers with a deadline, used during set-up and for error frames.
 bool write_all(int fd, const void* buf, size_t len, double deadline);
