@@ -532,3 +532,40 @@ def test_setup_widget_launches_the_same_choices_on_sagemaker(aws, tmp_path):
     assert isinstance(form.w_job.children[0], SageMakerJobView)
     aws.set_status(job.training_job_name, "Completed")
     assert job.wait(20) == "succeeded"
+
+
+def test_magic_wait_streams_host_one_and_raises_the_failure(aws, tmp_path, monkeypatch, capsys):
+    """`%%sdp_train --target sagemaker --wait` in a terminal: host algo-1's stream is printed as it
+    comes and a Failed job raises with its FailureReason."""
+    import threading
+
+    from IPython.testing.globalipapp import get_ipython
+
+    monkeypatch.setenv("SDP_JOBS_DIR", str(tmp_path / "jobs"))
+    monkeypatch.setenv("SDP_SAGEMAKER_POLL_INTERVAL", "0.1")
+    ip = get_ipython()
+    ip.run_line_magic("load_ext", "sdp_jupyter")
+    before = len(MotoAWS.create_requests)
+
+    def play():  # SageMaker: a job that prints on both hosts, then fails
+        wait_for(lambda: len(MotoAWS.create_requests) > before, timeout=240, what="the job")
+        name = MotoAWS.create_requests[-1]["TrainingJobName"]
+        try:
+            aws.set_status(name, "InProgress", "Training")
+            aws.put_log_lines(name, 1, ["line from algo-1"])
+            aws.put_log_lines(name, 2, ["line from algo-2"])
+            time.sleep(1.0)
+        finally:  # whatever happens, the cell must not wait forever
+            aws.set_status(name, "Failed", failure_reason="AlgorithmError: rank 0 failed: ValueError: bad batch")
+
+    player = threading.Thread(target=play)
+    player.start()
+    result = ip.run_cell(f"%%sdp_train --target sagemaker --name wait-sm --nodes 2 --backend gloo "
+                         f"--instance-type ml.m5.xlarge "
+                         f"--role {ROLE} --bucket {BUCKET} --wait\nprint('hi')\n")
+    player.join(30)
+    out = capsys.readouterr().out
+    assert "line from algo-1" in out and "line from algo-2" not in out
+    assert "[sagemaker] Training" in out
+    err = result.error_in_exec
+    assert err is not None and "ValueError: bad batch" in str(err)
