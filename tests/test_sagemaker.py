@@ -36,7 +36,7 @@ def make_spec(tmp_path, name, **kw) -> JobSpec:
                    sagemaker=options, **kw)
 
 
-def wait_for(predicate, timeout=20.0, what="condition"):
+def wait_for(predicate, timeout=60.0, what="condition"):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
