@@ -21,6 +21,8 @@ NOTEBOOKS = sorted(p for p in (REPO / "notebooks").glob("*.ipynb"))
 def test_notebook_runs(path: Path, tmp_path, monkeypatch):
     jobs = tmp_path / "jobs"
     monkeypatch.setenv("SDP_JOBS_DIR", str(jobs))
+    # 04_sagemaker runs against a local moto server, never AWS, even where credentials exist
+    monkeypatch.setenv("SDP_SAGEMAKER_MOTO", "1")
     nb = execute(path, tmp_path / "executed")  # raises CellExecutionError naming the failing cell
     assert wait_no_processes(jobs) == [], "a job process outlived the notebook's kernel"
     if path.name == "01_quickstart.ipynb":
