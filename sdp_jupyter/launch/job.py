@@ -260,13 +260,14 @@ class Job:
             return importlib.import_module("sdp_jupyter.monitor.reader").read(self)
         return read_metrics_lines(self.dir)
 
-    def dashboard(self):
-        """The live dashboard of this job (sdp_jupyter.ui.dashboard)."""
+    def dashboard(self, **kw):
+        """The live dashboard of this job (sdp_jupyter.ui.dashboard); keywords such as
+        `reference=other_job` go to `sdp_jupyter.ui.dashboard.dashboard`."""
         if importlib.util.find_spec("sdp_jupyter.ui.dashboard") is None:
             raise JobError("the dashboard is not installed (sdp_jupyter.ui.dashboard is missing)")
         from sdp_jupyter.ui.dashboard import dashboard
 
-        return dashboard(self)
+        return dashboard(self, **kw)
 
     def view(self):
         """The live job view widget (state, elapsed time, per-rank output, Stop button)."""

@@ -40,6 +40,8 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networki
 LAB_SETTINGS = {
     "@jupyterlab/apputils-extension/notification.jupyterlab-settings":
         '{"fetchNews": "false", "checkForUpdates": false, "doNotDisturbMode": true}',
+    # tests open notebooks of the repository: never write their outputs back into it
+    "@jupyterlab/docmanager-extension/plugin.jupyterlab-settings": '{"autosave": false}',
 }
 
 
