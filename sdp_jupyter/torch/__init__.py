@@ -20,18 +20,23 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from sdp_jupyter.comm import COLL_ALLREDUCE, COLL_BROADCAST, DEFAULT_TIMEOUT, Communicator, SmddpError
+from sdp_jupyter.comm import COLL_ALLREDUCE, COLL_BROADCAST, DEFAULT_TIMEOUT, Communicator, EngineError, SmddpError
 
 BACKEND_NAME = "smddp"
 
 _DTYPES = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3, torch.int32: 4,
            torch.int64: 5, torch.uint8: 6, torch.int8: 7, torch.bool: 6}
 _OPS = {ReduceOp.SUM: 0, ReduceOp.AVG: 1, ReduceOp.MAX: 2, ReduceOp.MIN: 3, ReduceOp.PRODUCT: 4}
+_OP_TYPES = {ReduceOp.RedOpType.SUM: 0, ReduceOp.RedOpType.AVG: 1, ReduceOp.RedOpType.MAX: 2,
+             ReduceOp.RedOpType.MIN: 3, ReduceOp.RedOpType.PRODUCT: 4}
 _TORCH_DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 
 
 def _op_code(op, dtype) -> int:
-    code = next((c for o, c in _OPS.items() if op == o), None)
+    # opts.reduceOp is a ReduceOp wrapping a hashable RedOpType: one dict look-up per call
+    code = _OP_TYPES.get(getattr(op, "op", op))
+    if code is None:
+        code = next((c for o, c in _OPS.items() if op == o), None)
     if code is None:
         raise ValueError(f"smddp supports SUM, AVG, MAX, MIN and PRODUCT, not {op}")
     if dtype == torch.bool:  # logical: SUM is OR, PRODUCT is AND
@@ -47,6 +52,15 @@ def _dtype_code(t: torch.Tensor) -> int:
         raise TypeError(f"smddp cannot reduce {t.dtype} tensors; supported: "
                         + ", ".join(str(d).replace("torch.", "") for d in _DTYPES))
     return code
+
+
+def _staged(t: torch.Tensor):
+    """(buffer the engine works on in place, copy-back callable or None): no object at all for
+    the common case of a contiguous CPU tensor."""
+    if t.device.type == "cpu" and t.is_contiguous():
+        return t, None
+    s = _Staged(t)
+    return s.buf, s.finish
 
 
 class _Staged:
@@ -68,13 +82,18 @@ class _Staged:
 
 
 class SmddpWork(dist._Work):
-    """Work handle: wait() blocks (GIL released) until the engine is done; get_future() for DDP."""
+    """Work handle: wait() blocks (GIL released) until the engine is done; get_future() for DDP.
 
-    def __init__(self, pg: "ProcessGroupSMDDP", works, result, finish=()):
+    It holds the engine's integer handles directly (no per-collective Python objects below
+    it) and the buffers the engine writes into, until the collective is done.
+    """
+
+    def __init__(self, pg: "ProcessGroupSMDDP", handles, result, keep=None, finish=()):
         super().__init__()
-        self._works = works
+        self._handles = handles
+        self._keep = keep
         self._result = result
-        self._finish = list(finish)
+        self._finish = [f for f in finish if f is not None]
         self._lock = threading.Lock()
         self._done = False
         self._error: BaseException | None = None
@@ -88,31 +107,52 @@ class SmddpWork(dist._Work):
                     raise self._error
                 return
             try:
-                for w in self._works:
-                    w.wait()
+                wait = self._pg._engine.wait
+                for h in self._handles:
+                    wait(h, 0.0)
                 for f in self._finish:
                     f()
-            except SmddpError as exc:
-                self._error = exc
-                raise
+            except EngineError as exc:
+                self._error = SmddpError(str(exc))
+                raise self._error from None
             finally:
                 self._done = True
+                self._keep = None
 
     def wait(self, timeout=None) -> bool:
         self._complete()
         return True
 
     def is_completed(self) -> bool:
-        return self._done or all(w.is_completed() for w in self._works)
+        if self._done:
+            return True
+        try:
+            test = self._pg._engine.test
+            return all(test(h) for h in self._handles)
+        except EngineError as exc:
+            raise SmddpError(str(exc)) from None
 
     def is_success(self) -> bool:
         return self._done and self._error is None
 
     def get_future(self) -> torch.futures.Future:
         with self._lock:
-            if self._future is None:
-                self._future = torch.futures.Future()
-                self._pg._completer.put(self)
+            if self._future is not None:
+                return self._future
+            self._future = torch.futures.Future()
+        try:
+            done = self.is_completed()
+        except SmddpError:
+            done = True
+        if done:  # no hand-off to the completer thread when the engine has already finished
+            try:
+                self._complete()
+            except BaseException as exc:  # noqa: BLE001 - delivered through the future
+                self._future.set_exception(exc)
+            else:
+                self._future.set_result(self._result)
+        else:
+            self._pg._completer.put(self)
         return self._future
 
     def result(self):
@@ -132,6 +172,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         else:
             seconds = DEFAULT_TIMEOUT
         self.comm = Communicator(rank, world_size, _StoreAdapter(store), timeout=seconds)
+        self._engine = self.comm._engine
         self._completer: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._complete_futures, name="smddp-futures", daemon=True)
         self._thread.start()
@@ -163,23 +204,31 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
                 work._future.set_result(work._result)
 
     # ---- helpers
+    def _submit(self, coll: int, ptr: int, count: int, dtype: int, op: int = 0, root: int = 0) -> int:
+        try:
+            return self._engine.submit(coll, ptr, count, dtype, op, root)
+        except EngineError as exc:
+            raise SmddpError(str(exc)) from None
+
     def _allreduce_tensor(self, t: torch.Tensor, op):
-        s = _Staged(t)
-        code = _op_code(op, t.dtype)
-        w = self.comm.submit(COLL_ALLREDUCE, s.buf.data_ptr(), s.buf.numel(), _dtype_code(t), code, 0, s.buf)
-        return w, s
+        buf, finish = _staged(t)
+        h = self._submit(COLL_ALLREDUCE, buf.data_ptr(), buf.numel(), _dtype_code(t), _op_code(op, t.dtype), 0)
+        return h, buf, finish
 
     def _broadcast_tensor(self, t: torch.Tensor, root: int):
-        s = _Staged(t)
-        w = self.comm.submit(COLL_BROADCAST, s.buf.data_ptr(), s.buf.numel(), _dtype_code(t), 0, root, s.buf)
-        return w, s
+        buf, finish = _staged(t)
+        return self._submit(COLL_BROADCAST, buf.data_ptr(), buf.numel(), _dtype_code(t), 0, root), buf, finish
 
-    def _work(self, pairs, result):
-        return SmddpWork(self, [w for w, _ in pairs], result, [s.finish for _, s in pairs])
+    def _work(self, triples, result):
+        return SmddpWork(self, [h for h, _, _ in triples], result, [b for _, b, _ in triples],
+                         [f for _, _, f in triples])
 
     # ---- collectives
     def allreduce(self, tensors, opts=None):
         op = opts.reduceOp if opts is not None else ReduceOp.SUM
+        if len(tensors) == 1:  # the common case, without the list plumbing
+            h, buf, finish = self._allreduce_tensor(tensors[0], op)
+            return SmddpWork(self, [h], tensors, buf, (finish,))
         return self._work([self._allreduce_tensor(t, op) for t in tensors], tensors)
 
     def allreduce_coalesced(self, tensors, opts=None):
@@ -192,48 +241,44 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
     def reduce(self, tensors, opts=None):
         root = opts.rootRank if opts is not None else 0
         op = opts.reduceOp if opts is not None else ReduceOp.SUM
-        pairs = []
+        triples = []
         for t in tensors:
             if self._rank == root:
-                pairs.append(self._allreduce_tensor(t, op))
+                triples.append(self._allreduce_tensor(t, op))
             else:  # non-root tensors are left as they were
                 tmp = t.detach().to("cpu", copy=True).contiguous()
-                w = self.comm.submit(COLL_ALLREDUCE, tmp.data_ptr(), tmp.numel(), _dtype_code(t),
-                                     _op_code(op, t.dtype), 0, tmp)
-                pairs.append((w, _Noop()))
-        return self._work(pairs, tensors)
+                h = self._submit(COLL_ALLREDUCE, tmp.data_ptr(), tmp.numel(), _dtype_code(t), _op_code(op, t.dtype), 0)
+                triples.append((h, tmp, None))
+        return self._work(triples, tensors)
 
-    def _gather_flat(self, flat: torch.Tensor, inp: torch.Tensor):
+    def _gather_flat(self, flat: torch.Tensor, inp: torch.Tensor) -> list[int]:
         """flat (world x n, contiguous CPU) <- every rank's inp, by one broadcast per rank."""
         n = inp.numel()
         flat.view(-1)[self._rank * n:(self._rank + 1) * n].copy_(inp.reshape(-1))
-        works = []
         esz = flat.element_size()
-        for r in range(self._world):
-            works.append(self.comm.submit(COLL_BROADCAST, flat.data_ptr() + r * n * esz, n, _dtype_code(inp),
-                                          0, r, flat))
-        return works
+        return [self._submit(COLL_BROADCAST, flat.data_ptr() + r * n * esz, n, _dtype_code(inp), 0, r)
+                for r in range(self._world)]
 
     def allgather(self, output_tensors, input_tensors, opts=None):
         outs, inp = output_tensors[0], input_tensors[0]
         flat = torch.empty((self._world,) + tuple(inp.shape), dtype=inp.dtype)
-        works = self._gather_flat(flat, inp.detach().cpu())
+        handles = self._gather_flat(flat, inp.detach().cpu())
 
         def scatter_back():
             for r, o in enumerate(outs):
                 o.copy_(flat[r])
-        return SmddpWork(self, works, output_tensors, [scatter_back])
+        return SmddpWork(self, handles, output_tensors, flat, [scatter_back])
 
     def all_gather_single(self, output_tensor, input_tensor, opts=None):
-        s = _Staged(output_tensor)
-        works = self._gather_flat(s.buf, input_tensor.detach().cpu())
-        return SmddpWork(self, works, [output_tensor], [s.finish])
+        buf, finish = _staged(output_tensor)
+        handles = self._gather_flat(buf, input_tensor.detach().cpu())
+        return SmddpWork(self, handles, [output_tensor], buf, [finish])
 
     _allgather_base = all_gather_single
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         works = [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)]
-        return SmddpWork(self, [w for sw in works for w in sw._works], outputs,
+        return SmddpWork(self, [h for sw in works for h in sw._handles], outputs, [sw._keep for sw in works],
                          [f for sw in works for f in sw._finish])
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
@@ -253,17 +298,16 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         n = out.numel()
         if flat.numel() != n * self._world:
             raise ValueError(f"reduce_scatter input must hold world_size x output = {self._world} x {n} elements")
-        w = self.comm.submit(COLL_ALLREDUCE, flat.data_ptr(), flat.numel(), _dtype_code(flat),
-                             _op_code(op, flat.dtype), 0, flat)
+        h = self._submit(COLL_ALLREDUCE, flat.data_ptr(), flat.numel(), _dtype_code(flat), _op_code(op, flat.dtype), 0)
 
         def take():
             out.copy_(flat[self._rank * n:(self._rank + 1) * n].view_as(out))
-        return SmddpWork(self, [w], result, [take])
+        return SmddpWork(self, [h], result, flat, [take])
 
     def barrier(self, opts=None):
         token = torch.zeros(1, dtype=torch.uint8)
-        w = self.comm.submit(COLL_ALLREDUCE, token.data_ptr(), 1, 6, 2, 0, token)
-        return SmddpWork(self, [w], [token])
+        h = self._submit(COLL_ALLREDUCE, token.data_ptr(), 1, 6, 2, 0)
+        return SmddpWork(self, [h], [token], token)
 
     def shutdown(self) -> None:
         self._completer.put(None)
@@ -274,11 +318,6 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
             self.comm.close()
         except Exception:  # noqa: BLE001
             pass
-
-
-class _Noop:
-    def finish(self) -> None:
-        pass
 
 
 class _StoreAdapter:
