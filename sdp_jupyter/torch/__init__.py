@@ -145,15 +145,18 @@ class SmddpWork(dist._Work):
         except SmddpError:
             done = True
         if done:  # no hand-off to the completer thread when the engine has already finished
-            try:
-                self._complete()
-            except BaseException as exc:  # noqa: BLE001 - delivered through the future
-                self._future.set_exception(exc)
-            else:
-                self._future.set_result(self._result)
+            self._settle_future()
         else:
             self._pg._completer.put(self)
         return self._future
+
+    def _settle_future(self) -> None:
+        try:
+            self._complete()
+        except BaseException as exc:  # noqa: BLE001 - delivered through the future
+            self._future.set_exception(exc)
+        else:
+            self._future.set_result(self._result)
 
     def result(self):
         return self._result
@@ -196,12 +199,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
             work = self._completer.get()
             if work is None:
                 return
-            try:
-                work._complete()
-            except BaseException as exc:  # noqa: BLE001 - delivered through the future
-                work._future.set_exception(exc)
-            else:
-                work._future.set_result(work._result)
+            work._settle_future()
 
     # ---- helpers
     def _submit(self, coll: int, ptr: int, count: int, dtype: int, op: int = 0, root: int = 0) -> int:
