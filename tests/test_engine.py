@@ -234,11 +234,15 @@ def test_garbage_on_the_port_is_dropped_and_the_job_goes_on(tmp_path):
     procs, tmp = start_ranks("engine_workers:slow_job", 2, 1, args=(3.0,))
     hit = 0
     deadline = time.monotonic() + 20
+    store_port = None
     while time.monotonic() < deadline and hit == 0:
         for p in procs:
             try:
+                if store_port is None:
+                    store_port = int(psutil.Process(p.pid).environ()["MASTER_PORT"])
                 for c in psutil.Process(p.pid).net_connections(kind="tcp"):
-                    if c.status == psutil.CONN_LISTEN and c.laddr.ip == "127.0.0.1":
+                    # the engine's listener, not the rendezvous store's (which may be up first)
+                    if c.status == psutil.CONN_LISTEN and c.laddr.ip == "127.0.0.1" and c.laddr.port != store_port:
                         try:
                             with socket.create_connection((c.laddr.ip, c.laddr.port), timeout=2) as s:
                                 s.sendall(os.urandom(200))

@@ -910,12 +910,16 @@ void Engine::run_allreduce(const Work& w) {
     char* user = w.buf + off * esz;
     char* red = user;
     if (L > 1) {
-      std::memcpy(slot(local_), user, n * esz);
+      // Only the parts other ranks reduce go through shared memory; this rank reads its own
+      // part straight from its buffer (saves 1/L of the copy-in).
+      size_t p0 = n * size_t(local_) / size_t(L), p1 = n * size_t(local_ + 1) / size_t(L);
+      std::memcpy(slot(local_), user, p0 * esz);
+      std::memcpy(slot(local_) + p1 * esz, user + p1 * esz, (n - p1) * esz);
       if (off == 0) publish_desc(w, 2);
       node_barrier();
       if (off == 0) check_descs(w, 2);
-      size_t p0 = n * size_t(local_) / size_t(L), p1 = n * size_t(local_ + 1) / size_t(L);
       for (int l = 0; l < L; ++l) srcs_[l] = slot(l) + p0 * esz;
+      srcs_[local_] = user + p0 * esz;
       red = red_area();
       reduce_many(w.dtype, w.op, red + p0 * esz, srcs_.data(), L, p1 - p0);
       node_barrier();
