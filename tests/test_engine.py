@@ -149,8 +149,8 @@ def test_large_buffers_cross_many_chunks(world, per_node):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 3, 4])
-def test_pipelined_tcp_path_many_chunks_odd_sizes(world):
+@pytest.mark.parametrize("world,depth", [(2, 2), (3, 2), (4, 2), (3, 1)])
+def test_pipelined_tcp_path_many_chunks_odd_sizes(world, depth):
     # One rank per node takes the pipelined TCP path (two chunks in flight, shards scaled by
     # their owner). 4 KiB chunks make 1, 2, 3 and many chunks, with shards of uneven length;
     # broadcasts in between leave the peers with different receive counts (a receive-count
@@ -165,7 +165,7 @@ def test_pipelined_tcp_path_many_chunks_odd_sizes(world):
         cases.append(("all_reduce", n, "uint8", "sum", 0))
         cases.append(("all_reduce", n, "float64", "avg", 0))
     results = run_ranks("engine_workers:collectives", world, 1, args=(cases,), timeout=180,
-                        env={"SDP_CHUNK_BYTES": str(chunk)})
+                        env={"SDP_CHUNK_BYTES": str(chunk), "SDP_PIPELINE_DEPTH": str(depth)})
     check(results, cases, world)
 
 

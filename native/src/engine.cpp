@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <climits>
+#include <cstdlib>
 #include <cstring>
 #include <sstream>
 
@@ -95,6 +96,7 @@ Engine::Engine(EngineConfig cfg) : cfg_(std::move(cfg)) {
   // beat going to sleep early, even though the machine is oversubscribed: a sleeping rank
   // pays a wake-up and a trip through the run queue on every barrier.
   spin_ = cfg_.spin >= 0 ? cfg_.spin : 2000;
+  if (const char* e = std::getenv("SDP_PIPELINE_DEPTH")) pipeline_depth_ = std::atoi(e) == 1 ? 1 : 2;
   yield_ = spin_ > 0;
   cfg_.chunk_bytes = round_up(cfg_.chunk_bytes, 64);
   peers_.resize(nn);
@@ -864,7 +866,8 @@ void Engine::pipelined_allreduce(const Work& w, double divisor) {
   size_t K = (w.count + chunk - 1) / chunk;
   FrameHeader base = frame_base(w);
   auto span = [&](size_t k) { return std::min(chunk, w.count - k * chunk); };
-  for (size_t k = 0; k < std::min<size_t>(K, 2); ++k)
+  size_t depth = size_t(pipeline_depth_);
+  for (size_t k = 0; k < std::min(K, depth); ++k)
     post_scatter(base, w.buf + k * chunk * esz, k * chunk, span(k), int(k & 1));
   for (size_t k = 0; k < K; ++k) {
     size_t off = k * chunk, n = span(k);
@@ -876,9 +879,9 @@ void Engine::pipelined_allreduce(const Work& w, double divisor) {
       copy_scaled(w.dtype, red + my_lo * esz, red + my_lo * esz, my_n, divisor);
     }
     post_gather(base, red, off, n);
-    if (k + 2 < K) {
-      post_scatter(base, w.buf + (k + 2) * chunk * esz, (k + 2) * chunk, span(k + 2), int(k & 1));
-    }
+    if (depth == 1) exchange();  // chunk by chunk: scatter, reduce, gather, then the next
+    if (k + depth < K)
+      post_scatter(base, w.buf + (k + depth) * chunk * esz, (k + depth) * chunk, span(k + depth), int((k + depth) & 1));
   }
   exchange();
 }

@@ -88,7 +88,7 @@ void set_bulk_buffers(int fd) {
   // 256 KiB was the steadiest of autotuning, 256 KiB and 4 MiB on loopback (docs/benchmarks.md):
   // larger buffers let more data go cold in the kernel before the receiver copies it out.
   // The kernel caps the value at net.core.wmem_max / rmem_max.
-  int bytes = 256 << 10;
+  int bytes = 0;
   if (const char* e = std::getenv("SDP_SOCKET_BUFFER")) bytes = std::atoi(e);
   if (bytes <= 0) return;  // 0: leave the kernel's autotuning alone
   setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &bytes, sizeof(bytes));

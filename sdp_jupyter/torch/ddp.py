@@ -25,7 +25,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-DEFAULT_FUSION_THRESHOLD = 8 << 20  # bytes; see docs/benchmarks.md for the sweep behind it
+DEFAULT_FUSION_THRESHOLD = 4 << 20  # bytes; the sweep behind it is in docs/benchmarks.md (section 5)
 FIRST_BUCKET_BYTES = 1 << 20        # a small first buffer starts communication early
 
 
@@ -36,7 +36,7 @@ def fusion_threshold_from_env(default: int = DEFAULT_FUSION_THRESHOLD) -> int:
     try:
         n = int(float(v))
     except ValueError:
-        raise ValueError(f"SDP_FUSION_THRESHOLD={v!r} must be a number of bytes, e.g. 8388608") from None
+        raise ValueError(f"SDP_FUSION_THRESHOLD={v!r} must be a number of bytes, e.g. 4194304") from None
     if n < 1024:
         raise ValueError(f"SDP_FUSION_THRESHOLD={n} is too small; use at least 1024 bytes")
     return n
@@ -66,7 +66,7 @@ class _Bucket:
 class DistributedDataParallel(torch.nn.Module):
     """Data-parallel wrapper over the smddp engine (or any process group).
 
-    fusion_threshold: bytes per fusion buffer (default SDP_FUSION_THRESHOLD or 8 MiB).
+    fusion_threshold: bytes per fusion buffer (default SDP_FUSION_THRESHOLD or 4 MiB).
     broadcast_buffers: broadcast module buffers (BatchNorm statistics) from rank 0 every forward.
     find_unused_parameters: allow parameters that get no gradient in a step (one extra small
     all-reduce per step finds the globally unused ones, whose .grad then stays None).

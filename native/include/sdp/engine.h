@@ -168,6 +168,7 @@ class Engine {
   uint64_t barrier_count_ = 0;
   int spin_ = 0;                     // cfg_.spin resolved
   bool yield_ = false;               // sched_yield stage in barriers
+  int pipeline_depth_ = 2;           // chunks in flight on the TCP path (SDP_PIPELINE_DEPTH: 1 or 2)
   int small_set_ = 0;
   uint64_t seq_ = 0;                 // sequence number of the collective being executed
   std::string cur_desc_;             // "all_reduce #12 (1000 x float32, SUM)" for messages
