@@ -126,6 +126,7 @@ class Engine {
   void run_broadcast(const Work& w);
   void inter_node_allreduce(const Work& w, char* red, size_t off, size_t n);
   void pipelined_allreduce(const Work& w, double divisor);
+  void small_tcp_allreduce(const Work& w, double divisor);
   FrameHeader frame_base(const Work& w) const;
   void post_scatter(const FrameHeader& base, char* red, size_t off, size_t n, int set);
   void post_gather(const FrameHeader& base, char* red, size_t off, size_t n);
@@ -164,6 +165,7 @@ class Engine {
   std::vector<bool> local_gone_;     // leader: local rank said goodbye
   int leader_fd_ = -1;               // non-leader: liveness socket to the node leader
   std::vector<char> recv_buf_;       // leader: one shard-sized buffer per peer node
+  std::vector<char> small_buf_;      // one rank per node: N+1 small buffers (peers' data, the sum)
   std::vector<const void*> srcs_;
   uint64_t barrier_count_ = 0;
   int spin_ = 0;                     // cfg_.spin resolved
