@@ -418,6 +418,36 @@ void Engine::publish_desc(const Work& w, int set) {
   d.valid = 1;
 }
 
+namespace {
+
+// What two ranks said about the collective they are running.
+struct Described {
+  uint64_t seq, count;
+  uint32_t root;
+  uint8_t coll, dtype, op;
+};
+
+// The first field in which a and b differ, with both values in words; false if they agree.
+bool first_difference(const Described& a, const Described& b, std::string* field, std::string* va, std::string* vb) {
+  auto set = [&](const char* f, std::string x, std::string y) {
+    *field = f;
+    *va = std::move(x);
+    *vb = std::move(y);
+    return true;
+  };
+  if (a.seq != b.seq) return set("collective number", std::to_string(a.seq), std::to_string(b.seq));
+  if (a.coll != b.coll) return set("collective", coll_name(Coll(a.coll)), coll_name(Coll(b.coll)));
+  if (a.count != b.count) return set("element count", std::to_string(a.count), std::to_string(b.count));
+  if (a.dtype != b.dtype) return set("dtype", dtype_name(DType(a.dtype)), dtype_name(DType(b.dtype)));
+  if (a.coll == uint8_t(Coll::ALLREDUCE) && a.op != b.op)
+    return set("reduce op", op_name(ReduceOp(a.op)), op_name(ReduceOp(b.op)));
+  if (a.coll == uint8_t(Coll::BROADCAST) && a.root != b.root)
+    return set("root", std::to_string(a.root), std::to_string(b.root));
+  return false;
+}
+
+}  // namespace
+
 void Engine::check_descs(const Work& w, int set) {
   // Every local rank runs the same comparison against the same data, so all of them fail together.
   const CollDesc& a = shm_->desc[set][0];
@@ -426,12 +456,8 @@ void Engine::check_descs(const Work& w, int set) {
     const CollDesc& b = shm_->desc[set][l];
     int rb = ranks_of_node_[node_][l];
     std::string field, va, vb;
-    if (a.seq != b.seq) { field = "collective number"; va = std::to_string(a.seq); vb = std::to_string(b.seq); }
-    else if (a.coll != b.coll) { field = "collective"; va = coll_name(Coll(a.coll)); vb = coll_name(Coll(b.coll)); }
-    else if (a.count != b.count) { field = "element count"; va = std::to_string(a.count); vb = std::to_string(b.count); }
-    else if (a.dtype != b.dtype) { field = "dtype"; va = dtype_name(DType(a.dtype)); vb = dtype_name(DType(b.dtype)); }
-    else if (a.coll == uint8_t(Coll::ALLREDUCE) && a.op != b.op) { field = "reduce op"; va = op_name(ReduceOp(a.op)); vb = op_name(ReduceOp(b.op)); }
-    else if (a.coll == uint8_t(Coll::BROADCAST) && a.root != b.root) { field = "root"; va = std::to_string(a.root); vb = std::to_string(b.root); }
+    first_difference(Described{a.seq, a.count, a.root, a.coll, a.dtype, a.op},
+                     Described{b.seq, b.count, b.root, b.coll, b.dtype, b.op}, &field, &va, &vb);
     if (!field.empty())
       fail("collective mismatch at " + cur_desc_ + ": " + field + " differs: rank " + std::to_string(ra) + " has " + va +
            ", rank " + std::to_string(rb) + " has " + vb + "; nothing was reduced");
@@ -647,19 +673,13 @@ void Engine::check_frame(const Peer& p) {
   const FrameHeader& g = p.rhdr;
   const FrameHeader& e = p.expect;
   std::string field, va, vb;
-  if (g.seq != e.seq) { field = "collective number"; va = std::to_string(e.seq); vb = std::to_string(g.seq); }
-  else if (g.coll != e.coll) { field = "collective"; va = coll_name(Coll(e.coll)); vb = coll_name(Coll(g.coll)); }
-  else if (g.count != e.count) { field = "element count"; va = std::to_string(e.count); vb = std::to_string(g.count); }
-  else if (g.dtype != e.dtype) { field = "dtype"; va = dtype_name(DType(e.dtype)); vb = dtype_name(DType(g.dtype)); }
-  else if (e.coll == uint8_t(Coll::ALLREDUCE) && g.op != e.op) { field = "reduce op"; va = op_name(ReduceOp(e.op)); vb = op_name(ReduceOp(g.op)); }
-  else if (e.coll == uint8_t(Coll::BROADCAST) && g.root != e.root) { field = "root"; va = std::to_string(e.root); vb = std::to_string(g.root); }
-  else if (g.offset != e.offset || g.nbytes != e.nbytes) {
-    fail("protocol error in " + cur_desc_ + ": " + rank_name(p.rank) + " sent bytes " + std::to_string(g.offset) + "+" +
-         std::to_string(g.nbytes) + " where " + std::to_string(e.offset) + "+" + std::to_string(e.nbytes) + " was expected");
-  }
-  if (!field.empty())
+  if (first_difference(Described{e.seq, e.count, e.root, e.coll, e.dtype, e.op},
+                       Described{g.seq, g.count, g.root, g.coll, g.dtype, g.op}, &field, &va, &vb))
     fail("collective mismatch at " + cur_desc_ + ": " + field + " differs: rank " + std::to_string(cfg_.rank) + " has " + va +
          ", " + rank_name(p.rank) + " has " + vb + "; nothing was reduced");
+  if (g.offset != e.offset || g.nbytes != e.nbytes)
+    fail("protocol error in " + cur_desc_ + ": " + rank_name(p.rank) + " sent bytes " + std::to_string(g.offset) + "+" +
+         std::to_string(g.nbytes) + " where " + std::to_string(e.offset) + "+" + std::to_string(e.nbytes) + " was expected");
 }
 
 bool Engine::pump_recv(Peer& p) {
