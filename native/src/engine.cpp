@@ -813,6 +813,10 @@ FrameHeader Engine::frame_base(const Work& w) const {
 static inline size_t shard_lo(size_t n, int k, int N) { return n * size_t(k) / size_t(N); }
 
 size_t Engine::recv_slot_bytes() const { return cfg_.chunk_bytes / size_t(num_nodes()) + 64; }
+// Where the shard from node k lands in receive set `set` (two sets, one per chunk in flight).
+char* Engine::recv_slot(int set, int k) {
+  return recv_buf_.data() + (size_t(set) * size_t(num_nodes()) + size_t(k)) * recv_slot_bytes();
+}
 
 void Engine::post_scatter(const FrameHeader& base, char* red, size_t off, size_t n, int set) {
   // Node k receives shard k of every node's chunk, into receive set `set` (two sets, so the
@@ -830,7 +834,7 @@ void Engine::post_scatter(const FrameHeader& base, char* red, size_t off, size_t
     FrameHeader e = base;
     e.offset = off + my_lo;
     e.nbytes = my_n * esz;
-    post_recv(p, e, recv_buf_.data() + (size_t(set) * size_t(N) + size_t(k)) * recv_slot_bytes());
+    post_recv(p, e, recv_slot(set, k));
     p.scatter_mark[set] = p.recvs_posted;
   }
 }
@@ -842,7 +846,7 @@ void Engine::reduce_shard(const Work& w, char* red, size_t n, int set) {
   int ns = 0;
   srcs_[ns++] = red + my_lo * esz;
   for (int k = 0; k < N; ++k)
-    if (k != node_) srcs_[ns++] = recv_buf_.data() + (size_t(set) * size_t(N) + size_t(k)) * recv_slot_bytes();
+    if (k != node_) srcs_[ns++] = recv_slot(set, k);
   reduce_many(w.dtype, w.op, red + my_lo * esz, srcs_.data(), ns, my_n);
 }
 

@@ -37,24 +37,15 @@ class SmddpError(RuntimeError):
     """A collective failed on this rank: mismatch, dead or stalled peer, bad secret, timeout."""
 
 
-def _env_float(name: str, default: float) -> float:
+def _env_number(name: str, default, kind=float):
+    """`kind(os.environ[name])`, or `default` when unset; a bad value names the variable."""
     v = os.environ.get(name)
     if not v:
         return default
     try:
-        return float(v)
+        return kind(v)
     except ValueError:
-        raise ValueError(f"{name}={v!r} is not a number of seconds") from None
-
-
-def _env_int(name: str, default: int) -> int:
-    v = os.environ.get(name)
-    if not v:
-        return default
-    try:
-        return int(v)
-    except ValueError:
-        raise ValueError(f"{name}={v!r} is not an integer") from None
+        raise ValueError(f"{name}={v!r} is not {'an integer' if kind is int else 'a number'}") from None
 
 
 def node_key() -> str:
@@ -133,9 +124,9 @@ class Communicator:
             raise ValueError(f"rank {rank} is outside a world of {world_size}")
         self.rank = rank
         self.world_size = world_size
-        self.timeout = timeout if timeout is not None else _env_float("SDP_TIMEOUT", DEFAULT_TIMEOUT)
-        chunk = chunk_bytes if chunk_bytes is not None else _env_int("SDP_CHUNK_BYTES", DEFAULT_CHUNK_BYTES)
-        spin = _env_int("SDP_SPIN", -1)  # -1: the engine's default
+        self.timeout = timeout if timeout is not None else _env_number("SDP_TIMEOUT", DEFAULT_TIMEOUT)
+        chunk = chunk_bytes if chunk_bytes is not None else _env_number("SDP_CHUNK_BYTES", DEFAULT_CHUNK_BYTES, int)
+        spin = _env_number("SDP_SPIN", -1, int)  # -1: the engine's default
         self._store = store
         self._close_store = close_store
         node = node if node is not None else node_key()
@@ -327,7 +318,7 @@ def init(*, timeout: float | None = None, chunk_bytes: int | None = None) -> Com
     from sdp_jupyter.comm.store import TCPKeyValueStore
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    t = timeout if timeout is not None else _env_float("SDP_TIMEOUT", DEFAULT_TIMEOUT)
+    t = timeout if timeout is not None else _env_number("SDP_TIMEOUT", DEFAULT_TIMEOUT)
     store = TCPKeyValueStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), server=rank == 0, timeout=t)
     _default = Communicator(rank, world, store, timeout=t, chunk_bytes=chunk_bytes, close_store=True)
     return _default

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from sdp_jupyter.comm import COLL_ALLREDUCE, COLL_BROADCAST, DEFAULT_TIMEOUT, Communicator, EngineError, SmddpError
+from sdp_jupyter.comm import COLL_ALLREDUCE, COLL_BROADCAST, Communicator, EngineError, SmddpError
 
 BACKEND_NAME = "smddp"
 
@@ -168,12 +168,11 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
     def __init__(self, store, rank: int, world_size: int, timeout: datetime.timedelta):
         super().__init__(rank, world_size)
         self._rank, self._world = rank, world_size
-        if os.environ.get("SDP_TIMEOUT"):
-            seconds = float(os.environ["SDP_TIMEOUT"])
-        elif timeout is not None and timeout != _TORCH_DEFAULT_TIMEOUT:
+        # SDP_TIMEOUT wins, then an explicit init_process_group(timeout=...); given None the
+        # communicator reads SDP_TIMEOUT itself (default 300 s).
+        seconds = None
+        if not os.environ.get("SDP_TIMEOUT") and timeout is not None and timeout != _TORCH_DEFAULT_TIMEOUT:
             seconds = timeout.total_seconds()
-        else:
-            seconds = DEFAULT_TIMEOUT
         self.comm = Communicator(rank, world_size, _StoreAdapter(store), timeout=seconds)
         self._engine = self.comm._engine
         self._completer: queue.SimpleQueue = queue.SimpleQueue()

@@ -134,6 +134,7 @@ class Engine {
   void post_send(Peer& p, const FrameHeader& h, const char* data);
   void post_recv(Peer& p, const FrameHeader& expect, char* dst);
   size_t recv_slot_bytes() const;
+  char* recv_slot(int set, int k);
   void node_barrier();
   void exchange(int scatter_set = -1);
   bool pump_send(Peer& p);
