@@ -279,3 +279,35 @@ def init_without_import():
     dist.all_reduce(t)
     dist.destroy_process_group()
     return t.tolist(), "sdp_jupyter.torch" in sys.modules
+
+
+def mismatch_repeated(iterations: int, budget_s: float):
+    """A fresh 4-rank group per iteration, the last rank passing 12 elements and the others 10:
+    every rank must raise every time. Returns how many times this rank saw a success."""
+    from sdp_jupyter.comm.store import TCPKeyValueStore
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = TCPKeyValueStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), server=rank == 0, timeout=30)
+    successes, runs, stop_at = [], 0, None
+    t0 = time.monotonic()
+    for i in range(iterations):
+        # All ranks agree on when to stop: rank 0 decides by the time budget, through the store.
+        if rank == 0:
+            store.set(f"go/{i}", b"0" if time.monotonic() - t0 > budget_s else b"1")
+        if store.get(f"go/{i}") != b"1":
+            break
+        c = comm.Communicator(rank, world, store, prefix=f"rep{i}", timeout=10)
+        x = np.ones(12 if rank == world - 1 else 10, dtype=np.float32)
+        try:
+            c.all_reduce(x)
+            successes.append(i)
+        except comm.SmddpError as exc:
+            if "mismatch" not in str(exc) and "lost" not in str(exc):
+                raise AssertionError(f"iteration {i}: unexpected error {exc}") from None
+        finally:
+            c.close()
+        runs += 1
+    if rank == 0:
+        time.sleep(0.5)  # let the others read the last key before the store goes
+    store.close()
+    return {"runs": runs, "successes": successes}

@@ -46,6 +46,7 @@ struct ShmHeader {
   std::atomic<uint32_t> sleepers;          // ranks asleep (or about to be) on `wake`
   alignas(64) std::atomic<uint32_t> error_state;  // 0 none, 1 being written, 2 published
   uint32_t error_remote;                          // 1: the error came from another node
+  uint32_t error_rank;                            // global rank that published the error
   char error_msg[2048];
   alignas(64) std::atomic<uint64_t> rank_arrivals[kMaxLocal];
   CollDesc desc[3][kMaxLocal];  // [0], [1]: alternate sets of the one-barrier path; [2]: the others
@@ -334,23 +335,30 @@ void Engine::execute_front(std::unique_lock<std::mutex>& lk) {
   Work w = queue_.front();
   bool already_broken = failed_from_ != 0;
   lk.unlock();
+  // A failure is a flag, never "a non-empty message": an error whose text was lost (an empty
+  // exception message, a peer's ERROR frame without a body) must still fail the collective.
+  bool failed = false;
   std::string err;
   double t0 = now_s();
   if (!already_broken) {
     try {
       run(w);
     } catch (const Error& e) {
+      failed = true;
       err = e.what();
     } catch (const std::exception& e) {
+      failed = true;
       err = std::string("internal error: ") + e.what();
+    } catch (...) {
+      failed = true;
     }
   }
   lk.lock();
   busy_ = false;
   queue_.pop_front();
-  if (!err.empty() && !failed_from_) {
+  if (failed && !failed_from_) {
     failed_from_ = w.id;
-    broken_ = err;
+    broken_ = err.empty() ? "rank " + std::to_string(cfg_.rank) + ": " + cur_desc_ + " failed (its message was lost)" : err;
   }
   if (!failed_from_) {
     completed_ = w.id;
@@ -375,13 +383,14 @@ void Engine::progress_loop() {
     // Idle: notice dead ranks and error frames early, so the next call fails fast.
     busy_ = true;
     lk.unlock();
+    bool failed = false;
     std::string err;
-    try { idle_check(); } catch (const Error& e) { err = e.what(); }
+    try { idle_check(); } catch (const Error& e) { failed = true; err = e.what(); } catch (...) { failed = true; }
     lk.lock();
     busy_ = false;
-    if (!err.empty() && !failed_from_) {
+    if (failed && !failed_from_) {
       failed_from_ = next_id_;
-      broken_ = err;
+      broken_ = err.empty() ? "rank " + std::to_string(cfg_.rank) + " failed between collectives (its message was lost)" : err;
     }
     done_cv_.notify_all();
     work_cv_.notify_all();
@@ -522,15 +531,24 @@ void Engine::fail(const std::string& msg, bool remote) {
     if (shm_->error_state.compare_exchange_strong(expected, 1)) {
       std::snprintf(shm_->error_msg, sizeof(shm_->error_msg), "%s", msg.c_str());
       shm_->error_remote = remote ? 1 : 0;
+      shm_->error_rank = uint32_t(cfg_.rank);
       shm_->error_state.store(2, std::memory_order_release);
       shm_->wake.fetch_add(1);
       futex_wake_all(&shm_->wake);
     } else {
-      for (int i = 0; i < 1000 && shm_->error_state.load(std::memory_order_acquire) != 2; ++i) cpu_relax();
-      final_msg = shm_->error_msg;
-      remote = shm_->error_remote != 0;
+      // Another local rank won the error slot: every rank reports the first error, so wait
+      // (bounded: the winner may have died mid-write) until its message is published.
+      double until = now_s() + 1.0;
+      while (shm_->error_state.load(std::memory_order_acquire) != 2 && now_s() < until) sched_yield();
+      if (shm_->error_state.load(std::memory_order_acquire) == 2) {
+        final_msg = shm_->error_msg;
+        remote = shm_->error_remote != 0;
+        if (final_msg.empty())
+          final_msg = "rank " + std::to_string(shm_->error_rank) + " reported an error (its message was lost)";
+      }
     }
   }
+  if (final_msg.empty()) final_msg = "rank " + std::to_string(cfg_.rank) + " failed in " + cur_desc_ + " (its message was lost)";
   if (is_leader() && !remote) send_error_frames(final_msg);
   throw Error(final_msg);
 }
@@ -565,6 +583,7 @@ void Engine::send_error_frames(const std::string& msg) {
 void Engine::check_health() {
   if (shm_ && shm_->error_state.load(std::memory_order_acquire) == 2) {
     std::string m = shm_->error_msg;
+    if (m.empty()) m = "rank " + std::to_string(shm_->error_rank) + " reported an error (its message was lost)";
     if (is_leader() && !shm_->error_remote) send_error_frames(m);
     throw Error(m);
   }
@@ -698,7 +717,8 @@ bool Engine::pump_recv(Peer& p) {
         fail("protocol error: " + rank_name(p.rank) + " sent a malformed frame during " + cur_desc_);
       if (g.type == uint8_t(FrameType::ERROR)) {
         std::string m(std::min<uint64_t>(g.nbytes, 4096), '\0');
-        read_all(p.fd, m.data(), m.size(), now_s() + 2.0);
+        if (m.empty() || !read_all(p.fd, m.data(), m.size(), now_s() + 2.0) || m.find_first_not_of('\0') == std::string::npos)
+          m = "rank " + std::to_string(g.src_rank) + " reported an error (its message was lost)";
         fail(m, /*remote=*/true);
       }
       if (g.type == uint8_t(FrameType::BYE)) {
