@@ -56,7 +56,7 @@ def main() -> None:
     for r in range(world):
         env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), GROUP_RANK=str(r // per_node),
                    LOCAL_RANK=str(r % per_node), LOCAL_WORLD_SIZE=str(per_node), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), SDP_JOB_SECRET="engine-cpu", SDP_ENGINE_CPU_WORKER="1",
+                   MASTER_PORT=str(port), SDP_JOB_SECRET="engine-cpu-benchmark-secret", SDP_ENGINE_CPU_WORKER="1",
                    OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
         procs.append(subprocess.Popen([sys.executable, __file__] + sys.argv[1:], env=env, stdout=subprocess.PIPE,
                                       text=True))

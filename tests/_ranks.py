@@ -38,7 +38,7 @@ def start_ranks(target: str, world: int, per_node: int, args=(), env=None, secre
     with open(args_path, "wb") as f:
         pickle.dump(tuple(args), f)
     port = free_port()
-    secret = secret or secrets.token_hex(16)
+    secret = secrets.token_hex(16) if secret is None else secret
     procs = []
     for r in range(world):
         e = dict(os.environ)
@@ -50,6 +50,8 @@ def start_ranks(target: str, world: int, per_node: int, args=(), env=None, secre
             "SDP_JOB_SECRET": secret if not callable(secret) else secret(r),
             "SDP_TEST_ARGS": args_path, "PYTHONPATH": ROOT + os.pathsep + e.get("PYTHONPATH", ""),
         })
+        if e["SDP_JOB_SECRET"] is None:  # a test of the plain-torchrun path: no launcher secret
+            del e["SDP_JOB_SECRET"]
         if env:
             e.update({k: str(v) for k, v in (env(r) if callable(env) else env).items()})
         log = open(os.path.join(tmp, f"rank-{r}.log"), "w+")

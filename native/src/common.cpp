@@ -1,5 +1,8 @@
 #include "sdp/common.h"
 
+#include <cerrno>
+#include <cstdlib>
+
 #include <cstdio>
 
 namespace sdp {
@@ -40,6 +43,18 @@ bool valid_op(int op) { return op >= 0 && op <= 4; }
 void log_warning(const std::string& msg) {
   std::fprintf(stderr, "[smddp] warning: %s\n", msg.c_str());
   std::fflush(stderr);
+}
+
+long long env_int(const char* name, long long def, long long lo, long long hi) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return def;
+  errno = 0;
+  char* end = nullptr;
+  long long x = std::strtoll(v, &end, 10);
+  if (errno != 0 || end == v || *end != 0 || x < lo || x > hi)
+    throw Error(std::string(name) + "=" + v + " is not a whole number between " + std::to_string(lo) + " and " +
+                std::to_string(hi));
+  return x;
 }
 
 }  // namespace sdp

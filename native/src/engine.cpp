@@ -9,6 +9,8 @@
 #include <sys/syscall.h>
 #include <sys/uio.h>
 #include <sched.h>
+#include <dirent.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -48,6 +50,7 @@ struct ShmHeader {
   uint32_t error_remote;                          // 1: the error came from another node
   uint32_t error_rank;                            // global rank that published the error
   char error_msg[2048];
+  uint8_t token[16];  // random; a local rank maps the segment only if it matches the leader's offer
   alignas(64) std::atomic<uint64_t> rank_arrivals[kMaxLocal];
   CollDesc desc[3][kMaxLocal];  // [0], [1]: alternate sets of the one-barrier path; [2]: the others
 };
@@ -66,6 +69,37 @@ void futex_wake_all(std::atomic<uint32_t>* addr) {
 }
 
 inline void cpu_relax() { __builtin_ia32_pause(); }
+
+// What a node leader sends each local rank over their authenticated connection: which
+// segment to map, how big it must be, and the token it must hold. Nothing of this goes through
+// the rendezvous store, so a stranger cannot point a rank at a segment of its own making.
+#pragma pack(push, 1)
+struct ShmOffer {
+  uint32_t magic;
+  char name[64];
+  uint8_t token[16];
+  uint64_t size;
+};
+#pragma pack(pop)
+constexpr uint32_t kOfferMagic = 0x4f504453;  // "SDPO"
+
+// Segments are named /sdp-<leader pid>-<random>. A leader killed during set-up (before every
+// local rank mapped the segment and it was unlinked) leaves one behind: the next leader of this
+// user removes those whose process is gone.
+void remove_stale_segments() {
+  DIR* d = opendir("/dev/shm");
+  if (!d) return;
+  while (dirent* e = readdir(d)) {
+    int pid = 0;
+    char rest[64];
+    if (std::sscanf(e->d_name, "sdp-%d-%63s", &pid, rest) != 2 || pid <= 0) continue;
+    if (::kill(pid, 0) == 0 || errno != ESRCH) continue;
+    struct stat st{};
+    std::string path = std::string("/dev/shm/") + e->d_name;
+    if (::lstat(path.c_str(), &st) == 0 && st.st_uid == ::geteuid()) shm_unlink((std::string("/") + e->d_name).c_str());
+  }
+  closedir(d);
+}
 
 std::string fmt_seconds(double s) {
   std::ostringstream o;
@@ -97,7 +131,7 @@ Engine::Engine(EngineConfig cfg) : cfg_(std::move(cfg)) {
   // beat going to sleep early, even though the machine is oversubscribed: a sleeping rank
   // pays a wake-up and a trip through the run queue on every barrier.
   spin_ = cfg_.spin >= 0 ? cfg_.spin : 2000;
-  if (const char* e = std::getenv("SDP_PIPELINE_DEPTH")) pipeline_depth_ = std::atoi(e) == 1 ? 1 : 2;
+  pipeline_depth_ = int(env_int("SDP_PIPELINE_DEPTH", 2, 1, 2));
   yield_ = spin_ > 0;
   cfg_.chunk_bytes = round_up(cfg_.chunk_bytes, 64);
   peers_.resize(nn);
@@ -129,6 +163,7 @@ std::pair<int, std::string> Engine::prepare() {
   int L = local_size();
   if (is_leader()) {
     if (L > 1) {
+      remove_stale_segments();
       uint8_t rnd[8];
       random_bytes(rnd, sizeof(rnd));
       char name[64];
@@ -155,6 +190,7 @@ std::pair<int, std::string> Engine::prepare() {
       shm_->magic = kShmMagic;
       shm_->local_size = uint32_t(L);
       shm_->chunk_bytes = cfg_.chunk_bytes;
+      random_bytes(shm_->token, sizeof(shm_->token));
       shm_data_ = static_cast<char*>(p) + hdr;
     }
     if (num_nodes() > 1 || L > 1) {
@@ -166,56 +202,101 @@ std::pair<int, std::string> Engine::prepare() {
 }
 
 void Engine::acceptor_loop() {
-  while (true) {
+  // Handshakes run here, many at once, each a few bytes at a time with its own deadline: a
+  // stranger that connects and sends nothing delays nobody, and at most kMaxPending
+  // unauthenticated sockets are held (the oldest is dropped for a new one). The listener is
+  // closed as soon as set-up is done: after that nobody has a reason to connect.
+  constexpr size_t kMaxPending = 32;
+  constexpr double kHandshakeSeconds = 5.0;
+  std::deque<ServerHandshake> pending;
+  auto drop = [&](ServerHandshake& h, const std::string& why) {
+    log_warning("rank " + std::to_string(cfg_.rank) + " dropped a connection from " + peer_address(h.fd()) + ": it " + why);
+    ::close(h.fd());
+  };
+  std::vector<pollfd> pfds;
+  for (;;) {
     {
       std::lock_guard<std::mutex> g(mu_);
-      if (stopping_) return;
+      if (stopping_) break;
     }
-    pollfd p{listen_fd_, POLLIN, 0};
-    int r = ::poll(&p, 1, 100);
-    if (r <= 0) continue;
-    int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
-    if (fd < 0) continue;
-    std::string from = peer_address(fd);
-    PeerIdentity who{};
-    std::string why;
-    if (!accept_handshake(fd, cfg_.secret, &who, &why)) {
-      log_warning("rank " + std::to_string(cfg_.rank) + " dropped a connection from " + from + ": it " + why);
-      ::close(fd);
-      continue;
+    if (setup_done_.load()) break;
+    pfds.clear();
+    pfds.push_back({listen_fd_, POLLIN, 0});
+    for (auto& h : pending) pfds.push_back({h.fd(), POLLIN, 0});
+    int r = ::poll(pfds.data(), nfds_t(pfds.size()), 100);
+    if (r < 0 && errno != EINTR) break;
+    if (pfds[0].revents & POLLIN) {
+      int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+      if (fd >= 0) {
+        if (pending.size() >= kMaxPending) {
+          drop(pending.front(), "was still unauthenticated when newer connections came");
+          pending.pop_front();
+        }
+        pending.emplace_back(fd, now_s() + kHandshakeSeconds);
+      }
     }
-    if (setup_done_.load()) {
-      log_warning("rank " + std::to_string(cfg_.rank) + " dropped an authenticated connection from " + from +
-                  " that arrived after set-up");
-      ::close(fd);
-      continue;
+    for (auto it = pending.begin(); it != pending.end();) {
+      PeerIdentity who{};
+      std::string why;
+      int st = it->step(cfg_.secret, &who, &why);
+      if (st == 0) { ++it; continue; }
+      if (st < 0) {
+        drop(*it, why);
+      } else {
+        std::lock_guard<std::mutex> g(accept_mu_);
+        accepted_.push_back({who, it->fd()});
+        accept_cv_.notify_all();
+      }
+      it = pending.erase(it);
     }
-    std::lock_guard<std::mutex> g(accept_mu_);
-    accepted_.push_back({who, fd});
-    accept_cv_.notify_all();
+  }
+  for (auto& h : pending) ::close(h.fd());
+  // Nobody may connect once set-up is done (or the engine stops).
+  std::lock_guard<std::mutex> g(accept_mu_);
+  if (listen_fd_ >= 0) {
+    ::close(listen_fd_);
+    listen_fd_ = -1;
   }
 }
 
-void Engine::connect(const std::vector<std::string>& addrs, const std::vector<int>& ports, const std::string& node_shm) {
+void Engine::connect(const std::vector<std::string>& addrs, const std::vector<int>& ports) {
   int N = num_nodes(), L = local_size();
   if (int(addrs.size()) != N || int(ports.size()) != N) throw Error("connect: need one leader address per node");
   double deadline = now_s() + cfg_.timeout_s;
   PeerIdentity me{is_leader() ? Role::NODE : Role::LOCAL, uint32_t(node_), uint32_t(local_), uint32_t(cfg_.rank)};
   if (!is_leader()) {
-    int fd = shm_open(node_shm.c_str(), O_RDWR, 0600);
-    if (fd < 0) throw Error("cannot open the node's shared memory " + node_shm + ": " + std::strerror(errno));
+    leader_fd_ = connect_to(addrs[node_], ports[node_], cfg_.secret, me, deadline);
+    // The segment to map comes over the authenticated link, never from the store; it is used
+    // only if it is this user's, private, exactly the offered size, and holds the offered token.
+    ShmOffer off{};
+    if (!read_all(leader_fd_, &off, sizeof(off), deadline) || off.magic != kOfferMagic)
+      throw Error("the node leader " + rank_name(ranks_of_node_[node_][0]) + " did not offer its shared memory before the deadline");
+    off.name[sizeof(off.name) - 1] = 0;
+    if (std::strncmp(off.name, "/sdp-", 5) != 0 || std::strchr(off.name + 1, '/'))
+      throw Error("protocol error: the node leader offered a bad shared-memory name");
+    int fd = shm_open(off.name, O_RDWR | O_NOFOLLOW, 0);
+    if (fd < 0) throw Error(std::string("cannot open the node's shared memory ") + off.name + ": " + std::strerror(errno));
     struct stat st{};
-    fstat(fd, &st);
-    shm_size_ = size_t(st.st_size);
+    if (fstat(fd, &st) != 0 || st.st_uid != ::geteuid() || (st.st_mode & 0777) != 0600 || uint64_t(st.st_size) != off.size ||
+        off.size < round_up(sizeof(ShmHeader), 4096)) {
+      ::close(fd);
+      throw Error(std::string("refusing the node's shared memory ") + off.name +
+                  ": not a 0600 segment of this user of the offered size (tampered with?)");
+    }
+    shm_size_ = size_t(off.size);
     void* p = mmap(nullptr, shm_size_, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
     ::close(fd);
     if (p == MAP_FAILED) throw Error(std::string("cannot map the node's shared memory: ") + std::strerror(errno));
     shm_ = static_cast<ShmHeader*>(p);
-    if (shm_->magic != kShmMagic || int(shm_->local_size) != L || shm_->chunk_bytes != cfg_.chunk_bytes)
+    if (shm_->magic != kShmMagic || std::memcmp(shm_->token, off.token, sizeof(off.token)) != 0)
+      throw Error("refusing the node's shared memory: it does not hold the token its leader offered");
+    if (int(shm_->local_size) != L || shm_->chunk_bytes != cfg_.chunk_bytes)
       throw Error("the node's shared memory was made for another layout (SDP_CHUNK_BYTES differs between ranks?)");
     shm_data_ = static_cast<char*>(p) + round_up(sizeof(ShmHeader), 4096);
-    leader_fd_ = connect_to(addrs[node_], ports[node_], cfg_.secret, me, deadline);
+    char mapped = 'M';
+    if (!write_all(leader_fd_, &mapped, 1, deadline)) throw Error("the node leader closed the connection during set-up");
     set_nonblocking(leader_fd_);
+    set_link_liveness(leader_fd_, cfg_.timeout_s);
   } else {
     // Connect to the leaders of higher nodes; lower nodes and our own local ranks connect to us.
     for (int n = node_ + 1; n < N; ++n) {
@@ -229,17 +310,23 @@ void Engine::connect(const std::vector<std::string>& addrs, const std::vector<in
     while (got < expected) {
       for (auto& [who, fd] : accepted_) {
         bool ok = false;
-        if (who.role == Role::NODE && int(who.node) < node_ && peers_[who.node].fd < 0 &&
-            int(who.rank) == ranks_of_node_[who.node][0]) {
+        // Claimed indices are checked against the layout before any is used as an index.
+        if (who.role == Role::NODE && who.node < uint32_t(node_) && peers_[who.node].fd < 0 &&
+            who.rank == uint32_t(ranks_of_node_[who.node][0])) {
           peers_[who.node].fd = fd;
           peers_[who.node].node = int(who.node);
           peers_[who.node].rank = int(who.rank);
           ok = true;
-        } else if (who.role == Role::LOCAL && int(who.node) == node_ && int(who.local_rank) > 0 &&
-                   int(who.local_rank) < L && local_fds_[who.local_rank] < 0 &&
-                   int(who.rank) == ranks_of_node_[node_][who.local_rank]) {
-          local_fds_[who.local_rank] = fd;
-          ok = true;
+        } else if (who.role == Role::LOCAL && who.node == uint32_t(node_) && who.local_rank > 0 &&
+                   who.local_rank < uint32_t(L) && local_fds_[who.local_rank] < 0 &&
+                   who.rank == uint32_t(ranks_of_node_[node_][who.local_rank])) {
+          ShmOffer off{};
+          off.magic = kOfferMagic;
+          std::snprintf(off.name, sizeof(off.name), "%s", shm_name_.c_str());
+          std::memcpy(off.token, shm_->token, sizeof(off.token));
+          off.size = shm_size_;
+          ok = write_all(fd, &off, sizeof(off), deadline);
+          if (ok) local_fds_[who.local_rank] = fd;
         }
         if (ok) {
           ++got;
@@ -269,11 +356,17 @@ void Engine::connect(const std::vector<std::string>& addrs, const std::vector<in
       if (p.fd >= 0) {
         set_nonblocking(p.fd);
         set_bulk_buffers(p.fd);
+        set_link_liveness(p.fd, cfg_.timeout_s);
       }
     for (int fd : local_fds_)
       if (fd >= 0) set_nonblocking(fd);
-    // Every local rank has mapped the segment before connecting: nothing is left in /dev/shm
+    // Unlink once every local rank has mapped the segment ('M'): nothing is left in /dev/shm
     // even if the whole job is killed later.
+    for (int l = 1; l < L; ++l) {
+      char c = 0;
+      if (!read_all(local_fds_[l], &c, 1, deadline) || c != 'M')
+        throw Error(rank_name(ranks_of_node_[node_][l]) + " did not map the node's shared memory before the deadline");
+    }
     if (!shm_name_.empty()) shm_unlink(shm_name_.c_str());
     if (N > 1) recv_buf_.assign(2 * size_t(N) * recv_slot_bytes(), 0);  // two sets, touched once now
     if (N > 1 && L == 1) small_buf_.assign(size_t(N + 1) * kSmallBytes, 0);
@@ -1083,9 +1176,12 @@ void Engine::shutdown() {
     ::close(leader_fd_);
     leader_fd_ = -1;
   }
-  if (listen_fd_ >= 0) {
-    ::close(listen_fd_);
-    listen_fd_ = -1;
+  {
+    std::lock_guard<std::mutex> g(accept_mu_);
+    if (listen_fd_ >= 0) {
+      ::close(listen_fd_);
+      listen_fd_ = -1;
+    }
   }
   if (shm_) {
     if (is_leader() && !setup_done_.load() && !shm_name_.empty()) shm_unlink(shm_name_.c_str());

@@ -20,28 +20,6 @@
 namespace sdp {
 namespace {
 
-#pragma pack(push, 1)
-struct ServerHello {
-  uint32_t magic;
-  uint32_t version;
-  uint8_t nonce[32];
-};
-struct ClientProof {
-  uint32_t magic;
-  uint32_t version;
-  uint8_t role;
-  uint8_t pad[3];
-  uint32_t node;
-  uint32_t local_rank;
-  uint32_t rank;
-  uint8_t nonce[32];
-  uint8_t mac[32];
-};
-struct ServerProof {
-  uint32_t magic;
-  uint8_t mac[32];
-};
-#pragma pack(pop)
 
 Digest client_mac(const std::string& secret, const uint8_t* server_nonce, const ClientProof& p) {
   std::vector<uint8_t> msg;
@@ -88,8 +66,7 @@ void set_bulk_buffers(int fd) {
   // 256 KiB was the steadiest of autotuning, 256 KiB and 4 MiB on loopback (docs/benchmarks.md):
   // larger buffers let more data go cold in the kernel before the receiver copies it out.
   // The kernel caps the value at net.core.wmem_max / rmem_max.
-  int bytes = 0;
-  if (const char* e = std::getenv("SDP_SOCKET_BUFFER")) bytes = std::atoi(e);
+  int bytes = int(env_int("SDP_SOCKET_BUFFER", 0, 0, 1 << 30));
   if (bytes <= 0) return;  // 0: leave the kernel's autotuning alone
   setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &bytes, sizeof(bytes));
   setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &bytes, sizeof(bytes));
@@ -180,9 +157,22 @@ int connect_to(const std::string& addr, int port, const std::string& secret, con
   int fd = -1;
   while (now_s() < deadline) {
     for (addrinfo* ai = res; ai && fd < 0; ai = ai->ai_next) {
-      int s = ::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
+      int s = ::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, ai->ai_protocol);
       if (s < 0) continue;
-      if (::connect(s, ai->ai_addr, ai->ai_addrlen) == 0) { fd = s; break; }
+      int rc2 = ::connect(s, ai->ai_addr, ai->ai_addrlen);
+      if (rc2 != 0 && errno == EINPROGRESS) {
+        // Bounded by the deadline: a listener whose backlog is full never answers the SYN.
+        if (wait_fd(s, POLLOUT, std::min(deadline, now_s() + 2.0))) {
+          int err = 0;
+          socklen_t el = sizeof(err);
+          getsockopt(s, SOL_SOCKET, SO_ERROR, &err, &el);
+          rc2 = err == 0 ? 0 : -1;
+          errno = err;
+        } else {
+          errno = ETIMEDOUT;
+        }
+      }
+      if (rc2 == 0) { fd = s; break; }
       last = std::strerror(errno);
       ::close(s);
     }
@@ -191,7 +181,7 @@ int connect_to(const std::string& addr, int port, const std::string& secret, con
   }
   freeaddrinfo(res);
   if (fd < 0)
-    throw Error("cannot connect to " + addr + ":" + ps + " (" + last + ")");
+    throw Error("cannot connect to " + addr + ":" + ps + " within the deadline (" + last + ")");
   set_socket_options(fd);
   ServerHello hello{};
   double hs_deadline = std::min(deadline, now_s() + 30.0);
@@ -234,33 +224,61 @@ int connect_to(const std::string& addr, int port, const std::string& secret, con
   return fd;
 }
 
-bool accept_handshake(int fd, const std::string& secret, PeerIdentity* who, std::string* why) {
+ServerHandshake::ServerHandshake(int fd, double deadline) : fd_(fd), deadline_(deadline) {
+  set_nonblocking(fd);
   set_socket_options(fd);
-  double deadline = now_s() + 5.0;
-  ServerHello hello{};
-  hello.magic = kHelloMagic;
-  hello.version = kProtocolVersion;
-  random_bytes(hello.nonce, 32);
-  if (!write_all(fd, &hello, sizeof(hello), deadline)) { *why = "closed before the greeting"; return false; }
-  ClientProof proof{};
-  if (!read_all(fd, &proof, sizeof(proof), deadline)) { *why = "closed or too slow during authentication"; return false; }
-  if (proof.magic != kHelloMagic) { *why = "sent garbage instead of a handshake"; return false; }
-  if (proof.version != kProtocolVersion) { *why = "speaks another protocol version"; return false; }
-  Digest expect = client_mac(secret, hello.nonce, proof);
+  hello_.magic = kHelloMagic;
+  hello_.version = kProtocolVersion;
+  random_bytes(hello_.nonce, 32);
+  // 40 bytes into a fresh socket's empty send buffer: a short write means something is wrong.
+  ssize_t n = ::send(fd, &hello_, sizeof(hello_), MSG_NOSIGNAL);
+  failed_ = n != ssize_t(sizeof(hello_));
+}
+
+int ServerHandshake::step(const std::string& secret, PeerIdentity* who, std::string* why) {
+  if (failed_) { *why = "closed before the greeting"; return -1; }
+  while (got_ < sizeof(proof_)) {
+    ssize_t n = ::recv(fd_, reinterpret_cast<char*>(&proof_) + got_, sizeof(proof_) - got_, 0);
+    if (n > 0) { got_ += size_t(n); continue; }
+    if (n == 0) { *why = "closed during authentication"; return -1; }
+    if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) {
+      if (now_s() > deadline_) { *why = "did not authenticate before its deadline"; return -1; }
+      return 0;
+    }
+    *why = std::string("failed during authentication (") + std::strerror(errno) + ")";
+    return -1;
+  }
+  if (proof_.magic != kHelloMagic) { *why = "sent garbage instead of a handshake"; return -1; }
+  if (proof_.version != kProtocolVersion) { *why = "speaks another protocol version"; return -1; }
+  Digest expect = client_mac(secret, hello_.nonce, proof_);
   Digest got;
-  std::memcpy(got.data(), proof.mac, 32);
-  if (!digest_equal(expect, got)) { *why = "failed the job-secret challenge"; return false; }
-  if (proof.role != uint8_t(Role::NODE) && proof.role != uint8_t(Role::LOCAL)) { *why = "claimed an unknown role"; return false; }
+  std::memcpy(got.data(), proof_.mac, 32);
+  if (!digest_equal(expect, got)) { *why = "failed the job-secret challenge"; return -1; }
+  if (proof_.role != uint8_t(Role::NODE) && proof_.role != uint8_t(Role::LOCAL)) { *why = "claimed an unknown role"; return -1; }
   ServerProof sp{};
   sp.magic = kHelloMagic;
-  Digest m = server_mac(secret, hello.nonce, proof.nonce);
+  Digest m = server_mac(secret, hello_.nonce, proof_.nonce);
   std::memcpy(sp.mac, m.data(), 32);
-  if (!write_all(fd, &sp, sizeof(sp), deadline)) { *why = "closed during authentication"; return false; }
-  who->role = Role(proof.role);
-  who->node = proof.node;
-  who->local_rank = proof.local_rank;
-  who->rank = proof.rank;
-  return true;
+  if (!write_all(fd_, &sp, sizeof(sp), std::min(deadline_, now_s() + 1.0))) { *why = "closed during authentication"; return -1; }
+  who->role = Role(proof_.role);
+  who->node = proof_.node;
+  who->local_rank = proof_.local_rank;
+  who->rank = proof_.rank;
+  return 1;
+}
+
+void set_link_liveness(int fd, double timeout_s) {
+  int one = 1;
+  setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof(one));
+  int idle = 5, intvl = 2, cnt = 3;
+  setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof(idle));
+  setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &intvl, sizeof(intvl));
+  setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &cnt, sizeof(cnt));
+  // Data unacknowledged this long fails the socket (a cut link), but a slow link that still
+  // acknowledges is never cut short: bounded to 10..120 s around the collective timeout.
+  double t = timeout_s < 10 ? 10 : (timeout_s > 120 ? 120 : timeout_s);
+  unsigned int ms = unsigned(t * 1000);
+  setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &ms, sizeof(ms));
 }
 
 }  // namespace sdp

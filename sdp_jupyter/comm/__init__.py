@@ -9,10 +9,11 @@ The torch backend (`sdp_jupyter.torch`) builds on the same `Communicator` with a
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import ipaddress
 import json
 import os
-import secrets
 import socket
 import threading
 from typing import Any, Callable, Sequence
@@ -20,6 +21,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from sdp_jupyter import _engine
+from sdp_jupyter._env import env_float, env_int
+from sdp_jupyter.comm.secret import SecretError, check_secret, job_secret, remove_local_secret, single_node
 
 EngineError = _engine.EngineError
 
@@ -35,17 +38,6 @@ DEFAULT_CHUNK_BYTES = 4 << 20
 
 class SmddpError(RuntimeError):
     """A collective failed on this rank: mismatch, dead or stalled peer, bad secret, timeout."""
-
-
-def _env_number(name: str, default, kind=float):
-    """`kind(os.environ[name])`, or `default` when unset; a bad value names the variable."""
-    v = os.environ.get(name)
-    if not v:
-        return default
-    try:
-        return kind(v)
-    except ValueError:
-        raise ValueError(f"{name}={v!r} is not {'an integer' if kind is int else 'a number'}") from None
 
 
 def node_key() -> str:
@@ -124,45 +116,75 @@ class Communicator:
             raise ValueError(f"rank {rank} is outside a world of {world_size}")
         self.rank = rank
         self.world_size = world_size
-        self.timeout = timeout if timeout is not None else _env_number("SDP_TIMEOUT", DEFAULT_TIMEOUT)
-        chunk = chunk_bytes if chunk_bytes is not None else _env_number("SDP_CHUNK_BYTES", DEFAULT_CHUNK_BYTES, int)
-        spin = _env_number("SDP_SPIN", -1, int)  # -1: the engine's default
+        self.timeout = timeout if timeout is not None else env_float("SDP_TIMEOUT", DEFAULT_TIMEOUT, min=0.001)
+        if not (0 < self.timeout < float("inf")):
+            raise ValueError(f"timeout must be a positive finite number of seconds, not {self.timeout!r}")
+        chunk = chunk_bytes if chunk_bytes is not None else env_int("SDP_CHUNK_BYTES", DEFAULT_CHUNK_BYTES, min=4096)
+        spin = env_int("SDP_SPIN", -1, min=-1)  # -1: the engine's default
         self._store = store
         self._close_store = close_store
         node = node if node is not None else node_key()
-        key = lambda k: f"{prefix}/{k}"  # noqa: E731
+        self._prefix = prefix
+        # No secret in the store, ever: it comes from the launcher (SDP_JOB_SECRET) or, on one
+        # node, from a 0600 file (sdp_jupyter.comm.secret).
+        secret = check_secret(secret, "the job secret") if secret is not None else job_secret(rank, self.timeout)
+        self._secret = secret
 
         # Who lives where: every rank publishes its node key; nodes are numbered by first rank.
-        store.set(key(f"node-of/{rank}"), node.encode())
-        keys = [store.get(key(f"node-of/{r}")).decode() for r in range(world_size)]
+        self._put(f"node-of/{rank}", node.encode())
+        keys = [self._take(f"node-of/{r}").decode() for r in range(world_size)]
         order: dict[str, int] = {}
         for k in keys:
             order.setdefault(k, len(order))
         self.node_of_rank = [order[k] for k in keys]
 
-        secret = secret if secret is not None else os.environ.get("SDP_JOB_SECRET")
-        if secret is None:
-            # No launcher-provided secret (plain torchrun): rank 0 makes one and shares it
-            # through the store, so only processes that took part in this rendezvous can connect.
-            if rank == 0:
-                store.set(key("secret"), secrets.token_hex(32).encode())
-            secret = store.get(key("secret"))
-        if isinstance(secret, str):
-            secret = secret.encode()
-
         addr = bind_addr or bind_address()
         self._engine = _engine.Engine(rank, self.node_of_rank, secret, addr, self.timeout, chunk, spin)
         try:
-            port, shm = self._engine.prepare()
+            port, _ = self._engine.prepare()
             if self._engine.is_leader:
-                store.set(key(f"leader/{self._engine.node}"),
-                          json.dumps({"addr": addr, "port": port, "shm": shm}).encode())
-            leaders = [json.loads(store.get(key(f"leader/{n}"))) for n in range(self._engine.num_nodes)]
-            self._engine.connect([d["addr"] for d in leaders], [int(d["port"]) for d in leaders],
-                                 leaders[self._engine.node]["shm"])
+                self._put(f"leader/{self._engine.node}", json.dumps({"addr": addr, "port": port}).encode())
+            leaders = [json.loads(self._take(f"leader/{n}")) for n in range(self._engine.num_nodes)]
+            self._engine.connect([str(d["addr"]) for d in leaders], [int(d["port"]) for d in leaders])
+            self._finish_setup()
         except EngineError as exc:
             self._engine.shutdown()
             raise SmddpError(str(exc)) from None
+
+    # ---- the rendezvous: every value is signed with the job secret, so a store that is not
+    # ours (torch's TCPStore under plain torchrun) cannot be used to redirect a rank
+    def _sign(self, key: str, value: bytes) -> bytes:
+        return hmac.new(self._secret, f"{self._prefix}/{key}".encode() + b"\0" + value, hashlib.sha256).digest()
+
+    def _put(self, key: str, value: bytes) -> None:
+        self._store.set(f"{self._prefix}/{key}", self._sign(key, value) + value)
+
+    def _take(self, key: str) -> bytes:
+        raw = bytes(self._store.get(f"{self._prefix}/{key}"))
+        mac, value = raw[:32], raw[32:]
+        if len(raw) < 32 or not hmac.compare_digest(mac, self._sign(key, value)):
+            raise SmddpError(f"the rendezvous value '{self._prefix}/{key}' was not written by a rank of this job "
+                             "(wrong signature): SDP_JOB_SECRET differs between ranks, or someone else wrote it")
+        return value
+
+    def _finish_setup(self) -> None:
+        """Every rank says it is connected; then rank 0 stops serving the store (nobody needs it
+        any more, and a store that is closed can be reached by nobody) and removes the one-node
+        secret file."""
+        file_secret = "SDP_JOB_SECRET" not in os.environ and single_node()
+        if not (self._close_store or file_secret):
+            return  # the caller owns the store (and may set up more groups through it)
+        self._put(f"ready/{self.rank}", b"1")
+        if self.rank == 0:
+            for r in range(self.world_size):
+                self._take(f"ready/{r}")
+            if self._close_store and hasattr(self._store, "close_server"):
+                self._store.close_server()
+            if file_secret:
+                remove_local_secret()
+        if self._close_store and hasattr(self._store, "close") and self.rank != 0:
+            self._store.close()
+            self._close_store = False
 
     # ---- topology
     @property
@@ -317,10 +339,15 @@ def init(*, timeout: float | None = None, chunk_bytes: int | None = None) -> Com
                            "start this script with %%sdp_train, sdp-train or torchrun")
     from sdp_jupyter.comm.store import TCPKeyValueStore
 
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    t = timeout if timeout is not None else _env_number("SDP_TIMEOUT", DEFAULT_TIMEOUT)
-    store = TCPKeyValueStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), server=rank == 0, timeout=t)
-    _default = Communicator(rank, world, store, timeout=t, chunk_bytes=chunk_bytes, close_store=True)
+    rank, world = env_int("RANK", 0, min=0), env_int("WORLD_SIZE", 1, min=1)
+    t = timeout if timeout is not None else env_float("SDP_TIMEOUT", DEFAULT_TIMEOUT, min=0.001)
+    try:
+        secret = job_secret(rank, t)
+    except SecretError as exc:
+        raise SmddpError(str(exc)) from None
+    store = TCPKeyValueStore(os.environ["MASTER_ADDR"], env_int("MASTER_PORT", 0, min=1), server=rank == 0, timeout=t,
+                             secret=secret)
+    _default = Communicator(rank, world, store, timeout=t, chunk_bytes=chunk_bytes, close_store=True, secret=secret)
     return _default
 
 

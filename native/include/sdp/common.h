@@ -34,4 +34,8 @@ inline double now_s() {
 
 void log_warning(const std::string& msg);
 
+// An integer setting from the environment: `def` when unset or empty; anything but a whole
+// decimal number within [lo, hi] throws an Error naming the variable (no atoi: garbage is refused).
+long long env_int(const char* name, long long def, long long lo, long long hi);
+
 }  // namespace sdp

@@ -59,10 +59,10 @@ class Engine {
   // Set-up, in two steps around a store exchange done by the caller:
   // 1) prepare(): a node leader creates the node's shared memory and starts listening.
   //    It returns the port (0 for non-leaders) and the shared-memory name to publish.
-  // 2) connect(): with every node's leader address/port and its node's shm name.
+  // 2) connect(): with every node's leader address/port. Local ranks learn the node's shared
+  //    memory from their leader over the authenticated connection, never from the store.
   std::pair<int, std::string> prepare();
-  void connect(const std::vector<std::string>& leader_addrs, const std::vector<int>& leader_ports,
-               const std::string& my_node_shm);
+  void connect(const std::vector<std::string>& leader_addrs, const std::vector<int>& leader_ports);
 
   uint64_t submit(Coll c, void* buf, size_t count, DType t, ReduceOp op, int root);
   // Blocks until the handle's collective finished; throws Error if it (or an earlier one) failed.

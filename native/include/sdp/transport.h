@@ -36,6 +36,30 @@ struct FrameHeader {
 #pragma pack(pop)
 static_assert(sizeof(FrameHeader) == 48, "frame header layout");
 
+#pragma pack(push, 1)
+// The handshake's messages (server greeting, client proof, server proof).
+struct ServerHello {
+  uint32_t magic;
+  uint32_t version;
+  uint8_t nonce[32];
+};
+struct ClientProof {
+  uint32_t magic;
+  uint32_t version;
+  uint8_t role;
+  uint8_t pad[3];
+  uint32_t node;
+  uint32_t local_rank;
+  uint32_t rank;
+  uint8_t nonce[32];
+  uint8_t mac[32];
+};
+struct ServerProof {
+  uint32_t magic;
+  uint8_t mac[32];
+};
+#pragma pack(pop)
+
 // Who is on the other end, as proved during the handshake.
 struct PeerIdentity {
   Role role;
@@ -45,16 +69,39 @@ struct PeerIdentity {
 };
 
 int listen_on(const std::string& addr, int* port_out);
-// Connects (retrying until deadline), then runs the client half of the handshake.
+// Connects (non-blocking, retrying until deadline), then runs the client half of the handshake;
+// nothing here waits past `deadline`.
 int connect_to(const std::string& addr, int port, const std::string& secret, const PeerIdentity& me,
                double deadline);
-// Server half of the handshake on an accepted socket. Returns false (and fills why) if the
-// peer did not prove knowledge of the secret or spoke garbage.
-bool accept_handshake(int fd, const std::string& secret, PeerIdentity* who, std::string* why);
+
+// The server half of the handshake on one accepted (non-blocking) socket, advanced by the
+// acceptor's poll loop a few bytes at a time, so a stranger that connects and says nothing
+// holds up nobody: it is dropped at its deadline.
+class ServerHandshake {
+ public:
+  ServerHandshake(int fd, double deadline);  // sends the greeting; failed() if it could not
+  // Reads what has arrived: 1 authenticated (who filled, server proof sent), 0 needs more,
+  // -1 failed (why filled). The caller closes the socket on -1.
+  int step(const std::string& secret, PeerIdentity* who, std::string* why);
+  bool failed() const { return failed_; }
+  int fd() const { return fd_; }
+  double deadline() const { return deadline_; }
+
+ private:
+  int fd_;
+  double deadline_;
+  bool failed_ = false;
+  ServerHello hello_{};
+  ClientProof proof_{};
+  size_t got_ = 0;
+};
 
 void set_nonblocking(int fd);
 void set_bulk_buffers(int fd);
 void set_socket_options(int fd);
+// Peer links: keepalive probes and TCP_USER_TIMEOUT, so a host that vanishes (link cut,
+// power off) is noticed by the kernel even when no data is in flight.
+void set_link_liveness(int fd, double timeout_s);
 // Blocking helpers with a deadline, used during set-up and for error frames.
 bool write_all(int fd, const void* buf, size_t len, double deadline);
 bool read_all(int fd, void* buf, size_t len, double deadline);
