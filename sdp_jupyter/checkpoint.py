@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import secrets
 from pathlib import Path
 
 DEFAULT_NAME = "checkpoint.pt"
@@ -38,11 +39,12 @@ def save(obj, name: str = DEFAULT_NAME, *, all_ranks: bool = False) -> Path | No
     if not all_ranks and os.environ.get("RANK", "0") != "0":
         return None
     directory = checkpoint_dir()
-    directory.mkdir(parents=True, exist_ok=True)
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     path = directory / name
-    tmp = directory / f".{name}.{os.getpid()}.tmp"
+    tmp = directory / f".{name}.{secrets.token_hex(8)}.tmp"
     torch = _torch()
-    with open(tmp, "wb") as f:
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "wb") as f:
         if torch is not None:
             torch.save(obj, f)
         else:
@@ -53,14 +55,23 @@ def save(obj, name: str = DEFAULT_NAME, *, all_ranks: bool = False) -> Path | No
     return path
 
 
-def load(name: str = DEFAULT_NAME, default=None, map_location="cpu"):
-    """The object saved under `name`, or `default` when there is no checkpoint yet."""
+def load(name: str = DEFAULT_NAME, default=None, map_location="cpu", *, weights_only: bool = True):
+    """The object saved under `name`, or `default` when there is no checkpoint yet.
+
+    `weights_only=True` (the default) loads tensors, numbers, strings and containers of them, and
+    refuses anything that would run code while loading: a checkpoint directory others can write
+    to (a shared --checkpoint-dir) cannot be used to run code in your job. Pass
+    `weights_only=False` only for a checkpoint you wrote yourself that holds other objects (an
+    older checkpoint with a pickled optimizer class, say)."""
     path = checkpoint_dir() / name
     if not path.is_file():
         return default
     torch = _torch()
     if torch is not None:
-        return torch.load(path, map_location=map_location, weights_only=False)
+        return torch.load(path, map_location=map_location, weights_only=weights_only)
+    if weights_only:
+        raise RuntimeError(f"{path}: loading a checkpoint without torch needs pickle, which can run code; "
+                           "call sdp_jupyter.checkpoint.load(..., weights_only=False) if you trust this file")
     with open(path, "rb") as f:
         return pickle.load(f)
 

@@ -87,7 +87,6 @@ def test_setup_succeeds_with_idle_connections_open():
     try:
         assert not errors, errors
         assert took < 5.0, f"set-up took {took:.1f} s with idle connections open"
-        import numpy as np
     finally:
         t0 = time.monotonic()
         listener.shutdown()
@@ -173,7 +172,6 @@ def _store(secret=SECRET, timeout=5.0):
 
 def test_store_stranger_reads_and_changes_nothing():
     import socket
-    import struct
 
     from sdp_jupyter.comm.store import StoreAuthError, TCPKeyValueStore, _send_msg
 
@@ -200,9 +198,6 @@ def test_store_stranger_reads_and_changes_nothing():
 
 
 def test_store_bounds():
-    import math
-    import socket
-
     from sdp_jupyter.comm.store import parse_request
 
     for bad in (b"nan", b"inf", b"-1", b"x"):

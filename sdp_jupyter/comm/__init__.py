@@ -16,7 +16,7 @@ import json
 import os
 import socket
 import threading
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import numpy as np
 

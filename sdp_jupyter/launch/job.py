@@ -11,7 +11,6 @@ import importlib
 import importlib.util
 import json
 import os
-import pickle
 import threading
 import time
 from pathlib import Path
@@ -98,13 +97,13 @@ class Job:
         jobdir.prepare(job_dir)
         if spec.code is not None:
             # line 1 is the magic line, so line numbers in tracebacks are the cell's own
-            (job_dir / jobdir.SCRIPT).write_text(f"# {spec.to_magic_line()}\n{spec.code}\n")
+            jobdir.write_private(job_dir / jobdir.SCRIPT, f"# {spec.to_magic_line()}\n{spec.code}\n")
         else:
-            (job_dir / jobdir.SCRIPT).write_text(Path(spec.script).read_text())
+            jobdir.write_private(job_dir / jobdir.SCRIPT, Path(spec.script).read_text())
             spec = spec.replace(script=str(Path(spec.script).resolve()))
-        (job_dir / jobdir.SPEC).write_text(spec.to_json())
+        jobdir.write_private(job_dir / jobdir.SPEC, spec.to_json())
         if push_bytes is not None:
-            (job_dir / jobdir.PUSH).write_bytes(push_bytes)
+            jobdir.write_private(job_dir / jobdir.PUSH, push_bytes)
         return job_dir, spec
 
     # ------------------------------------------------------------------ status
@@ -237,7 +236,7 @@ class Job:
             raise JobError(f"rank {rank} does not exist: job {self.name} has ranks 0..{self.world_size - 1}")
         path = jobdir.log_path(self.dir, int(rank))
         try:
-            return jobdir.tail_text(path.read_text(errors="replace"), tail)
+            return jobdir.read_log(path, tail)
         except FileNotFoundError:
             return ""
 
@@ -250,8 +249,7 @@ class Job:
                 raise JobError(f"job {self.name} is still {state}: call job.wait() first")
             raise JobError(f"job {self.name} ({state}) left no result: rank 0's code must end with an "
                            "expression (like `model.state_dict()`); see job.logs(0)")
-        with open(path, "rb") as f:
-            return pickle.load(f)
+        return jobdir.load_pickle(path)
 
     def metrics(self):
         """The job's metrics: sdp_jupyter.monitor.reader.read(job) (a Frame) when the monitor is

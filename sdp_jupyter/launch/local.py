@@ -314,15 +314,26 @@ class LocalRun:
         return msg
 
     def _read(self, rank: int, proc: subprocess.Popen) -> None:
-        with open(jobdir.log_path(self.job.dir, rank), "ab") as log:
-            for raw in iter(proc.stdout.readline, b""):
+        # Pieces of at most LINE_CAP bytes: the log gets every byte, the views get the first
+        # LINE_CAP of a line (a 64 MiB line is never held whole, nor sent to the notebook).
+        cap = jobdir.LINE_CAP
+        cut = False
+        with jobdir.open_private(jobdir.log_path(self.job.dir, rank)) as log:
+            for raw in iter(lambda: proc.stdout.readline(cap), b""):
                 log.write(raw)
                 log.flush()
-                self.job._emit(rank, raw.decode("utf-8", errors="replace"))
+                if not cut:
+                    text = raw.decode("utf-8", errors="replace")
+                    if not raw.endswith(b"\n") and len(raw) >= cap:
+                        text += f" … [line cut at {cap} bytes in this view; the log has it all]\n"
+                        cut = True
+                    self.job._emit(rank, text)
+                elif raw.endswith(b"\n"):
+                    cut = False
         proc.stdout.close()
 
     def _line(self, rank: int, text: str) -> None:
-        with open(jobdir.log_path(self.job.dir, rank), "a") as log:
+        with jobdir.open_private(jobdir.log_path(self.job.dir, rank), "a") as log:
             log.write(text)
         self.job._emit(rank, text)
 
@@ -354,7 +365,7 @@ class LocalRun:
         env = dict(os.environ, SDP_LAUNCHER_PID=str(os.getpid()),
                    PYTHONPATH=os.pathsep.join(filter(None, [PACKAGE_PARENT, os.environ.get("PYTHONPATH")])))
         for node in range(self.spec.nodes):
-            log = open(self.job.dir / jobdir.LOGS / f"sampler-node-{node}.log", "ab")
+            log = jobdir.open_private(self.job.dir / jobdir.LOGS / f"sampler-node-{node}.log")
             with log:
                 self._samplers.append(subprocess.Popen(
                     [sys.executable, "-m", "sdp_jupyter.launch.worker", "--module", "sdp_jupyter.monitor.sampler",

@@ -83,12 +83,10 @@ def run_script(path: str, argv: list[str], push: dict, want_result: bool):
 
 
 def _save_result(job_dir: str, value, required: bool) -> int:
-    path = os.path.join(job_dir, "result.pkl")
-    tmp = path + ".tmp"
+    from sdp_jupyter.launch.jobdir import write_private
+
     try:
-        with open(tmp, "wb") as f:
-            pickle.dump(value, f)
-        os.replace(tmp, path)
+        write_private(os.path.join(job_dir, "result.pkl"), pickle.dumps(value))
     except Exception as e:
         print(f"[sdp_jupyter] rank 0's result ({type(value).__name__}) could not be pickled: {e}",
               file=sys.stderr)
@@ -118,6 +116,10 @@ def run_module() -> int:
 
 
 def main() -> int:
+    # A kernel started with SIGINT ignored (nohup, a background job, some container entrypoints)
+    # passes SIG_IGN on to its children, and Python then installs no KeyboardInterrupt handler:
+    # Stop's SIGINT would do nothing. A rank always takes SIGINT as Ctrl-C.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     if sys.argv[1:2] == ["--module"]:
         return run_module()
     arm_parent_death_signal()
@@ -128,8 +130,9 @@ def main() -> int:
     push = {}
     push_path = os.path.join(job_dir, "push.pkl")
     if os.path.exists(push_path):
-        with open(push_path, "rb") as f:
-            push = pickle.load(f)
+        from sdp_jupyter.launch.jobdir import load_pickle
+
+        push = load_pickle(push_path)
     rank0 = os.environ.get("RANK", "0") == "0"
     try:
         value = run_script(os.environ["SDP_SCRIPT"], script_arguments(spec), push, want_result=rank0)

@@ -19,8 +19,8 @@ from __future__ import annotations
 import bisect
 import glob
 import json
+import math
 import os
-import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Protocol, runtime_checkable
@@ -56,15 +56,21 @@ def job_dir_of(job_or_dir: Any) -> str:
     raise TypeError(f"cannot find a job directory in {job_or_dir!r}: pass a Job, a path or a MetricsSource")
 
 
+LINE_CAP = 1 << 20    # a metrics line longer than this is skipped (counted), never held whole
+READ_CAP = 4 << 20    # at most this much of a file per poll
+
+
 class _Tail:
     """Follows one JSON-lines file: keeps a partial last line until its newline arrives, starts over
-    when the file shrinks or is replaced."""
+    when the file shrinks or is replaced. Reads are bounded: at most READ_CAP per poll, and a line
+    past LINE_CAP is dropped (counted as bad) up to its newline."""
 
     def __init__(self, path: str):
         self.path = path
         self.offset = 0
         self.ino = None
         self.rest = b""
+        self.skipping = False  # inside an over-long line: drop bytes up to the next newline
 
     def read(self, out: list, bad: list, final: bool) -> None:
         try:
@@ -72,23 +78,67 @@ class _Tail:
         except OSError:
             return  # missing or removed: nothing to read
         if st.st_ino != self.ino or st.st_size < self.offset:
-            self.ino, self.offset, self.rest = st.st_ino, 0, b""
-        if st.st_size > self.offset:
+            self.ino, self.offset, self.rest, self.skipping = st.st_ino, 0, b"", False
+        while st.st_size > self.offset:
             try:
                 with open(self.path, "rb") as f:
                     f.seek(self.offset)
-                    data = f.read(st.st_size - self.offset)
+                    data = f.read(min(st.st_size - self.offset, READ_CAP))
             except OSError:
                 return
+            if not data:
+                return
             self.offset += len(data)
-            data = self.rest + data
-            lines = data.split(b"\n")
+            if self.skipping:
+                nl = data.find(b"\n")
+                if nl < 0:
+                    continue
+                data, self.skipping = data[nl + 1:], False
+            lines = (self.rest + data).split(b"\n")
             self.rest = lines.pop()
             for line in lines:
-                _parse(line, out, bad)
+                if len(line) > LINE_CAP:
+                    bad.append(line[:200])
+                else:
+                    _parse(line, out, bad)
+            if len(self.rest) > LINE_CAP:
+                bad.append(self.rest[:200])
+                self.rest, self.skipping = b"", True
         if final and self.rest:
             _parse(self.rest, out, bad)  # a finished job's unterminated line: keep it if it is whole
             self.rest = b""
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _index(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def valid_record(ev) -> bool:
+    """Whether a parsed metrics line has the types the reader relies on. Valid JSON of the wrong
+    types (a list as rank, t: Infinity, a string as samples) is a bad record, never an exception."""
+    if not isinstance(ev, dict) or not _number(ev.get("t")) or not math.isfinite(ev["t"]):
+        return False
+    if not isinstance(ev.get("kind", ""), str):
+        return False
+    for k in ("rank", "node"):
+        if k in ev and not _index(ev[k]):
+            return False
+    if "total_steps" in ev and ev["total_steps"] is not None and not _index(ev["total_steps"]):
+        return False
+    step = ev.get("step")
+    if step is not None and not (_number(step) or isinstance(step, str)):
+        return False
+    for k in STEP_COLUMNS + SYSTEM_COLUMNS:
+        if k not in ("t", "step") and ev.get(k) is not None and not _number(ev[k]):
+            return False
+    for k in ("source", "device"):
+        if k in ev and not isinstance(ev[k], (str, int)):
+            return False
+    return True
 
 
 def _parse(line: bytes, out: list, bad: list) -> None:
@@ -97,10 +147,10 @@ def _parse(line: bytes, out: list, bad: list) -> None:
         return
     try:
         ev = json.loads(line)
-    except ValueError:  # a cut line, NUL bytes from a crash, text from elsewhere
+    except (ValueError, RecursionError):  # a cut line, NUL bytes from a crash, text from elsewhere
         bad.append(line[:200])
         return
-    if isinstance(ev, dict) and isinstance(ev.get("t"), (int, float)):
+    if valid_record(ev):
         out.append(ev)
     else:
         bad.append(line[:200])

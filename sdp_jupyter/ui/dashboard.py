@@ -85,6 +85,8 @@ def header_text(frame: Frame, name: str = "", ref: Frame | None = None, ref_name
             third.append(f"⚠ input-bound: {100 * frame.input_bound:.0f}% of step time waiting for data")
         else:
             third.append(f"data wait {100 * frame.input_bound:.0f}% of step")
+    if frame.skipped_lines:
+        third.append(f"⚠ {frame.skipped_lines} bad record{'s' if frame.skipped_lines != 1 else ''} skipped")
     return "<br>".join(" · ".join(part) for part in (top, second, third) if part)
 
 

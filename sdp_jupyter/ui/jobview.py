@@ -219,14 +219,16 @@ class JobView(w.VBox):
         state = st.get("state", "pending")
         colour = _STATE_COLOURS.get(state, "#888")
         spec = job.spec
-        restarts = f" · restarts {st.get('restarts')}" if st.get("restarts") else ""
+        # Everything read from the job directory is text someone else may have written: escaped.
+        esc = lambda v: html.escape(str(v))  # noqa: E731
+        restarts = f" · restarts {esc(st.get('restarts'))}" if st.get("restarts") else ""
         self.header.value = (
-            f"<b>{html.escape(job.name)}</b> · <span style='color:{colour}'><b>{state}</b></span>"
-            f" · {job.elapsed:.1f} s · {spec.nodes} node(s) × {spec.procs_per_node or 1} · "
-            f"{spec.backend}{restarts} · <code>{html.escape(str(job.dir))}</code>")
+            f"<b>{esc(job.name)}</b> · <span style='color:{colour}'><b>{esc(state)}</b></span>"
+            f" · {job.elapsed:.1f} s · {esc(spec.nodes)} node(s) × {esc(spec.procs_per_node or 1)} · "
+            f"{esc(spec.backend)}{restarts} · <code>{esc(job.dir)}</code>")
         if st.get("error"):
             self.error.value = (f"<pre style='color:{colour};white-space:pre-wrap;margin:0'>"
-                                f"{html.escape(st['error'])}</pre>")
+                                f"{esc(st['error'])}</pre>")
         if state in ("succeeded", "failed", "stopped"):
             self.stop_button.disabled = True
             self.stop_button.description = "Stop"
