@@ -27,6 +27,16 @@ install_browser() {
     fi
 }
 
+install_test_hosts() {
+    # iproute2 (ip, tc) for the cluster-in-a-box test hosts (sdp_jupyter.testing.cluster).
+    if ! command -v ip >/dev/null 2>&1 || ! command -v tc >/dev/null 2>&1; then
+        echo "[dev.sh] installing iproute2 for the network-namespace test hosts"
+        if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+        $SUDO apt-get update -q >/dev/null
+        DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q iproute2 >/dev/null
+    fi
+}
+
 case "${1:-}" in
     main)
         bootstrap
@@ -35,6 +45,7 @@ case "${1:-}" in
     test)
         bootstrap
         install_browser
+        install_test_hosts
         shift
         exec "$VENV/bin/python" -m pytest -ra "$@"
         ;;

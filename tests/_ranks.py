@@ -32,7 +32,9 @@ class RankResult:
     output: str = ""
 
 
-def start_ranks(target: str, world: int, per_node: int, args=(), env=None, secret=None, tmp=None):
+def start_ranks(target: str, world: int, per_node: int, args=(), env=None, secret=None, tmp=None, wrap=None,
+                master_addr: str = "127.0.0.1"):
+    """`wrap(rank)` -> an argv prefix (e.g. a test host's nsenter) to start that rank under."""
     tmp = tmp or tempfile.mkdtemp(prefix="sdp-ranks-")
     args_path = os.path.join(tmp, "args.pkl")
     with open(args_path, "wb") as f:
@@ -46,7 +48,7 @@ def start_ranks(target: str, world: int, per_node: int, args=(), env=None, secre
         e.update({
             "RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r % per_node),
             "LOCAL_WORLD_SIZE": str(per_node), "GROUP_RANK": str(r // per_node),
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            "MASTER_ADDR": master_addr, "MASTER_PORT": str(port),
             "SDP_JOB_SECRET": secret if not callable(secret) else secret(r),
             "SDP_TEST_ARGS": args_path, "PYTHONPATH": ROOT + os.pathsep + e.get("PYTHONPATH", ""),
         })
@@ -55,7 +57,7 @@ def start_ranks(target: str, world: int, per_node: int, args=(), env=None, secre
         if env:
             e.update({k: str(v) for k, v in (env(r) if callable(env) else env).items()})
         log = open(os.path.join(tmp, f"rank-{r}.log"), "w+")
-        p = subprocess.Popen([sys.executable, os.path.join(HERE, "_rank_entry.py"), target,
+        p = subprocess.Popen((wrap(r) if wrap else []) + [sys.executable, os.path.join(HERE, "_rank_entry.py"), target,
                               os.path.join(tmp, f"result-{r}.pkl")],
                              stdout=log, stderr=subprocess.STDOUT, env=e, cwd=ROOT, start_new_session=True)
         p.log = log  # type: ignore[attr-defined]
@@ -91,8 +93,9 @@ def collect(procs, tmp, timeout: float = 120.0) -> list[RankResult]:
     return results
 
 
-def run_ranks(target: str, world: int, per_node: int, args=(), env=None, timeout: float = 120.0, secret=None):
-    procs, tmp = start_ranks(target, world, per_node, args, env, secret)
+def run_ranks(target: str, world: int, per_node: int, args=(), env=None, timeout: float = 120.0, secret=None,
+              wrap=None, master_addr: str = "127.0.0.1"):
+    procs, tmp = start_ranks(target, world, per_node, args, env, secret, wrap=wrap, master_addr=master_addr)
     return collect(procs, tmp, timeout)
 
 

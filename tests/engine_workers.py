@@ -311,3 +311,44 @@ def mismatch_repeated(iterations: int, budget_s: float):
         time.sleep(0.5)  # let the others read the last key before the store goes
     store.close()
     return {"runs": runs, "successes": successes}
+
+
+def where_am_i():
+    """Host facts, for the test-host checks."""
+    import socket as s
+
+    return {"hostname": s.gethostname(), "shm": sorted(os.listdir("/dev/shm"))}
+
+
+def all_reduce_until_error(n: int, seconds: float):
+    """all_reduce in a loop for up to `seconds`; return the error text (or 'no error') and when."""
+    c = comm.init()
+    x = np.ones(n, dtype=np.float32)
+    c.all_reduce(x)
+    print("ready", flush=True)
+    t0 = time.monotonic()
+    try:
+        while time.monotonic() - t0 < seconds:
+            c.all_reduce(x)
+    except comm.SmddpError as exc:
+        return {"error": str(exc), "after": time.monotonic() - t0}
+    finally:
+        try:
+            comm.shutdown()
+        except Exception:  # noqa: BLE001 - the group is broken, shutting down is best effort
+            pass
+    return {"error": "no error", "after": time.monotonic() - t0}
+
+
+def all_reduce_timed(n: int, repeats: int):
+    """`repeats` all_reduces of n float32; returns the elapsed time and the first element."""
+    c = comm.init()
+    x = np.ones(n, dtype=np.float32)
+    c.all_reduce(x)
+    t0 = time.monotonic()
+    for _ in range(repeats):
+        x[:] = 1
+        c.all_reduce(x)
+    took = time.monotonic() - t0
+    comm.shutdown()
+    return {"took": took, "first": float(x[0])}

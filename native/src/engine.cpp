@@ -144,7 +144,12 @@ Engine::~Engine() {
 }
 
 std::string Engine::rank_name(int r) const {
-  return "rank " + std::to_string(r) + " (node " + std::to_string(cfg_.node_of_rank[r]) + ")";
+  int n = cfg_.node_of_rank[r];
+  std::string s = "rank " + std::to_string(r) + " (node " + std::to_string(n);
+  // Ranks of other nodes are named with their host's address too: "the host is unreachable"
+  // is what a user needs to know when a link fails.
+  if (n != node_ && size_t(n) < node_addrs_.size() && !node_addrs_[n].empty()) s += " at " + node_addrs_[n];
+  return s + ")";
 }
 
 std::string Engine::ranks_list(const std::vector<int>& ranks) const {
@@ -263,6 +268,7 @@ void Engine::connect(const std::vector<std::string>& addrs, const std::vector<in
   int N = num_nodes(), L = local_size();
   if (int(addrs.size()) != N || int(ports.size()) != N) throw Error("connect: need one leader address per node");
   double deadline = now_s() + cfg_.timeout_s;
+  node_addrs_ = addrs;
   PeerIdentity me{is_leader() ? Role::NODE : Role::LOCAL, uint32_t(node_), uint32_t(local_), uint32_t(cfg_.rank)};
   if (!is_leader()) {
     leader_fd_ = connect_to(addrs[node_], ports[node_], cfg_.secret, me, deadline);
@@ -608,6 +614,14 @@ void Engine::node_barrier() {
       std::vector<int> late;
       for (int l = 0; l < L; ++l)
         if (shm_->rank_arrivals[l].load() < mine) late.push_back(ranks_of_node_[node_][l]);
+      // Only the leader is late and it talks to other nodes: it is most likely waiting on the
+      // network under the same deadline. Give it a moment to publish the better error (which
+      // names the unreachable node) instead of blaming it.
+      if (num_nodes() > 1 && late.size() == 1 && late[0] == ranks_of_node_[node_][0] &&
+          now_s() < op_deadline_ + 2.0) {
+        futex_wait(&shm_->wake, w, 2000);
+        continue;
+      }
       fail("timed out after " + fmt_seconds(cfg_.timeout_s) + " s in " + cur_desc_ + " waiting for rank(s) " +
            ranks_list(late) + " of node " + std::to_string(node_) + " (stalled or not calling this collective)");
     }
@@ -899,10 +913,10 @@ void Engine::exchange(int scatter_set) {
     if (r == 0 || (r < 0 && errno == EINTR)) {
       check_health();
       if (now_s() > op_deadline_) {
-        std::vector<int> late;
-        for (Peer* p : who) late.push_back(p->rank);
-        fail("timed out after " + fmt_seconds(cfg_.timeout_s) + " s in " + cur_desc_ + " waiting for node leader rank(s) " +
-             ranks_list(late) + " (that node is stalled, or a rank there is not calling this collective)");
+        std::string late;
+        for (Peer* p : who) late += (late.empty() ? "" : ", ") + rank_name(p->rank);
+        fail("timed out after " + fmt_seconds(cfg_.timeout_s) + " s in " + cur_desc_ + " waiting for node leader " + late +
+             " (that host is unreachable or stalled, or a rank there is not calling this collective)");
       }
     }
   }

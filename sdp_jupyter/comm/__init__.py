@@ -42,8 +42,8 @@ class SmddpError(RuntimeError):
 
 def node_key() -> str:
     """What identifies this rank's node: GROUP_RANK as launchers set it, else the host name."""
-    group = os.environ.get("GROUP_RANK")
-    return f"group-{group}" if group is not None else f"host-{socket.gethostname()}"
+    group = (os.environ.get("GROUP_RANK") or "").strip()
+    return f"group-{group}" if group else f"host-{socket.gethostname()}"
 
 
 def bind_address() -> str:

@@ -155,6 +155,7 @@ class Engine {
 
   EngineConfig cfg_;
   std::vector<std::vector<int>> ranks_of_node_;
+  std::vector<std::string> node_addrs_;  // each node leader's address, for messages
   int node_ = 0, local_ = 0, port_ = 0;
   int listen_fd_ = -1;
   std::string shm_name_;
