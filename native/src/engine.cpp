@@ -274,12 +274,13 @@ void Engine::run(const Work& w) {
   seq++;
   desc = describe(w, seq);
   deadline = now_s() + cfg_.timeout_s;
-  if (world_size() == 1) {
-    if (w.coll == Coll::ALLREDUCE && w.op == ReduceOp::AVG) copy_scaled(w.dtype, w.buf, w.buf, w.count, 1.0);
-    return;
+  if (world_size() == 1) return;  // every collective of one rank leaves its buffer as it is
+  switch (w.coll) {
+    case Coll::ALLREDUCE: colls_.all_reduce(w); break;
+    case Coll::BROADCAST: colls_.broadcast(w); break;
+    case Coll::ALLGATHER: colls_.all_gather(w); break;
+    case Coll::REDUCE_SCATTER: colls_.reduce_scatter(w); break;
   }
-  if (w.coll == Coll::ALLREDUCE) colls_.all_reduce(w);
-  else colls_.broadcast(w);
 }
 
 // ---------------------------------------------------------------- the first-error latch

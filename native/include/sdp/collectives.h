@@ -1,6 +1,6 @@
 // The collectives, written against the peer links (post send / post receive / exchange) and
 // the shared-memory node (slots, barrier, descriptions) only: no socket, no thread, no queue.
-// One file per family: allreduce.cpp, broadcast.cpp.
+// One file per family: allreduce.cpp, broadcast.cpp, allgather.cpp, reducescatter.cpp.
 #pragma once
 #include <cstddef>
 #include <vector>
@@ -25,6 +25,9 @@ class Collectives {
 
   void all_reduce(const Work& w);
   void broadcast(const Work& w);
+  // In place on world_size blocks of w.count elements (see Coll).
+  void all_gather(const Work& w);
+  void reduce_scatter(const Work& w);
 
  private:
   // all_reduce across nodes (allreduce.cpp)
@@ -35,6 +38,9 @@ class Collectives {
   void post_gather(const FrameHeader& base, char* red, size_t off, size_t n);
   void reduce_shard(const Work& w, char* red, size_t n, int set);
   size_t recv_slot_bytes() const;
+  // reduce_scatter paths (reducescatter.cpp)
+  void node_reduce_scatter(const Work& w, double divisor);
+  void tcp_reduce_scatter(const Work& w, double divisor);
   char* recv_slot(int set, int k);
 
   const Topology& topo_;
@@ -46,6 +52,7 @@ class Collectives {
   std::vector<char> recv_buf_;      // leader: one shard-sized buffer per peer node, two sets
   std::vector<char> small_buf_;     // one rank per node: N+1 small buffers (peers' data, the sum)
   std::vector<const void*> srcs_;
+  std::vector<char> rs_buf_;        // one rank per node: the other nodes' blocks for this rank
   int small_set_ = 0;
 };
 
