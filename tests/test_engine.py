@@ -191,6 +191,23 @@ def test_native_all_gather_and_reduce_scatter_many_chunks(world, per_node):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("nodes", [(0, 0, 1), (0, 1, 1, 1), (0, 1, 1)])
+def test_nodes_of_different_sizes(nodes):
+    # A launcher may start a different number of ranks on each node: a node of one rank and a
+    # node of several must take the same path across nodes (small and large, every collective).
+    world = len(nodes)
+    cases = []
+    for n in (1, 1001, 40 * 1024 + 3):
+        cases += [("all_reduce", n, "float32", "sum", 0), ("all_reduce", n, "float16", "avg", 0),
+                  ("broadcast", n, "float32", "sum", world - 1), ("all_gather", n, "float32", "sum", 0),
+                  ("reduce_scatter", n, "float32", "sum", 0)]
+    results = run_ranks("engine_workers:collectives", world, world, args=(cases,), timeout=120,
+                        env=lambda r: {"GROUP_RANK": str(nodes[r]), "SDP_CHUNK_BYTES": str(64 << 10)})
+    vals = check(results, cases, world)
+    assert [v["node"] for v in vals] == list(nodes)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("coll", ["all_gather", "reduce_scatter"])
 @pytest.mark.parametrize("world,per_node", [(2, 2), (2, 1), (4, 2)])
 def test_gather_scatter_mismatch_fails_every_rank(coll, world, per_node):

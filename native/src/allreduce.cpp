@@ -14,7 +14,7 @@ void Collectives::start() {
   int N = topo_.num_nodes(), L = topo_.local_size();
   if (topo_.is_leader()) {
     if (N > 1) recv_buf_.assign(2 * size_t(N) * recv_slot_bytes(), 0);  // two sets, touched once now
-    if (N > 1 && L == 1) small_buf_.assign(size_t(N + 1) * kSmallBytes, 0);
+    if (N > 1 && one_rank_per_node()) small_buf_.assign(size_t(N + 1) * kSmallBytes, 0);
   }
   srcs_.resize(size_t(std::max(L, N) + 1));
 }
@@ -154,32 +154,36 @@ void Collectives::all_reduce(const Work& w) {
     copy_scaled(w.dtype, w.buf, w.buf, w.count, divisor);
     return;
   }
-  if (L == 1) {
+  if (one_rank_per_node()) {
     if (w.count * esz <= kSmallBytes) small_tcp_allreduce(w, divisor);
     else pipelined_allreduce(w, divisor);
     return;
   }
+  // Several ranks on some node (this one may have only one: then it reduces in its buffer).
   for (size_t off = 0; off < w.count; off += chunk) {
     size_t n = std::min(chunk, w.count - off);
     char* user = w.buf + off * esz;
-    // Only the parts other ranks reduce go through shared memory; this rank reads its own
-    // part straight from its buffer (saves 1/L of the copy-in).
-    size_t p0 = n * size_t(local) / size_t(L), p1 = n * size_t(local + 1) / size_t(L);
-    std::memcpy(shm_.slot(local), user, p0 * esz);
-    std::memcpy(shm_.slot(local) + p1 * esz, user + p1 * esz, (n - p1) * esz);
-    if (off == 0) shm_.publish_desc(w, 2);
-    shm_.barrier();
-    if (off == 0) shm_.check_descs(2);
-    for (int l = 0; l < L; ++l) srcs_[l] = shm_.slot(l) + p0 * esz;
-    srcs_[local] = user + p0 * esz;
-    char* red = shm_.red_area();
-    reduce_many(w.dtype, w.op, red + p0 * esz, srcs_.data(), L, p1 - p0);
-    shm_.barrier();
-    if (N > 1) {
-      if (topo_.is_leader()) inter_node_allreduce(w, red, off, n);
+    char* red = user;
+    if (L > 1) {
+      // Only the parts other ranks reduce go through shared memory; this rank reads its own
+      // part straight from its buffer (saves 1/L of the copy-in).
+      size_t p0 = n * size_t(local) / size_t(L), p1 = n * size_t(local + 1) / size_t(L);
+      std::memcpy(shm_.slot(local), user, p0 * esz);
+      std::memcpy(shm_.slot(local) + p1 * esz, user + p1 * esz, (n - p1) * esz);
+      if (off == 0) shm_.publish_desc(w, 2);
+      shm_.barrier();
+      if (off == 0) shm_.check_descs(2);
+      for (int l = 0; l < L; ++l) srcs_[l] = shm_.slot(l) + p0 * esz;
+      srcs_[local] = user + p0 * esz;
+      red = shm_.red_area();
+      reduce_many(w.dtype, w.op, red + p0 * esz, srcs_.data(), L, p1 - p0);
       shm_.barrier();
     }
-    copy_scaled(w.dtype, user, red, n, divisor);
+    if (N > 1) {
+      if (topo_.is_leader()) inter_node_allreduce(w, red, off, n);
+      if (L > 1) shm_.barrier();
+    }
+    if (red != user || divisor != 1.0) copy_scaled(w.dtype, user, red, n, divisor);
   }
 }
 

@@ -13,10 +13,10 @@
 namespace sdp {
 
 void Collectives::reduce_scatter(const Work& w) {
-  int L = topo_.local_size(), N = topo_.num_nodes();
+  int N = topo_.num_nodes();
   double divisor = w.op == ReduceOp::AVG ? double(topo_.world_size()) : 1.0;
   if (N == 1) return node_reduce_scatter(w, divisor);
-  if (L == 1) return tcp_reduce_scatter(w, divisor);
+  if (one_rank_per_node()) return tcp_reduce_scatter(w, divisor);
   Work whole = w;
   whole.count = w.count * size_t(topo_.world_size());
   all_reduce(whole);

@@ -30,6 +30,9 @@ class Collectives {
   void reduce_scatter(const Work& w);
 
  private:
+  // Every node has exactly one rank: the paths that keep the data in the user's buffer. Decided
+  // from the whole layout, never from this node's size alone, so every node takes the same path.
+  bool one_rank_per_node() const { return topo_.world_size() == topo_.num_nodes(); }
   // all_reduce across nodes (allreduce.cpp)
   void inter_node_allreduce(const Work& w, char* red, size_t off, size_t n);
   void pipelined_allreduce(const Work& w, double divisor);
