@@ -76,10 +76,10 @@ def refusals():
 
 def functional_and_mesh(backend: str):
     """_resolve_process_group, functional collectives, a 1-D DeviceMesh and DTensor on the group."""
-    from torch.distributed._functional_collectives import all_gather_tensor, all_reduce
+    from torch.distributed._functional_collectives import all_gather_tensor, all_reduce, reduce_scatter_tensor
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.distributed_c10d import _resolve_process_group
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
     rank, world = _init(backend)
     pg = dist.group.WORLD
@@ -93,6 +93,9 @@ def functional_and_mesh(backend: str):
     d = distribute_tensor(full, mesh, [Shard(0)])
     out["dtensor_local"] = d.to_local().tolist()
     out["dtensor_full"] = d.redistribute(mesh, [Replicate()]).to_local().tolist()
+    part = DTensor.from_local(torch.arange(2.0 * world) * (rank + 1), mesh, [Partial()])
+    out["dtensor_partial_to_shard"] = part.redistribute(mesh, [Shard(0)]).to_local().tolist()
+    out["fc_reduce_scatter"] = torch.as_tensor(reduce_scatter_tensor(torch.arange(2.0 * world), "sum", 0, pg)).tolist()
     dist.destroy_process_group()
     return out
 
