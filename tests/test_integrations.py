@@ -61,3 +61,34 @@ def test_accelerate_launch_on_smddp_matches_gloo(tmp_path):
         assert all(s["backend"] == backend and s["world"] == 2 for s in saved)
         runs[backend] = [s["state"] for s in saved]
     _assert_same_weights(runs)
+
+
+def _ray_run(backend: str, out: str, secret: str):
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+    from integration_workers import ray_train_loop
+
+    os.makedirs(out, exist_ok=True)
+    trainer = TorchTrainer(ray_train_loop, train_loop_config={"out": out},
+                           torch_config=TorchConfig(backend=backend),
+                           scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
+                           run_config=RunConfig(storage_path=os.path.join(out, "ray"), name=backend))
+    trainer.fit()
+    saved = [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(2)]
+    assert all(s["backend"] == backend for s in saved)
+    return [s["state"] for s in saved]
+
+
+@pytest.mark.slow
+def test_ray_train_torch_config_smddp_matches_gloo(tmp_path):
+    ray = pytest.importorskip("ray")
+    secret = "ab" * 16
+    # the recipe: the job secret reaches Ray's workers through runtime_env env vars
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"SDP_JOB_SECRET": secret,
+                                       "PYTHONPATH": HELPERS + os.pathsep + ROOT}})
+    try:
+        runs = {b: _ray_run(b, str(tmp_path / b), secret) for b in ("smddp", "gloo")}
+    finally:
+        ray.shutdown()
+    _assert_same_weights(runs)
