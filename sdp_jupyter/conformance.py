@@ -2,6 +2,7 @@
 
     python -m sdp_jupyter.conformance                      # the default selection, world size 2
     python -m sdp_jupyter.conformance -k scatter -k gather # tests whose name holds any pattern
+    python -m sdp_jupyter.conformance -k 'test_gather$'    # exactly that test
     python -m sdp_jupyter.conformance --world-size 8 -k _group
     python -m sdp_jupyter.conformance --all --budget 3600  # everything, stop after an hour
 
@@ -40,7 +41,7 @@ DEFAULT_PATTERNS = (
     "test_scatter", "test_send_recv", "test_isend", "test_irecv", "test_batch_isend_irecv_gloo",
     "test_barrier", "test_barrier_timeout", "test_all_to_all", "test_sparse_all_reduce_sum",
     "test_scatter_object_list", "test_gather_object", "test_all_gather_object", "test_broadcast_object_list",
-    "test_grads_same_across_ranks_with_no_sync", "test_DistributedDataParallel_SyncBatchNorm",
+    "test_grads_same_across_ranks_with_no_sync",
 )
 
 
@@ -113,8 +114,16 @@ def all_test_names() -> list[str]:
 EXCLUDE = ("cuda", "nccl", "profiler")
 
 
+def _matches(name: str, pattern: str) -> bool:
+    """Case-insensitive substring; a trailing "$" anchors the end ("test_gather$" is one test)."""
+    name, pattern = name.lower(), pattern.lower()
+    if pattern.endswith("$"):
+        return name.endswith(pattern[:-1])
+    return pattern in name
+
+
 def select(names: list[str], patterns, exclude=EXCLUDE) -> list[str]:
-    return [n for n in names if any(p.lower() in n.lower() for p in patterns)
+    return [n for n in names if any(_matches(n, p) for p in patterns)
             and not any(x in n.lower() for x in exclude)]
 
 
@@ -181,7 +190,8 @@ def render(rows, world: int, smddp: dict, gloo: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m sdp_jupyter.conformance", description=__doc__.split("\n\n")[0])
-    ap.add_argument("-k", dest="patterns", action="append", help="run tests whose name holds this (repeatable)")
+    ap.add_argument("-k", dest="patterns", action="append",
+                    help="run tests whose name holds this (repeatable; a trailing $ anchors the end)")
     ap.add_argument("--all", action="store_true", help="every test of the suite (slow: ~10-15 s each per backend)")
     ap.add_argument("--world-size", type=int, default=2, help="ranks per test; the group tests need 8")
     ap.add_argument("--budget", type=float, default=1800.0, help="seconds for the whole run (split between backends)")
