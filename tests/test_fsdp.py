@@ -22,7 +22,7 @@ def test_group_is_named_and_registered_and_drives_functional_collectives_and_dte
     for s, g in zip(smddp, gloo):
         assert s["resolves"] and s["name"] == g["name"] == "0"
         assert s["mesh_backend"] == "smddp" and g["mesh_backend"] == "gloo"
-        for k in ("fc_all_reduce", "fc_all_gather", "fc_reduce_scatter", "dtensor_local", "dtensor_full",
+        for k in ("fc_all_reduce", "fc_broadcast", "fc_all_to_all_single", "fc_all_gather", "fc_reduce_scatter", "dtensor_local", "dtensor_full",
                   "dtensor_partial_to_shard"):
             assert s[k] == g[k], k
 

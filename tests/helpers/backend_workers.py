@@ -76,7 +76,8 @@ def refusals():
 
 def functional_and_mesh(backend: str):
     """_resolve_process_group, functional collectives, a 1-D DeviceMesh and DTensor on the group."""
-    from torch.distributed._functional_collectives import all_gather_tensor, all_reduce, reduce_scatter_tensor
+    from torch.distributed._functional_collectives import (all_gather_tensor, all_reduce, all_to_all_single,
+                                                           broadcast, reduce_scatter_tensor)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.distributed_c10d import _resolve_process_group
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
@@ -86,6 +87,9 @@ def functional_and_mesh(backend: str):
     out = {"resolves": _resolve_process_group(pg.group_name) is pg, "name": pg.group_name}
     t = torch.ones(4) * (rank + 1)
     out["fc_all_reduce"] = torch.as_tensor(all_reduce(t, "sum", pg)).tolist()
+    out["fc_broadcast"] = torch.as_tensor(broadcast(t, 1, pg)).tolist()
+    out["fc_all_to_all_single"] = torch.as_tensor(
+        all_to_all_single(torch.arange(2.0 * world) + 10 * rank, None, None, pg)).tolist()
     out["fc_all_gather"] = torch.as_tensor(all_gather_tensor(t, 0, pg)).tolist()
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     out["mesh_backend"] = dist.get_backend(mesh.get_group("dp"))
