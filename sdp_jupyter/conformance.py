@@ -81,6 +81,14 @@ def _status_of(result) -> str:
     return "skipped" if result.skipped else "passed"
 
 
+def _reason(text: str) -> str:
+    """The line that says why: the last exception line of a (child rank's) traceback, else the last line."""
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    errors = [ln for ln in lines if ("Error" in ln or "Exception" in ln) and ":" in ln
+              and "PYTORCH_PRINT_REPRO" not in ln and not ln.startswith("File ")]
+    return (errors or lines or [""])[-1][:300]
+
+
 def _worker(out_path: str, names: list[str]) -> None:
     """Run the named tests of the suite for $SDP_CONFORMANCE_BACKEND; append one JSON line per test."""
     import unittest
@@ -94,7 +102,7 @@ def _worker(out_path: str, names: list[str]) -> None:
         status = _status_of(result)
         detail = ""
         for _, msg in result.failures + result.errors + result.skipped:
-            detail = msg.strip().splitlines()[-1][:300] if msg else ""
+            detail = _reason(msg or "")
         with open(out_path, "a") as f:
             f.write(json.dumps({"test": name, "status": status, "detail": detail,
                                 "seconds": round(time.monotonic() - start, 1)}) + "\n")
