@@ -245,6 +245,11 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         buf, finish = _staged(t)
         return self._submit(COLL_BROADCAST, buf.data_ptr(), buf.numel(), _dtype_code(t), 0, root), buf, finish
 
+    def _merged(self, works, result):
+        """One work handle for several (the coalesced variants)."""
+        return SmddpWork(self, [h for sw in works for h in sw._handles], result, [sw._keep for sw in works],
+                         [f for sw in works for f in sw._finish])
+
     def _work(self, triples, result):
         return SmddpWork(self, [h for h, _, _ in triples], result, [b for _, b, _ in triples],
                          [f for _, _, f in triples])
@@ -303,9 +308,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
     _allgather_base = all_gather_single
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
-        works = [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)]
-        return SmddpWork(self, [h for sw in works for h in sw._handles], outputs, [sw._keep for sw in works],
-                         [f for sw in works for f in sw._finish])
+        return self._merged([self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)], outputs)
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         op = opts.reduceOp if opts is not None else ReduceOp.SUM
@@ -333,9 +336,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
-        works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)]
-        return SmddpWork(self, [h for sw in works for h in sw._handles], outputs, [sw._keep for sw in works],
-                         [f for sw in works for f in sw._finish])
+        return self._merged([self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)], outputs)
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
