@@ -41,7 +41,7 @@ def test_portable_build_without_intrinsics():
     import sys
 
     check = subprocess.run([sys.executable, "-c", "from sdp_jupyter import _engine; print(_engine.kernel_isa())"],
-                           capture_output=True, text=True, env={"PYTHONPATH": str(root)})
+                           capture_output=True, text=True, env={"PYTHONPATH": str(root)}, cwd=str(root))
     assert check.stdout.strip() == "portable", check.stderr
     p = run_pytest(root, ["test_engine.py", "-k", "kernels_match or every_collective or bf16 or mismatch"], timeout=600)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
