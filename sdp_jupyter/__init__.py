@@ -9,12 +9,17 @@ import importlib
 
 __version__ = "0.1.0"
 
-# public name -> "module:attribute"
+# public name -> "module:attribute" ("module:" for the module itself)
 _LAZY = {
     "launch": "sdp_jupyter.launch:launch",
     "Job": "sdp_jupyter.launch:Job",
     "JobSpec": "sdp_jupyter.launch:JobSpec",
+    "get_job": "sdp_jupyter.launch:get_job",
+    "list_jobs": "sdp_jupyter.launch:list_jobs",
     "report": "sdp_jupyter.monitor.reporter:report",
+    "timed": "sdp_jupyter.monitor.reporter:timed",
+    "checkpoint": "sdp_jupyter.checkpoint:",
+    "dashboard": "sdp_jupyter.ui.dashboard:dashboard",
     "JobSetup": "sdp_jupyter.ui.setup:JobSetup",
     "AdvisorView": "sdp_jupyter.ui.advisor:AdvisorView",
 }
@@ -27,7 +32,8 @@ def __getattr__(name: str):
     if target is None:
         raise AttributeError(f"module 'sdp_jupyter' has no attribute {name!r}")
     module_name, attr = target.split(":")
-    value = getattr(importlib.import_module(module_name), attr)
+    module = importlib.import_module(module_name)
+    value = getattr(module, attr) if attr else module
     globals()[name] = value
     return value
 

@@ -38,6 +38,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from sdp_jupyter._env import FALSE, TRUE, env_bool
+
 GiB = 1 << 30
 HEADROOM = 0.85
 DEFAULT_OVERHEAD = 1.5 * GiB
@@ -280,20 +282,17 @@ class ParallelConfig:
             v = env.get(name, "").strip().lower()
             if v in ("", None):
                 return default
-            return {"1": truthy, "true": truthy, "yes": truthy, "0": "none", "false": "none",
-                    "no": "none"}.get(v, v)
+            return truthy if v in TRUE else "none" if v in FALSE else v
 
         return cls(tp=num("SDP_TP", 1), pp=num("SDP_PP", 1),
                    microbatches=num("SDP_MICROBATCHES", 1),
                    active_microbatches=num("SDP_ACTIVE_MICROBATCHES", None),
                    sharding=choice("SDP_SHARD_OPTIMIZER", "none", "optimizer"),
                    checkpointing=choice("SDP_CHECKPOINT_ACTIVATIONS", "none", "layer"),
-                   offload_activations=env.get("SDP_OFFLOAD_ACTIVATIONS", "0").strip().lower()
-                   in ("1", "true", "yes"),
+                   offload_activations=env_bool("SDP_OFFLOAD_ACTIVATIONS", False, environ=env),
                    schedule=env.get("SDP_PIPELINE_SCHEDULE", "1f1b").strip().lower() or "1f1b",
                    virtual_stages=num("SDP_VIRTUAL_STAGES", 1),
-                   sequence_parallel=env.get("SDP_SEQUENCE_PARALLEL", "1").strip().lower()
-                   not in ("0", "false", "no"))
+                   sequence_parallel=env_bool("SDP_SEQUENCE_PARALLEL", True, environ=env))
 
 
 @dataclass(frozen=True)

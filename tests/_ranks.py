@@ -13,7 +13,9 @@ import time
 from dataclasses import dataclass
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+# SDP_TEST_PACKAGE_ROOT: where sdp_jupyter comes from for the ranks (a sanitizer or portable build
+# of the engine, see tests/test_native_builds.py); the repository by default.
+ROOT = os.environ.get("SDP_TEST_PACKAGE_ROOT") or os.path.dirname(HERE)
 
 
 def free_port() -> int:

@@ -73,3 +73,41 @@ def test_16bit_and_integer_and_bool_tensors():
         assert v["torch.bfloat16"] == [0.0, 3.0, 6.0, 9.0, 12.0]
         assert v["torch.int64"] == [0, 3, 6, 9, 12]
         assert v["torch.bool"] == [True] * 5
+
+
+# ---- every operation through torch's public API, gloo as the oracle; refusals; torch's error types
+import os as _os  # noqa: E402
+
+from _ranks import ROOT as _ROOT  # noqa: E402
+
+_HELPERS_ENV = {"PYTHONPATH": _os.path.join(_ROOT, "tests", "helpers") + _os.pathsep + _ROOT}
+
+
+def _run_workers(target, world, *args, env=None, timeout=150):
+    return run_ranks(f"backend_workers:{target}", world, world, args=args,
+                     env={**_HELPERS_ENV, **(env or {})}, timeout=timeout)
+
+
+def test_gather_scatter_all_to_all_coalesced_and_object_collectives_match_gloo():
+    smddp = assert_all_ok(_run_workers("ops", 2, "smddp"))
+    gloo = assert_all_ok(_run_workers("ops", 2, "gloo"))
+    assert smddp == gloo
+    assert smddp[1]["all_to_all_single"] == [2.0, 3.0, 102.0, 103.0]
+
+
+def test_operations_not_done_yet_name_themselves_and_the_way_around():
+    vals = assert_all_ok(_run_workers("refusals", 2))
+    for v in vals:
+        for key in ("send", "recv", "recv_any"):
+            assert v[key].startswith("SmddpUnsupportedError") and "gloo" in v[key], v[key]
+        assert "sparse" in v["sparse"] and "to_dense" in v["sparse"]
+        assert "uneven splits" in v["uneven"]
+        assert not any("No backend type associated" in m for m in v.values())
+
+
+def test_timeout_is_torchs_dist_backend_error_and_says_timed_out():
+    res = _run_workers("timeout_error", 2, env={"SDP_TIMEOUT": "1"}, timeout=60)
+    v = res[0].value
+    assert res[0].ok, res[0].error + res[0].output[-2000:]
+    assert v["dist_backend_error"] and v["smddp_error"], v
+    assert " Timed out " in v["message"], v["message"]

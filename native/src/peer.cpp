@@ -156,6 +156,10 @@ bool Links::pump_recv(Peer& p) {
         std::string m(std::min<uint64_t>(g.nbytes, 4096), '\0');
         if (m.empty() || !read_all(p.fd, m.data(), m.size(), now_s() + 2.0) || m.find_first_not_of('\0') == std::string::npos)
           m = "rank " + std::to_string(g.src_rank) + " reported an error (its message was lost)";
+        // A peer's text becomes a Python exception message: printable ASCII only (bytes that are
+        // not valid UTF-8 once turned the engine's error into a UnicodeDecodeError: the fuzzer's find).
+        for (char& c : m)
+          if ((c < 0x20 || c > 0x7e) && c != '\n' && c != '\t') c = '?';
         op_.fail(m, /*remote=*/true);
       }
       if (g.type == uint8_t(FrameType::BYE)) {

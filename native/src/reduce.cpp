@@ -1,6 +1,14 @@
 #include "sdp/reduce.h"
 
+// The AVX2/F16C kernels exist only on x86-64 and only when the build allows intrinsics
+// (SDP_PORTABLE=1 at build time defines SDP_NO_INTRINSICS: a build for any CPU, or a check that
+// the portable kernels alone are correct). Elsewhere the portable kernels are all there is.
+#if (defined(__x86_64__) || defined(__i386__)) && !defined(SDP_NO_INTRINSICS)
+#define SDP_HAVE_AVX2 1
 #include <immintrin.h>
+#else
+#define SDP_HAVE_AVX2 0
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -191,6 +199,7 @@ SDP_INLINE void scale_dispatch(DType t, void* dst, const void* src, size_t count
 }
 
 // ---- AVX2 + F16C build ----
+#if SDP_HAVE_AVX2
 struct F16Avx {
   static __attribute__((target("avx2,f16c,fma"), noinline)) void load(float* out, const uint16_t* in, size_t n) {
     size_t i = 0;
@@ -214,6 +223,7 @@ __attribute__((target("avx2,f16c,fma"))) void scale_avx2(DType t, void* dst, con
                                                          double divisor) {
   scale_dispatch<F16Avx, BF16Portable>(t, dst, src, count, divisor);
 }
+#endif
 void reduce_portable(DType t, ReduceOp op, void* dst, const void* const* srcs, int n, size_t count) {
   reduce_dispatch<F16Portable, BF16Portable>(t, op, dst, srcs, n, count);
 }
@@ -222,6 +232,7 @@ void scale_portable(DType t, void* dst, const void* src, size_t count, double di
 }
 
 bool use_avx2() {
+#if SDP_HAVE_AVX2
   static const bool v = [] {
     const char* off = std::getenv("SDP_NO_SIMD");
     if (off && off[0] && off[0] != '0') return false;
@@ -229,14 +240,19 @@ bool use_avx2() {
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
   }();
   return v;
+#else
+  return false;
+#endif
 }
 
 }  // namespace
 
 void reduce_many(DType t, ReduceOp op, void* dst, const void* const* srcs, int nsrc, size_t count) {
   if (count == 0 || nsrc <= 0) return;
-  if (use_avx2()) reduce_avx2(t, op, dst, srcs, nsrc, count);
-  else reduce_portable(t, op, dst, srcs, nsrc, count);
+#if SDP_HAVE_AVX2
+  if (use_avx2()) return reduce_avx2(t, op, dst, srcs, nsrc, count);
+#endif
+  reduce_portable(t, op, dst, srcs, nsrc, count);
 }
 
 void copy_scaled(DType t, void* dst, const void* src, size_t count, double divisor) {
@@ -245,8 +261,10 @@ void copy_scaled(DType t, void* dst, const void* src, size_t count, double divis
     if (dst != src) std::memcpy(dst, src, count * dtype_size(t));
     return;
   }
-  if (use_avx2()) scale_avx2(t, dst, src, count, divisor);
-  else scale_portable(t, dst, src, count, divisor);
+#if SDP_HAVE_AVX2
+  if (use_avx2()) return scale_avx2(t, dst, src, count, divisor);
+#endif
+  scale_portable(t, dst, src, count, divisor);
 }
 
 const char* kernel_isa() { return use_avx2() ? "avx2+f16c" : "portable"; }

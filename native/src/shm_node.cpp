@@ -63,7 +63,14 @@ void futex_wake_all(std::atomic<uint32_t>* addr) {
   syscall(SYS_futex, reinterpret_cast<uint32_t*>(addr), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
 }
 
-inline void cpu_relax() { __builtin_ia32_pause(); }
+// A spin-wait hint: pause on x86, yield on ARM, nothing where neither exists (or in a portable build).
+inline void cpu_relax() {
+#if (defined(__x86_64__) || defined(__i386__)) && !defined(SDP_NO_INTRINSICS)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__) && !defined(SDP_NO_INTRINSICS)
+  asm volatile("yield");
+#endif
+}
 
 // Segments are named /sdp-<leader pid>-<random>. A leader killed during set-up (before every
 // local rank mapped the segment and it was unlinked) leaves one behind: the next leader of this

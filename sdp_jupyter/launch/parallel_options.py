@@ -17,7 +17,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from sdp_jupyter.launch.spec import Option, SpecError, _whole
+from sdp_jupyter._env import FALSE, TRUE
+
+from sdp_jupyter.launch.spec import Option, SpecError, parse_whole
 
 PARALLEL_OPTIONS: tuple[Option, ...] = (
     Option("--tp", "parallel.tp", "tensor-parallel degree: a power of two, at most --procs-per-node "
@@ -66,7 +68,7 @@ _KNOB_FLAGS = {"tp": "--tp", "tp/pp": "--tp", "pp": "--pp", "microbatches": "--m
                "sharding": "--shard-optimizer", "checkpointing": "--checkpoint-activations",
                "virtual_stages": "--virtual-stages"}
 
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+_TRUE, _FALSE = TRUE, FALSE  # the one truth table: sdp_jupyter._env
 
 
 def _level(key: str, value: Any, allowed: tuple, on: str) -> str:
@@ -102,9 +104,9 @@ def normalise(values: dict) -> dict:
                                     f"known: {', '.join(DEFAULTS)}")
     out = {**DEFAULTS, **{k: v for k, v in values.items() if v is not None}}
     for key, example in (("tp", "2"), ("pp", "2"), ("microbatches", "4"), ("virtual_stages", "2")):
-        out[key] = _whole(FLAGS[key], out[key], 1, example)
+        out[key] = parse_whole(FLAGS[key], out[key], 1, example)
     if out["active_microbatches"] is not None:
-        out["active_microbatches"] = _whole(FLAGS["active_microbatches"], out["active_microbatches"], 1, "2")
+        out["active_microbatches"] = parse_whole(FLAGS["active_microbatches"], out["active_microbatches"], 1, "2")
     schedule = str(out["pipeline_schedule"]).strip().lower()
     if schedule not in SCHEDULES:
         raise SpecError("--pipeline-schedule", f"{out['pipeline_schedule']!r} is not one of "

@@ -36,6 +36,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from sdp_jupyter._env import env_float, parse_bool
+
 import sdp_jupyter
 from sdp_jupyter.launch import jobdir
 from sdp_jupyter.launch.job import Job, JobError
@@ -179,7 +181,7 @@ class SageMakerOptions:
     volume_size: int | None = None
     keep_alive: int | None = None
     poll_interval: float = dataclasses.field(
-        default_factory=lambda: float(os.environ.get("SDP_SAGEMAKER_POLL_INTERVAL") or DEFAULT_POLL_INTERVAL))
+        default_factory=lambda: env_float("SDP_SAGEMAKER_POLL_INTERVAL", DEFAULT_POLL_INTERVAL, min=0.01))
 
     @classmethod
     def from_dict(cls, data: dict | None) -> "SageMakerOptions":
@@ -194,9 +196,10 @@ class SageMakerOptions:
         opts.volume_size = _int_option("volume_size", opts.volume_size, 1, "100")
         opts.keep_alive = _int_option("keep_alive", opts.keep_alive, 0, "1800")
         if not isinstance(opts.spot, bool):
-            if str(opts.spot).lower() not in ("true", "false", "1", "0"):
-                raise SpecError("--spot", f"is a flag (true/false), got {opts.spot!r}")
-            opts.spot = str(opts.spot).lower() in ("true", "1")
+            try:
+                opts.spot = parse_bool(opts.spot, "--spot")
+            except ValueError:
+                raise SpecError("--spot", f"is a flag (true/false), got {opts.spot!r}") from None
         for key in ("instance_type", "role", "region", "bucket", "output_path", "image_uri", "framework_version"):
             value = getattr(opts, key)
             if value is not None and (not isinstance(value, str) or not value.strip()):

@@ -134,7 +134,7 @@ def _flag(field_name: str) -> str:
     return opt.flag if opt else field_name
 
 
-def _whole(field_name: str, value: Any, minimum: int, example: str) -> int:
+def parse_whole(field_name: str, value: Any, minimum: int, example: str) -> int:
     flag = _flag(field_name)
     if isinstance(value, bool):
         raise SpecError(flag, f"must be a whole number, got {value!r}. Fix: {flag} {example}")
@@ -213,10 +213,10 @@ class JobSpec:
     parallel: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        self.nodes = _whole("nodes", self.nodes, 1, "4")
+        self.nodes = parse_whole("nodes", self.nodes, 1, "4")
         if self.procs_per_node is not None:
-            self.procs_per_node = _whole("procs_per_node", self.procs_per_node, 1, "1")
-        self.max_restarts = _whole("max_restarts", self.max_restarts, 0, "2")
+            self.procs_per_node = parse_whole("procs_per_node", self.procs_per_node, 1, "1")
+        self.max_restarts = parse_whole("max_restarts", self.max_restarts, 0, "2")
         self.backend = self._choice("backend", self.backend, BACKENDS)
         self.target = self._choice("target", self.target, TARGETS)
         self.ranks_output = self._choice("ranks_output", str(self.ranks_output), RANKS_OUTPUT)

@@ -168,7 +168,9 @@ def fast_exit(code: int) -> None:
     Non-daemon threads are joined, atexit handlers run and every open file is flushed first, so
     nothing a script wrote is lost. SDP_FAST_EXIT=0 turns this off.
     """
-    if os.environ.get("SDP_FAST_EXIT", "1") == "0":
+    from sdp_jupyter._env import env_bool
+
+    if not env_bool("SDP_FAST_EXIT", True):
         sys.exit(code)
     import atexit
     import gc

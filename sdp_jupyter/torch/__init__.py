@@ -32,6 +32,32 @@ _OP_TYPES = {ReduceOp.RedOpType.SUM: 0, ReduceOp.RedOpType.AVG: 1, ReduceOp.RedO
 _TORCH_DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 
 
+class SmddpBackendError(SmddpError, dist.DistBackendError):
+    """A collective failed (peer lost, timeout, mismatch): torch's `DistBackendError`, so
+    torchelastic, Ray and user code that catch torch's type catch ours; `except SmddpError`
+    keeps working."""
+
+
+def _backend_error(exc: BaseException) -> SmddpBackendError:
+    msg = str(exc)
+    # torch's tools look for " Timed out " (gloo and NCCL say it that way)
+    if "timed out" in msg and " Timed out " not in msg:
+        msg = "smddp: " + msg.replace("timed out", "Timed out", 1)
+    return SmddpBackendError(msg)
+
+
+class SmddpUnsupportedError(NotImplementedError):
+    """An operation the smddp engine does not do yet; the message names it and the way around."""
+
+
+def _unsupported(op: str, instead: str):
+    raise SmddpUnsupportedError(f"smddp does not implement {op} yet; {instead}")
+
+
+_P2P_INSTEAD = ("for point-to-point traffic create a gloo group next to it, e.g. "
+                "`dist.new_group(backend=\"gloo\")`, and pass it as group=")
+
+
 def _op_code(op, dtype) -> int:
     # opts.reduceOp is a ReduceOp wrapping a hashable RedOpType: one dict look-up per call
     code = _OP_TYPES.get(getattr(op, "op", op))
@@ -112,8 +138,8 @@ class SmddpWork(dist._Work):
                     wait(h, 0.0)
                 for f in self._finish:
                     f()
-            except EngineError as exc:
-                self._error = SmddpError(str(exc))
+            except (EngineError, SmddpError) as exc:
+                self._error = _backend_error(exc)
                 raise self._error from None
             finally:
                 self._done = True
@@ -129,8 +155,8 @@ class SmddpWork(dist._Work):
         try:
             test = self._pg._engine.test
             return all(test(h) for h in self._handles)
-        except EngineError as exc:
-            raise SmddpError(str(exc)) from None
+        except (EngineError, SmddpError) as exc:
+            raise _backend_error(exc) from None
 
     def is_success(self) -> bool:
         return self._done and self._error is None
@@ -173,8 +199,12 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         seconds = None
         if not os.environ.get("SDP_TIMEOUT") and timeout is not None and timeout != _TORCH_DEFAULT_TIMEOUT:
             seconds = timeout.total_seconds()
-        self.comm = Communicator(rank, world_size, _StoreAdapter(store), timeout=seconds)
+        try:
+            self.comm = Communicator(rank, world_size, _StoreAdapter(store), timeout=seconds)
+        except SmddpError as exc:
+            raise _backend_error(exc) from None
         self._engine = self.comm._engine
+        _register_name_carrier(self, rank, world_size)
         self._completer: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._complete_futures, name="smddp-futures", daemon=True)
         self._thread.start()
@@ -182,10 +212,6 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
     # torch asks for these
     def getBackendName(self) -> str:
         return BACKEND_NAME
-
-    @property
-    def group_name(self) -> str:  # pragma: no cover - torch sets its own name on the wrapper
-        return getattr(self, "_sdp_group_name", BACKEND_NAME)
 
     def size(self) -> int:
         return self._world
@@ -204,10 +230,13 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
     def _submit(self, coll: int, ptr: int, count: int, dtype: int, op: int = 0, root: int = 0) -> int:
         try:
             return self._engine.submit(coll, ptr, count, dtype, op, root)
-        except EngineError as exc:
-            raise SmddpError(str(exc)) from None
+        except (EngineError, SmddpError) as exc:
+            raise _backend_error(exc) from None
 
     def _allreduce_tensor(self, t: torch.Tensor, op):
+        if t.is_sparse:
+            _unsupported("all_reduce of sparse tensors", "reduce `t.to_dense()` (or use gloo, which "
+                         "all-gathers the indices and values)")
         buf, finish = _staged(t)
         h = self._submit(COLL_ALLREDUCE, buf.data_ptr(), buf.numel(), _dtype_code(t), _op_code(op, t.dtype), 0)
         return h, buf, finish
@@ -215,6 +244,11 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
     def _broadcast_tensor(self, t: torch.Tensor, root: int):
         buf, finish = _staged(t)
         return self._submit(COLL_BROADCAST, buf.data_ptr(), buf.numel(), _dtype_code(t), 0, root), buf, finish
+
+    def _merged(self, works, result):
+        """One work handle for several (the coalesced variants)."""
+        return SmddpWork(self, [h for sw in works for h in sw._handles], result, [sw._keep for sw in works],
+                         [f for sw in works for f in sw._finish])
 
     def _work(self, triples, result):
         return SmddpWork(self, [h for h, _, _ in triples], result, [b for _, b, _ in triples],
@@ -274,9 +308,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
     _allgather_base = all_gather_single
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
-        works = [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)]
-        return SmddpWork(self, [h for sw in works for h in sw._handles], outputs, [sw._keep for sw in works],
-                         [f for sw in works for f in sw._finish])
+        return self._merged([self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)], outputs)
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         op = opts.reduceOp if opts is not None else ReduceOp.SUM
@@ -301,6 +333,98 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
             out.copy_(flat[self._rank * n:(self._rank + 1) * n].view_as(out))
         return SmddpWork(self, [h], result, flat, [take])
 
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        return self._merged([self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)], outputs)
+
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+
+    def allgather_coalesced(self, output_lists, input_tensors, opts=None):
+        # one flat all-gather of the concatenated inputs, then cut per rank and per tensor
+        inputs = [i.detach().reshape(-1).cpu() for i in input_tensors]
+        cat = torch.cat(inputs) if inputs else torch.empty(0)
+        flat = torch.empty((self._world, cat.numel()), dtype=cat.dtype)
+        handles = self._gather_flat(flat, cat)
+
+        def cut():
+            for r, outs in enumerate(output_lists):
+                for o, piece in zip(outs, flat[r].split([i.numel() for i in inputs])):
+                    o.copy_(piece.view_as(o))
+        return SmddpWork(self, handles, output_lists, flat, [cut])
+
+    def gather(self, output_lists, input_tensors, opts=None):
+        # emulated: an all-gather by broadcasts whose result only the root keeps
+        root = opts.rootRank if opts is not None else 0
+        inp = input_tensors[0].detach().cpu()
+        flat = torch.empty((self._world,) + tuple(inp.shape), dtype=inp.dtype)
+        handles = self._gather_flat(flat, inp)
+
+        def keep():
+            if self._rank == root:
+                for r, o in enumerate(output_lists[0]):
+                    o.copy_(flat[r])
+        return SmddpWork(self, handles, output_lists, flat, [keep])
+
+    def scatter(self, output_tensors, input_lists, opts=None):
+        # emulated: the root broadcasts all pieces at once and every rank keeps its own
+        root = opts.rootRank if opts is not None else 0
+        out = output_tensors[0]
+        flat = torch.empty((self._world,) + tuple(out.shape), dtype=out.dtype)
+        if self._rank == root:
+            for r, piece in enumerate(input_lists[0]):
+                flat[r].copy_(piece)
+        h = self._submit(COLL_BROADCAST, flat.data_ptr(), flat.numel(), _dtype_code(flat), 0, root)
+        return SmddpWork(self, [h], output_tensors, flat, [lambda: out.copy_(flat[self._rank])])
+
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        w = self._world
+        if (output_split_sizes and len(set(output_split_sizes)) > 1) or \
+                (input_split_sizes and len(set(input_split_sizes)) > 1):
+            _unsupported("all_to_all_single with uneven splits",
+                         "pad the pieces to equal size, or use a gloo group for this call")
+        if input.numel() % w or output.numel() != input.numel():
+            raise ValueError(f"all_to_all_single needs input and output of equal size divisible by the "
+                             f"world size {w}; got {input.numel()} and {output.numel()} elements")
+        # emulated: every rank broadcasts its whole input; rank r keeps piece r of each
+        inp = input.detach().reshape(-1).cpu()
+        flat = torch.empty((w, inp.numel()), dtype=inp.dtype)
+        handles = self._gather_flat(flat, inp)
+        n = inp.numel() // w
+
+        def take():
+            output.view(-1).copy_(flat[:, self._rank * n:(self._rank + 1) * n].reshape(-1))
+        return SmddpWork(self, handles, [output], flat, [take])
+
+    all_to_all_single = alltoall_base
+
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        sizes = {t.numel() for t in list(output_tensors) + list(input_tensors)}
+        if len(sizes) > 1:
+            _unsupported("all_to_all with tensors of different sizes",
+                         "pad them to one size, or use a gloo group for this call")
+        inp = torch.stack([t.detach().reshape(-1).cpu() for t in input_tensors])
+        flat = torch.empty((self._world,) + tuple(inp.shape), dtype=inp.dtype)
+        handles = self._gather_flat(flat, inp)
+
+        def take():
+            for r, o in enumerate(output_tensors):
+                o.copy_(flat[r, self._rank].view_as(o))
+        return SmddpWork(self, handles, output_tensors, flat, [take])
+
+    def send(self, tensors, dst, tag=0):
+        _unsupported("send/isend (and batch_isend_irecv)", _P2P_INSTEAD)
+
+    def recv(self, tensors, src, tag=0):
+        _unsupported("recv/irecv (and batch_isend_irecv)", _P2P_INSTEAD)
+
+    def recv_anysource(self, tensors, tag=0):
+        _unsupported("recv from any source", _P2P_INSTEAD)
+
+    def monitored_barrier(self, opts=None, wait_all_ranks=False):
+        _unsupported("monitored_barrier (torch reserves it for gloo)", "use dist.barrier(), which has a "
+                     "deadline (SDP_TIMEOUT) and names the ranks that did not arrive")
+
     def barrier(self, opts=None):
         token = torch.zeros(1, dtype=torch.uint8)
         h = self._submit(COLL_ALLREDUCE, token.data_ptr(), 1, 6, 2, 0)
@@ -315,6 +439,22 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
             self.comm.close()
         except Exception:  # noqa: BLE001
             pass
+
+
+def _register_name_carrier(pg: dist.ProcessGroup, rank: int, world_size: int) -> None:
+    # torch keeps a group's name (and answers pg.group_name, _resolve_process_group, DeviceMesh)
+    # through the group's per-device backend objects, which must be C++ `c10d::Backend`s; that
+    # class has no Python constructor. A FakeProcessGroup with error_on_collective carries the
+    # name and the device map and refuses any collective that ever reaches it; every operation
+    # is overridden on this class, so torch calls ours first.
+    from torch._C._distributed_c10d import FakeProcessGroup
+
+    opts = FakeProcessGroup.Options()
+    opts.error_on_collective = True
+    carrier = FakeProcessGroup._create_internal(rank, world_size, opts)
+    for device in ("cpu", "cuda"):
+        pg._register_backend(torch.device(device), dist.ProcessGroup.BackendType.CUSTOM, carrier)
+    pg._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
 
 
 class _StoreAdapter:
@@ -357,5 +497,5 @@ def init(backend: str | None = None, **kwargs) -> None:
 
 from sdp_jupyter.torch.ddp import DistributedDataParallel  # noqa: E402
 
-__all__ = ["ProcessGroupSMDDP", "SmddpWork", "SmddpError", "DistributedDataParallel", "init", "register",
+__all__ = ["ProcessGroupSMDDP", "SmddpWork", "SmddpError", "SmddpBackendError", "SmddpUnsupportedError", "DistributedDataParallel", "init", "register",
            "BACKEND_NAME"]

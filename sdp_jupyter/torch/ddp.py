@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+
+from sdp_jupyter._env import env_int
 import time
 from typing import Iterator
 
@@ -30,16 +32,8 @@ FIRST_BUCKET_BYTES = 1 << 20        # a small first buffer starts communication 
 
 
 def fusion_threshold_from_env(default: int = DEFAULT_FUSION_THRESHOLD) -> int:
-    v = os.environ.get("SDP_FUSION_THRESHOLD")
-    if not v:
-        return default
-    try:
-        n = int(float(v))
-    except ValueError:
-        raise ValueError(f"SDP_FUSION_THRESHOLD={v!r} must be a number of bytes, e.g. 4194304") from None
-    if n < 1024:
-        raise ValueError(f"SDP_FUSION_THRESHOLD={n} is too small; use at least 1024 bytes")
-    return n
+    """SDP_FUSION_THRESHOLD in bytes (a whole number, at least 1024)."""
+    return env_int("SDP_FUSION_THRESHOLD", default, min=1024)
 
 
 class _Bucket:

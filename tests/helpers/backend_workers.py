@@ -1,0 +1,158 @@
+"""Rank functions for the smddp backend's torch-integration tests (run by tests/_ranks.py with
+this folder on PYTHONPATH). Each returns plain values the test compares across backends."""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+import sdp_jupyter.torch  # noqa: F401 - registers smddp
+
+
+def _init(backend: str) -> tuple[int, int]:
+    dist.init_process_group(backend)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def ops(backend: str):
+    """Every collective torch.distributed offers on CPU, through its public API."""
+    rank, world = _init(backend)
+    out: dict = {}
+    x = torch.arange(6, dtype=torch.float32) + 10 * rank
+    g = [torch.empty(6) for _ in range(world)] if rank == 0 else None
+    dist.gather(x, g, dst=0)
+    out["gather"] = [t.tolist() for t in g] if g else None
+    s = torch.empty(3)
+    dist.scatter(s, [torch.full((3,), float(r + 1)) for r in range(world)] if rank == 1 else None, src=1)
+    out["scatter"] = s.tolist()
+    o = torch.empty(2 * world)
+    dist.all_to_all_single(o, torch.arange(2 * world, dtype=torch.float32) + 100 * rank)
+    out["all_to_all_single"] = o.tolist()
+    outs = [torch.empty(2, dtype=torch.int64) for _ in range(world)]
+    dist.all_to_all(outs, [torch.tensor([rank, r]) for r in range(world)])
+    out["all_to_all"] = [t.tolist() for t in outs]
+    lists = [[torch.empty(2), torch.empty(1, 3)] for _ in range(world)]
+    dist.all_gather_coalesced(lists, [torch.ones(2) * rank, torch.ones(1, 3) * (rank + 5)])
+    out["all_gather_coalesced"] = [[t.tolist() for t in li] for li in lists]
+    rs = torch.empty(2)
+    dist.reduce_scatter_tensor(rs, torch.arange(2 * world, dtype=torch.float32) * (rank + 1))
+    out["reduce_scatter_tensor"] = rs.tolist()
+    ag = torch.empty(3 * world)
+    dist.all_gather_into_tensor(ag, torch.full((3,), float(rank)))
+    out["all_gather_into_tensor"] = ag.tolist()
+    objs = [None]
+    dist.scatter_object_list(objs, [{"to": r} for r in range(world)] if rank == 0 else None, src=0)
+    out["scatter_object_list"] = objs[0]
+    got = [None] * world if rank == 0 else None
+    dist.gather_object({"from": rank}, got, dst=0)
+    out["gather_object"] = got
+    c = torch.tensor([1.0 + rank, -1.0], dtype=torch.complex64)
+    dist.all_reduce(c)
+    out["complex_all_reduce"] = [complex(v) for v in c.tolist()]
+    dist.destroy_process_group()
+    return out
+
+
+def refusals():
+    """Operations smddp does not do yet: each names itself and the way around."""
+    rank, world = _init("smddp")
+    out = {}
+    t = torch.zeros(2)
+    for name, call in [("send", lambda: dist.send(t, 1 - rank)), ("recv", lambda: dist.recv(t, 1 - rank)),
+                       ("recv_any", lambda: dist.recv(t)),
+                       ("sparse", lambda: dist.all_reduce(torch.eye(2).to_sparse())),
+                       ("uneven", lambda: dist.all_to_all_single(torch.empty(3), torch.ones(3), [1, 2], [2, 1]))]:
+        try:
+            call()
+            out[name] = "no error"
+        except Exception as exc:  # noqa: BLE001 - the test reads the message
+            out[name] = f"{type(exc).__name__}: {exc}"
+    dist.barrier()
+    dist.destroy_process_group()
+    return out
+
+
+def functional_and_mesh(backend: str):
+    """_resolve_process_group, functional collectives, a 1-D DeviceMesh and DTensor on the group."""
+    from torch.distributed._functional_collectives import (all_gather_tensor, all_reduce, all_to_all_single,
+                                                           broadcast, reduce_scatter_tensor)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.distributed_c10d import _resolve_process_group
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    rank, world = _init(backend)
+    pg = dist.group.WORLD
+    out = {"resolves": _resolve_process_group(pg.group_name) is pg, "name": pg.group_name}
+    t = torch.ones(4) * (rank + 1)
+    out["fc_all_reduce"] = torch.as_tensor(all_reduce(t, "sum", pg)).tolist()
+    out["fc_broadcast"] = torch.as_tensor(broadcast(t, 1, pg)).tolist()
+    out["fc_all_to_all_single"] = torch.as_tensor(
+        all_to_all_single(torch.arange(2.0 * world) + 10 * rank, None, None, pg)).tolist()
+    out["fc_all_gather"] = torch.as_tensor(all_gather_tensor(t, 0, pg)).tolist()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    out["mesh_backend"] = dist.get_backend(mesh.get_group("dp"))
+    full = torch.arange(4 * world, dtype=torch.float32).reshape(2 * world, 2)
+    d = distribute_tensor(full, mesh, [Shard(0)])
+    out["dtensor_local"] = d.to_local().tolist()
+    out["dtensor_full"] = d.redistribute(mesh, [Replicate()]).to_local().tolist()
+    part = DTensor.from_local(torch.arange(2.0 * world) * (rank + 1), mesh, [Partial()])
+    out["dtensor_partial_to_shard"] = part.redistribute(mesh, [Shard(0)]).to_local().tolist()
+    out["fc_reduce_scatter"] = torch.as_tensor(reduce_scatter_tensor(torch.arange(2.0 * world), "sum", 0, pg)).tolist()
+    dist.destroy_process_group()
+    return out
+
+
+def mesh_2d(backend: str):
+    """A 2-D (data x tensor) DeviceMesh: every sub-group is smddp and reduces over its own ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    rank, world = _init(backend)
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+    out = {}
+    for dim in ("dp", "tp"):
+        grp = mesh.get_group(dim)
+        t = torch.tensor([float(rank)])
+        dist.all_reduce(t, group=grp)
+        out[dim] = (dist.get_backend(grp), t.item(), dist.get_process_group_ranks(grp))
+    dist.destroy_process_group()
+    return out
+
+
+def fsdp2(backend: str, steps: int = 4):
+    """FSDP2: fully_shard per layer and on the root, AdamW; returns the full parameters."""
+    from torch.distributed.fsdp import fully_shard
+
+    rank, world = _init(backend)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 32),
+                                torch.nn.GELU(), torch.nn.Linear(32, 3))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(100 + rank)
+    for _ in range(steps):
+        x, y = torch.randn(16, 8, generator=gen), torch.randn(16, 3, generator=gen)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    full = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    dist.destroy_process_group()
+    return full
+
+
+def timeout_error():
+    """Rank 1 never joins the barrier: rank 0 must raise torch's DistBackendError with " Timed out "."""
+    rank, world = _init("smddp")
+    if rank == 1:
+        time.sleep(float(os.environ["SDP_TIMEOUT"]) + 3)
+        return None
+    try:
+        dist.barrier()
+    except Exception as exc:  # noqa: BLE001 - the test reads the type
+        return {"dist_backend_error": isinstance(exc, dist.DistBackendError),
+                "smddp_error": isinstance(exc, sdp_jupyter.torch.SmddpError), "message": str(exc)}
+    return {"dist_backend_error": False, "message": "no error"}

@@ -1,0 +1,181 @@
+"""The import graph of sdp_jupyter (issue 12, DESIGN.md): no cycles, and no module imports another
+module's _private name.
+
+Every import is an edge, at module level or inside a function (a function-level import is a
+dependency too, only a later one), except the one back-edge DESIGN allows: a model's lazy
+view()/dashboard() import of its widget (dask's _widget idiom), listed in LAZY_VIEWS. The allow-lists below name what exists today and is to be removed when
+launch/ moves onto DESIGN's map; the test also fails when an allow-listed item disappears, so
+the lists cannot go stale."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parent.parent / "sdp_jupyter"
+
+# Cycles that exist today, each as the sorted list of its modules (a strongly connected component).
+# They are issue 12's remaining debt: the launch/ one goes with a target registry (Job.open and
+# get_launcher dispatching through it instead of importing the SageMaker modules by name) and the
+# SageMaker view moving under ui/; the advisor one when advisor.measure goes.
+KNOWN_CYCLES: list[list[str]] = [
+    ["sdp_jupyter.advisor", "sdp_jupyter.parallel", "sdp_jupyter.parallel.gpt", "sdp_jupyter.parallel.measure"],
+    ["sdp_jupyter.launch", "sdp_jupyter.launch.job", "sdp_jupyter.launch.local", "sdp_jupyter.launch.sagemaker",
+     "sdp_jupyter.launch.sagemaker_view", "sdp_jupyter.ui.jobview"],
+    ["sdp_jupyter.launch.parallel_options", "sdp_jupyter.launch.spec"],  # spec names its option providers
+]
+
+# "importer -> module._name" pairs that exist today.
+KNOWN_PRIVATE: set[str] = set()
+
+
+# The allowed lazy back-edges (DESIGN.md): module -> functions whose imports are not edges.
+LAZY_VIEWS: dict[str, tuple[str, ...]] = {
+    "sdp_jupyter.launch.job": ("view", "dashboard", "_ipython_display_"),
+}
+
+
+def _imports(tree, module: str):
+    """(import statement, 'module.function' it sits in, or the module itself at top level);
+    `if TYPE_CHECKING:` blocks are skipped (they never run)."""
+    def walk(node, where):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                continue
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                yield child, where
+            elif (isinstance(child, ast.Call) and isinstance(child.func, (ast.Attribute, ast.Name))
+                  and getattr(child.func, "attr", getattr(child.func, "id", "")) == "import_module"
+                  and child.args and isinstance(child.args[0], ast.Constant)
+                  and str(child.args[0].value).startswith("sdp_jupyter")):
+                # importlib.import_module("sdp_jupyter.x"): an import by name is still an import
+                yield ast.Import(names=[ast.alias(name=child.args[0].value)]), where
+                yield from walk(child, where)
+            elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                yield from walk(child, f"{module}.{child.name}" if where == module else where)
+            else:
+                yield from walk(child, where)
+    yield from walk(tree, module)
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(PKG.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in PKG.rglob("*.py") if "_compat" not in p.parts}
+
+
+def resolve(importer: str, is_pkg: bool, node: ast.ImportFrom) -> str:
+    if node.level == 0:
+        return node.module or ""
+    base = importer.split(".") if is_pkg else importer.split(".")[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def graph():
+    mods = modules()
+    edges: dict[str, set[str]] = {m: set() for m in mods}
+    private: set[str] = set()
+    for m, path in mods.items():
+        tree = ast.parse(path.read_text())
+        is_pkg = path.name == "__init__.py"
+        lazy_ok = {f"{m}.{fn}" for fn in LAZY_VIEWS.get(m, ())}
+        for st, where in _imports(tree, m):
+            if where in lazy_ok:
+                continue  # the one allowed back-edge: a model's lazy import of its view
+            if True:
+                if isinstance(st, ast.Import):
+                    targets = [a.name for a in st.names]
+                    names = []
+                elif isinstance(st, ast.ImportFrom):
+                    base = resolve(m, is_pkg, st)
+                    targets = [base]
+                    names = [a.name for a in st.names]
+                    for n in names:  # `from pkg import submodule`
+                        if f"{base}.{n}" in mods:
+                            targets.append(f"{base}.{n}")
+                        elif n.startswith("_") and not n.startswith("__") and base.startswith("sdp_jupyter") \
+                                and n != "_engine":  # the native extension module, not a private name
+                            private.add(f"{m} -> {base}.{n}")
+                else:
+                    continue
+                for t in targets:
+                    # importing a.b.c runs a and a.b too
+                    parts = t.split(".")
+                    for i in range(1, len(parts) + 1):
+                        dep = ".".join(parts[:i])
+                        if dep in mods and dep != m and not m.startswith(dep + "."):
+                            edges[m].add(dep)
+    return edges, private
+
+
+def cycles(edges) -> list[list[str]]:
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def strong(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in edges[v]:
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+    for v in sorted(edges):
+        if v not in index:
+            strong(v)
+    return sorted(out)
+
+
+def test_no_import_cycles():
+    found = cycles(graph()[0])
+    new = [c for c in found if c not in KNOWN_CYCLES]
+    gone = [c for c in KNOWN_CYCLES if c not in found]
+    assert not new, f"import cycles inside sdp_jupyter (break them; DESIGN.md): {new}"
+    assert not gone, f"these cycles are gone: remove them from KNOWN_CYCLES: {gone}"
+
+
+def test_no_private_imports_across_modules():
+    private = graph()[1]
+    new = sorted(private - KNOWN_PRIVATE)
+    gone = sorted(KNOWN_PRIVATE - private)
+    assert not new, f"modules importing another module's _private name (make it public or move it): {new}"
+    assert not gone, f"gone: remove from KNOWN_PRIVATE: {gone}"
+
+
+def test_the_graph_sees_real_edges():
+    edges, _ = graph()
+    assert "sdp_jupyter.launch.job" in edges["sdp_jupyter.launch.local"]
+    assert "sdp_jupyter.comm" in edges["sdp_jupyter.torch"]
+
+
+def test_public_surface_as_the_notebooks_use_it():
+    """`import sdp_jupyter` stays torch-free, and the names notebooks and docstrings use resolve."""
+    import subprocess
+    import sys
+
+    code = ("import sys, sdp_jupyter as s\n"
+            "assert 'torch' not in sys.modules and 'ipywidgets' not in sys.modules\n"
+            "for n in ('launch', 'Job', 'JobSpec', 'get_job', 'list_jobs', 'report', 'timed', 'checkpoint'):\n"
+            "    assert getattr(s, n) is not None and n in s.__all__, n\n"
+            "assert callable(s.checkpoint.load) and callable(s.checkpoint.save)\n"
+            "assert 'torch' not in sys.modules\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
