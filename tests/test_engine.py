@@ -262,7 +262,8 @@ def test_stalled_rank_times_out_with_its_name(world, per_node):
     results = run_ranks("engine_workers:stall", world, per_node, args=(1,), timeout=60)
     err = results[0].value
     assert "timed out after 3 s" in err, err
-    assert "rank(s) 1" in err or "node leader rank 1 (node 1 at 127.0.0.1)" in err, err
+    # within a node the barrier names the late rank(s); across nodes the link names the leader
+    assert "rank(s) 1" in err or "node leader rank 1 " in err, err
 
 
 @pytest.mark.slow

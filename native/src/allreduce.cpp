@@ -22,7 +22,10 @@ void Collectives::start() {
 // A shard of a chunk (plus slack for uneven splits), rounded to 64 bytes so every slot starts
 // aligned for any element type (3 nodes and 4 KiB chunks once put slot 1 at an odd address:
 // UBSan's misaligned-load report, found by the sanitizer run in tests/test_native_builds.py).
-size_t Collectives::recv_slot_bytes() const { return (chunk_bytes_ / size_t(topo_.num_nodes()) + 64 + 63) / 64 * 64; }
+size_t Collectives::recv_slot_bytes() const {
+  size_t b = chunk_bytes_ / size_t(topo_.num_nodes()) + 64;
+  return (b + 63) / 64 * 64;
+}
 // Where the shard from node k lands in receive set `set` (two sets, one per chunk in flight).
 char* Collectives::recv_slot(int set, int k) {
   return recv_buf_.data() + (size_t(set) * size_t(topo_.num_nodes()) + size_t(k)) * recv_slot_bytes();
