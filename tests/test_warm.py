@@ -74,7 +74,8 @@ def test_nothing_leaks_from_one_job_to_the_next(tmp_path, jobs_dir, pool):
         import os, sys
         {"wave": "wave" in sys.modules, "made": "made_up_by_job" in sys.modules,
          "leaky": "LEAKY" in os.environ, "torch": "torch" in sys.modules,
-         "rank": os.environ["RANK"], "argv": sys.argv[1:], "main": __name__}
+         "rank": os.environ["RANK"], "argv": sys.argv[1:], "main": __name__,
+         "threads": sys.modules["torch"].get_num_threads() == int(os.environ["OMP_NUM_THREADS"])}
     """)
     a = run(first, True, result=True, args=["--x", "1"])
     assert a.wait(60) == "succeeded", a.summary()
@@ -85,7 +86,7 @@ def test_nothing_leaks_from_one_job_to_the_next(tmp_path, jobs_dir, pool):
     assert b.wait(60) == "succeeded", b.summary()
     assert b.status["start"] == "warm"
     assert b.result() == {"wave": False, "made": False, "leaky": False, "torch": True,
-                          "rank": "0", "argv": [], "main": "__main__"}
+                          "rank": "0", "argv": [], "main": "__main__", "threads": True}
     assert pool.alive()
 
 
@@ -115,6 +116,14 @@ def test_failure_naming_and_stop(tmp_path, jobs_dir, pool):
     while "up" not in job.logs(1) and time.monotonic() < deadline:
         time.sleep(0.1)
     pids = job.status["pids"]
+    # the per-node sampler finds warm ranks (their /proc environ is the pool's: it reads status.json)
+    found = 0
+    while not found and time.monotonic() < deadline:
+        for line in (job.dir / "metrics" / "system-node-1.jsonl").read_text().splitlines() \
+                if (job.dir / "metrics" / "system-node-1.jsonl").exists() else []:
+            found = max(found, json.loads(line).get("nproc", 0))
+        time.sleep(0.2)
+    assert found >= 1
     assert job.stop() == "stopped"
     assert job.exit_codes == [-signal.SIGINT, -signal.SIGINT]
     assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]

@@ -305,15 +305,15 @@ class LocalRun:
 
     def _spawn(self, argv: list, env: dict):
         """A rank's process: forked by the warm pool (launch/warm.py) or started cold; same contract."""
-        use_warm = warm.wanted(self.launcher.warm)
-        if use_warm:
+        if warm.wanted(self.launcher.warm):
             proc = warm.start_rank(argv, env)
             if not isinstance(proc, str):
-                self.job._update(start="warm")
+                if self.job.status.get("start") is None:
+                    self.job._update(start="warm")
                 return proc
-            if self.job.status.get("start") != "cold":
+            if self.job.status.get("start_reason") is None:  # one cold rank makes the job "cold"
                 self.job._update(start="cold", start_reason=f"warm start not possible: {proc}")
-        else:
+        elif self.job.status.get("start") is None:
             self.job._update(start="cold")
         return subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)

@@ -97,6 +97,14 @@ def _blas_threads(env: dict) -> int:
     return os.cpu_count() or 1
 
 
+def _omp_threads(env: dict) -> int | None:
+    try:
+        n = int(env.get("OMP_NUM_THREADS", "").split(",")[0])
+    except ValueError:
+        return None
+    return n if n > 0 else None
+
+
 def _child(req: dict, fds: list, server_pid: int, closing: list) -> None:
     """In the forked rank: become what `argv` in `env` and `cwd` would have started. Never returns."""
     code = 1
@@ -139,6 +147,11 @@ def _child(req: dict, fds: list, server_pid: int, closing: list) -> None:
             + req["base_path"]
         if "threadpoolctl" in sys.modules:
             sys.modules["threadpoolctl"].threadpool_limits(_blas_threads(env), user_api="blas")
+        omp = _omp_threads(env)
+        if omp and "torch" in sys.modules:
+            # libgomp read OMP_NUM_THREADS when the pool loaded it; a cold rank's torch uses the
+            # rank's value (setting it starts no thread: the OpenMP team starts at the first op)
+            sys.modules["torch"].set_num_threads(omp)
         module, args = req["module"], req["args"]
         if module == "sdp_jupyter.launch.worker":
             from sdp_jupyter.launch import worker
