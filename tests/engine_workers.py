@@ -352,3 +352,19 @@ def all_reduce_timed(n: int, repeats: int):
     took = time.monotonic() - t0
     comm.shutdown()
     return {"took": took, "first": float(x[0])}
+
+
+def mismatch_gather_scatter(coll: str):
+    """The last rank gathers/scatters 12-element blocks, the others 10: every rank must raise."""
+    c = comm.init(timeout=20)
+    n = 12 if c.rank == c.world_size - 1 else 10
+    try:
+        if coll == "all_gather":
+            c.all_gather(np.zeros(n * c.world_size, dtype=np.float32), np.ones(n, dtype=np.float32))
+        else:
+            c.reduce_scatter(np.zeros(n, dtype=np.float32), np.ones(n * c.world_size, dtype=np.float32))
+    except comm.SmddpError as exc:
+        return str(exc)
+    finally:
+        comm.shutdown()
+    return "no error"

@@ -73,7 +73,7 @@ PYBIND11_MODULE(_engine, m) {
       .def(
           "submit",
           [](Engine& e, int coll, uintptr_t ptr, size_t count, int dtype, int op, int root) {
-            if (coll != int(Coll::ALLREDUCE) && coll != int(Coll::BROADCAST)) throw Error("invalid collective code");
+            if (coll < int(Coll::ALLREDUCE) || coll > int(Coll::REDUCE_SCATTER)) throw Error("invalid collective code");
             return e.submit(Coll(coll), reinterpret_cast<void*>(ptr), count, to_dtype(dtype), to_op(op), root);
           },
           py::arg("coll"), py::arg("ptr"), py::arg("count"), py::arg("dtype"), py::arg("op") = 0, py::arg("root") = 0)

@@ -33,6 +33,8 @@ const char* coll_name(Coll c) {
   switch (c) {
     case Coll::ALLREDUCE: return "all_reduce";
     case Coll::BROADCAST: return "broadcast";
+    case Coll::ALLGATHER: return "all_gather";
+    case Coll::REDUCE_SCATTER: return "reduce_scatter";
   }
   return "invalid-collective";
 }

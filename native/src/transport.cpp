@@ -12,6 +12,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <thread>
 #include <vector>
 
@@ -279,6 +280,51 @@ void set_link_liveness(int fd, double timeout_s) {
   double t = timeout_s < 10 ? 10 : (timeout_s > 120 ? 120 : timeout_s);
   unsigned int ms = unsigned(t * 1000);
   setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &ms, sizeof(ms));
+}
+
+void serve_handshakes(int listen_fd, const std::string& secret, int rank, const std::function<bool()>& stop,
+                      const std::function<void(const PeerIdentity&, int)>& on_peer) {
+  // The caller closes the listener as soon as set-up is done: after that nobody has a reason
+  // to connect.
+  constexpr size_t kMaxPending = 32;
+  constexpr double kHandshakeSeconds = 5.0;
+  std::deque<ServerHandshake> pending;
+  auto drop = [&](ServerHandshake& h, const std::string& why) {
+    log_warning("rank " + std::to_string(rank) + " dropped a connection from " + peer_address(h.fd()) + ": it " + why);
+    ::close(h.fd());
+  };
+  std::vector<pollfd> pfds;
+  for (;;) {
+    if (stop()) break;
+    pfds.clear();
+    pfds.push_back({listen_fd, POLLIN, 0});
+    for (auto& h : pending) pfds.push_back({h.fd(), POLLIN, 0});
+    int r = ::poll(pfds.data(), nfds_t(pfds.size()), 100);
+    if (r < 0 && errno != EINTR) break;
+    if (pfds[0].revents & POLLIN) {
+      int fd = ::accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC);
+      if (fd >= 0) {
+        if (pending.size() >= kMaxPending) {
+          drop(pending.front(), "was still unauthenticated when newer connections came");
+          pending.pop_front();
+        }
+        pending.emplace_back(fd, now_s() + kHandshakeSeconds);
+      }
+    }
+    for (auto it = pending.begin(); it != pending.end();) {
+      PeerIdentity who{};
+      std::string why;
+      int st = it->step(secret, &who, &why);
+      if (st == 0) { ++it; continue; }
+      if (st < 0) {
+        drop(*it, why);
+      } else {
+        on_peer(who, it->fd());
+      }
+      it = pending.erase(it);
+    }
+  }
+  for (auto& h : pending) ::close(h.fd());
 }
 
 }  // namespace sdp

@@ -27,7 +27,7 @@ from sdp_jupyter.comm.secret import SecretError, check_secret, job_secret, remov
 EngineError = _engine.EngineError
 
 # Codes shared with native/include/sdp/common.h
-COLL_ALLREDUCE, COLL_BROADCAST = 1, 2
+COLL_ALLREDUCE, COLL_BROADCAST, COLL_ALLGATHER, COLL_REDUCE_SCATTER = 1, 2, 3, 4
 DTYPES = {"float32": 0, "float64": 1, "float16": 2, "bfloat16": 3, "int32": 4, "int64": 5, "uint8": 6, "int8": 7}
 OPS = {"sum": 0, "avg": 1, "max": 2, "min": 3, "product": 4}
 _NUMPY_DTYPES = {np.dtype(k): v for k, v in DTYPES.items() if k != "bfloat16"}
@@ -274,13 +274,8 @@ class Communicator:
             raise ValueError(f"all_gather output must hold world_size x input = {self.world_size} x {i.size} "
                              f"elements of {i.dtype}; got {o.size} of {o.dtype}")
         n = i.size
-        flat_o = o.reshape(-1)
-        flat_o[self.rank * n:(self.rank + 1) * n] = i.reshape(-1)
-        work = None
-        for r in range(self.world_size):
-            seg = flat_o[r * n:(r + 1) * n]
-            work = self.submit(COLL_BROADCAST, seg.ctypes.data, n, code, 0, r, o)
-        return self._done(work, async_op)
+        o.reshape(-1)[self.rank * n:(self.rank + 1) * n] = i.reshape(-1)
+        return self._done(self.submit(COLL_ALLGATHER, o.ctypes.data, n, code, 0, 0, o), async_op)
 
     def reduce_scatter(self, out, inp, op: str = "sum", async_op: bool = False):
         """out (n elements) <- this rank's n-element block of the reduction of inp (world_size * n)."""
@@ -292,7 +287,7 @@ class Communicator:
 
         def take():
             o.reshape(-1)[:] = tmp[self.rank * n:(self.rank + 1) * n]
-        return self._done(self.submit(COLL_ALLREDUCE, tmp.ctypes.data, tmp.size, code, self._op(op), 0,
+        return self._done(self.submit(COLL_REDUCE_SCATTER, tmp.ctypes.data, n, code, self._op(op), 0,
                                       (tmp, o), take), async_op)
 
     def barrier(self, async_op: bool = False):

@@ -12,7 +12,10 @@ enum class DType : uint8_t { F32 = 0, F64 = 1, F16 = 2, BF16 = 3, I32 = 4, I64 =
 enum class ReduceOp : uint8_t { SUM = 0, AVG = 1, MAX = 2, MIN = 3, PRODUCT = 4 };
 // What a collective is; travels in every frame header so that ranks calling different
 // collectives are caught before anything is reduced.
-enum class Coll : uint8_t { ALLREDUCE = 1, BROADCAST = 2 };
+// ALLGATHER and REDUCE_SCATTER work in place on world_size blocks of `count` elements each:
+// block r belongs to rank r (all_gather: rank r's input is block r; reduce_scatter: rank r's
+// result lands in block r).
+enum class Coll : uint8_t { ALLREDUCE = 1, BROADCAST = 2, ALLGATHER = 3, REDUCE_SCATTER = 4 };
 
 size_t dtype_size(DType t);
 const char* dtype_name(DType t);

@@ -6,35 +6,18 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include "sdp/common.h"
+#include "sdp/frame.h"
 
 namespace sdp {
 
-constexpr uint32_t kFrameMagic = 0x46504453;  // "SDPF"
 constexpr uint32_t kHelloMagic = 0x48504453;  // "SDPH"
 constexpr uint32_t kProtocolVersion = 1;
 
-enum class FrameType : uint8_t { DATA = 1, ERROR = 2, BYE = 3 };
 enum class Role : uint8_t { NODE = 1, LOCAL = 2 };
-
-#pragma pack(push, 1)
-struct FrameHeader {
-  uint32_t magic;
-  uint8_t type;
-  uint8_t coll;
-  uint8_t dtype;
-  uint8_t op;
-  uint32_t src_rank;  // global rank of the sender
-  uint32_t root;      // broadcast root (0 otherwise)
-  uint64_t seq;       // collective sequence number on this process group
-  uint64_t count;     // total elements of the collective
-  uint64_t offset;    // first element of this payload within the collective
-  uint64_t nbytes;    // payload bytes that follow
-};
-#pragma pack(pop)
-static_assert(sizeof(FrameHeader) == 48, "frame header layout");
 
 #pragma pack(push, 1)
 // The handshake's messages (server greeting, client proof, server proof).
@@ -95,6 +78,13 @@ class ServerHandshake {
   ClientProof proof_{};
   size_t got_ = 0;
 };
+
+// The server side of set-up: accepts on `listen_fd` and runs the handshakes, many at once,
+// each a few bytes at a time with its own deadline, so a stranger that connects and sends
+// nothing delays nobody; at most a few unauthenticated sockets are held (the oldest is dropped
+// for a new one). Every authenticated socket goes to on_peer; returns once stop() is true.
+void serve_handshakes(int listen_fd, const std::string& secret, int rank, const std::function<bool()>& stop,
+                      const std::function<void(const PeerIdentity&, int)>& on_peer);
 
 void set_nonblocking(int fd);
 void set_bulk_buffers(int fd);

@@ -1,0 +1,62 @@
+// The collectives, written against the peer links (post send / post receive / exchange) and
+// the shared-memory node (slots, barrier, descriptions) only: no socket, no thread, no queue.
+// One file per family: allreduce.cpp, broadcast.cpp, allgather.cpp, reducescatter.cpp.
+#pragma once
+#include <cstddef>
+#include <vector>
+
+#include "sdp/frame.h"
+#include "sdp/group.h"
+#include "sdp/peer.h"
+#include "sdp/shm_node.h"
+
+namespace sdp {
+
+class Collectives {
+ public:
+  Collectives(const Topology& topo, OpState& op, Links& links, ShmNode& shm)
+      : topo_(topo), op_(op), links_(links), shm_(shm) {}
+  void configure(size_t chunk_bytes, int pipeline_depth) {
+    chunk_bytes_ = chunk_bytes;
+    pipeline_depth_ = pipeline_depth;
+  }
+  // After set-up: the receive buffers, touched once now, not during the first collective.
+  void start();
+
+  void all_reduce(const Work& w);
+  void broadcast(const Work& w);
+  // In place on world_size blocks of w.count elements (see Coll).
+  void all_gather(const Work& w);
+  void reduce_scatter(const Work& w);
+
+ private:
+  // Every node has exactly one rank: the paths that keep the data in the user's buffer. Decided
+  // from the whole layout, never from this node's size alone, so every node takes the same path.
+  bool one_rank_per_node() const { return topo_.world_size() == topo_.num_nodes(); }
+  // all_reduce across nodes (allreduce.cpp)
+  void inter_node_allreduce(const Work& w, char* red, size_t off, size_t n);
+  void pipelined_allreduce(const Work& w, double divisor);
+  void small_tcp_allreduce(const Work& w, double divisor);
+  void post_scatter(const FrameHeader& base, char* red, size_t off, size_t n, int set);
+  void post_gather(const FrameHeader& base, char* red, size_t off, size_t n);
+  void reduce_shard(const Work& w, char* red, size_t n, int set);
+  size_t recv_slot_bytes() const;
+  // reduce_scatter paths (reducescatter.cpp)
+  void node_reduce_scatter(const Work& w, double divisor);
+  void tcp_reduce_scatter(const Work& w, double divisor);
+  char* recv_slot(int set, int k);
+
+  const Topology& topo_;
+  OpState& op_;
+  Links& links_;
+  ShmNode& shm_;
+  size_t chunk_bytes_ = 4 << 20;
+  int pipeline_depth_ = 2;          // chunks in flight on the TCP path (SDP_PIPELINE_DEPTH: 1 or 2)
+  std::vector<char> recv_buf_;      // leader: one shard-sized buffer per peer node, two sets
+  std::vector<char> small_buf_;     // one rank per node: N+1 small buffers (peers' data, the sum)
+  std::vector<const void*> srcs_;
+  std::vector<char> rs_buf_;        // one rank per node: the other nodes' blocks for this rank
+  int small_set_ = 0;
+};
+
+}  // namespace sdp

@@ -1,0 +1,49 @@
+#include "sdp/group.h"
+
+#include <algorithm>
+#include <sstream>
+
+#include "sdp/common.h"
+
+namespace sdp {
+
+Topology::Topology(int r, std::vector<int> nodes) : rank(r), node_of_rank(std::move(nodes)) {
+  int w = int(node_of_rank.size());
+  if (w <= 0) throw Error("world size must be at least 1");
+  if (rank < 0 || rank >= w) throw Error("rank " + std::to_string(rank) + " outside world of " + std::to_string(w));
+  int nn = 0;
+  for (int n : node_of_rank) {
+    if (n < 0) throw Error("negative node index");
+    nn = std::max(nn, n + 1);
+  }
+  ranks_of_node.assign(nn, {});
+  for (int q = 0; q < w; ++q) ranks_of_node[node_of_rank[q]].push_back(q);
+  for (int n = 0; n < nn; ++n)
+    if (ranks_of_node[n].empty()) throw Error("node " + std::to_string(n) + " has no ranks: node indices must be 0..N-1");
+  node = node_of_rank[rank];
+  auto& mine = ranks_of_node[node];
+  local = int(std::find(mine.begin(), mine.end(), rank) - mine.begin());
+}
+
+std::string Topology::rank_name(int r) const {
+  int n = node_of_rank[r];
+  std::string s = "rank " + std::to_string(r) + " (node " + std::to_string(n);
+  // Ranks of other nodes are named with their host's address too: "the host is unreachable"
+  // is what a user needs to know when a link fails.
+  if (n != node && size_t(n) < node_addrs.size() && !node_addrs[n].empty()) s += " at " + node_addrs[n];
+  return s + ")";
+}
+
+std::string Topology::ranks_list(const std::vector<int>& ranks) {
+  std::string s;
+  for (size_t i = 0; i < ranks.size(); ++i) s += (i ? ", " : "") + std::to_string(ranks[i]);
+  return s;
+}
+
+std::string fmt_seconds(double s) {
+  std::ostringstream o;
+  o << s;
+  return o.str();
+}
+
+}  // namespace sdp
