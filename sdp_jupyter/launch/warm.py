@@ -205,8 +205,8 @@ def serve(sock_path: str, preload: list[str]) -> int:
             importlib.import_module(name)
         except Exception as e:
             failed.append(f"{name}: {type(e).__name__}: {e}")
-    try:
-        import threadpoolctl  # noqa: F401  sets each rank's OpenBLAS threads as its cold start would
+    try:  # sets each rank's OpenBLAS threads as its cold start would have them
+        importlib.import_module("threadpoolctl")
     except ImportError:
         pass
     base_path = [p for p in sys.path if p and p not in os.environ.get("PYTHONPATH", "").split(os.pathsep)
