@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 import sdp_jupyter
-from sdp_jupyter.launch import jobdir
+from sdp_jupyter.launch import jobdir, warm
 from sdp_jupyter.launch.job import Job
 from sdp_jupyter.launch.spec import JobSpec, SpecError
 
@@ -90,9 +90,10 @@ def _signal_group(pid: int, sig: int) -> None:
 class LocalLauncher:
     """Runs a JobSpec as local processes. Grace periods (seconds) apply when stopping ranks."""
 
-    def __init__(self, sigint_grace: float = 3.0, sigterm_grace: float = 2.0):
+    def __init__(self, sigint_grace: float = 3.0, sigterm_grace: float = 2.0, warm: bool | None = None):
         self.sigint_grace = sigint_grace
         self.sigterm_grace = sigterm_grace
+        self.warm = warm  # True/False: warm/cold starts (launch/warm.py); None: SDP_WARM, else warm after a first job
 
     def resolve(self, spec: JobSpec) -> JobSpec:
         """Fill in what depends on this machine (name, processes per node) and check it can run here."""
@@ -258,6 +259,7 @@ class LocalRun:
                 t.join(timeout=2)
             with _ACTIVE_LOCK:
                 _ACTIVE.discard(self)
+            warm.job_done(self.launcher.warm)
             job._update(state=state, error=error, exit_codes=codes, ended=time.time())
 
     def _attempt(self, attempt: int, started: float) -> tuple[str, str | None, list]:
@@ -268,11 +270,7 @@ class LocalRun:
         for rank in range(self.world_size):
             env = self.environment(rank, attempt, port)
             env["SDP_SCRIPT"] = script
-            proc = subprocess.Popen(
-                [sys.executable, "-u", "-m", "sdp_jupyter.launch.worker"],
-                env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                start_new_session=True, close_fds=True,
-            )
+            proc = self._spawn([sys.executable, "-u", "-m", "sdp_jupyter.launch.worker"], env)
             self._procs.append(proc)
             reader = threading.Thread(target=self._read, args=(rank, proc), daemon=True,
                                       name=f"sdp-{self.job.name}-out{rank}")
@@ -304,6 +302,21 @@ class LocalRun:
                 return "failed", error, codes
         self._cleanup_groups()
         return "succeeded", None, codes
+
+    def _spawn(self, argv: list, env: dict):
+        """A rank's process: forked by the warm pool (launch/warm.py) or started cold; same contract."""
+        if warm.wanted(self.launcher.warm):
+            proc = warm.start_rank(argv, env)
+            if not isinstance(proc, str):
+                if self.job.status.get("start") is None:
+                    self.job._update(start="warm")
+                return proc
+            if self.job.status.get("start_reason") is None:  # one cold rank makes the job "cold"
+                self.job._update(start="cold", start_reason=f"warm start not possible: {proc}")
+        elif self.job.status.get("start") is None:
+            self.job._update(start="cold")
+        return subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
 
     def _failure_message(self, rank: int, code: int) -> str:
         node, local_rank = divmod(rank, self.spec.procs_per_node)

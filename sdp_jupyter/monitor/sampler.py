@@ -106,7 +106,22 @@ class PsutilSource:
             d = env.get("SDP_JOB_DIR")
             if d and os.path.realpath(d) == self.job_dir and env.get("GROUP_RANK", "0") == str(self.node):
                 found.append(p.pid)
-        return found
+        return found + [p for p in self._warm_pids() if p not in found]
+
+    def _warm_pids(self) -> list[int]:
+        """This node's ranks from status.json when they were forked by the warm pool: a forked rank's
+        /proc environ is the pool's, so the scan above cannot see it (docs/warm.md)."""
+        try:
+            with open(os.path.join(self.job_dir, "status.json")) as f:
+                status = json.load(f)
+            if status.get("start") != "warm":
+                return []
+            with open(os.path.join(self.job_dir, "spec.json")) as f:
+                ppn = max(1, int(json.load(f).get("procs_per_node") or 1))
+            pids = status.get("pids") or []
+            return [int(p) for i, p in enumerate(pids) if i // ppn == self.node and self.psutil.pid_exists(int(p))]
+        except (OSError, ValueError, TypeError):
+            return []
 
     def sample(self) -> list[dict]:
         ps = self.psutil

@@ -1,0 +1,173 @@
+"""Warm starts (launch/warm.py): forked ranks behave as cold-started ones."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+from sdp_jupyter.launch import JobSpec, LocalLauncher, warm
+
+pytestmark = pytest.mark.slow
+
+TRAIN = """
+    import os, torch, torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(1 + dist.get_rank())
+    for _ in range(20):
+        x = torch.randn(64, 16, generator=g)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True)).backward()
+        opt.step()
+    {k: v.clone() for k, v in model.module.state_dict().items()}
+"""
+
+
+def write(path, text):
+    path.write_text(textwrap.dedent(text))
+    return str(path)
+
+
+def run(script, warm_start, nodes=2, **kw):
+    job = LocalLauncher(sigint_grace=1.0, sigterm_grace=1.0, warm=warm_start).start(
+        JobSpec(script=script, nodes=nodes, backend="gloo", **kw))
+    return job
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = warm.warm_up()
+    assert p.ready() is None, p.ready()
+    yield p
+    warm.shutdown()
+
+
+def test_warm_and_cold_give_bit_identical_parameters(tmp_path, jobs_dir, pool):
+    script = write(tmp_path / "train.py", TRAIN)
+    cold = run(script, False, result=True)
+    assert cold.wait(120) == "succeeded", cold.summary()
+    hot = run(script, True, result=True)
+    assert hot.wait(120) == "succeeded", hot.summary()
+    assert (cold.status["start"], hot.status["start"]) == ("cold", "warm")
+    a, b = cold.result(), hot.result()
+    assert a.keys() == b.keys() and all(bool((a[k] == b[k]).all()) for k in a)
+
+
+def test_nothing_leaks_from_one_job_to_the_next(tmp_path, jobs_dir, pool):
+    first = write(tmp_path / "first.py", """
+        import os, sys, wave
+        os.environ["LEAKY"] = "1"
+        sys.modules["made_up_by_job"] = wave
+        [os.getpid(), os.getsid(0), os.getcwd(), sys.argv[1:]]
+    """)
+    second = write(tmp_path / "second.py", """
+        import os, sys
+        {"wave": "wave" in sys.modules, "made": "made_up_by_job" in sys.modules,
+         "leaky": "LEAKY" in os.environ, "torch": "torch" in sys.modules,
+         "rank": os.environ["RANK"], "argv": sys.argv[1:], "main": __name__,
+         "threads": sys.modules["torch"].get_num_threads() == int(os.environ["OMP_NUM_THREADS"])}
+    """)
+    a = run(first, True, result=True, args=["--x", "1"])
+    assert a.wait(60) == "succeeded", a.summary()
+    pid, sid, cwd, argv = a.result()
+    assert pid == sid == a.status["pids"][0]  # its own session, and the pid the launcher holds
+    assert argv == ["--x", "1"] and cwd == os.getcwd()
+    b = run(second, True, result=True)
+    assert b.wait(60) == "succeeded", b.summary()
+    assert b.status["start"] == "warm"
+    assert b.result() == {"wave": False, "made": False, "leaky": False, "torch": True,
+                          "rank": "0", "argv": [], "main": "__main__", "threads": True}
+    assert pool.alive()
+
+
+def test_failure_naming_and_stop(tmp_path, jobs_dir, pool):
+    fail = write(tmp_path / "fail.py", """
+        import os, sys, time
+        if os.environ["RANK"] == "1":
+            print("about to fail", flush=True)
+            sys.exit(3)
+        time.sleep(120)
+    """)
+    job = run(fail, True)
+    assert job.wait(60) == "failed"
+    assert job.status["start"] == "warm"
+    assert job.error.startswith("rank 1 (node 1, local rank 0) exited with code 3"), job.error
+    assert "about to fail" in job.error
+    assert job.exit_codes == [-signal.SIGINT, 3]
+
+    crash = write(tmp_path / "crash.py", "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    job = run(crash, True, nodes=1)
+    assert job.wait(60) == "failed" and "killed by signal SIGKILL" in job.error
+    assert pool.alive()  # a crashing job never harms the pool
+
+    sleepy = write(tmp_path / "sleepy.py", "import time\nprint('up', flush=True)\ntime.sleep(300)\n")
+    job = run(sleepy, True)
+    deadline = time.monotonic() + 60
+    while "up" not in job.logs(1) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    pids = job.status["pids"]
+    # the per-node sampler finds warm ranks (their /proc environ is the pool's: it reads status.json)
+    found = 0
+    while not found and time.monotonic() < deadline:
+        for line in (job.dir / "metrics" / "system-node-1.jsonl").read_text().splitlines() \
+                if (job.dir / "metrics" / "system-node-1.jsonl").exists() else []:
+            found = max(found, json.loads(line).get("nproc", 0))
+        time.sleep(0.2)
+    assert found >= 1
+    assert job.stop() == "stopped"
+    assert job.exit_codes == [-signal.SIGINT, -signal.SIGINT]
+    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
+
+OWNER = """
+import json, sys, time
+from sdp_jupyter.launch import JobSpec, LocalLauncher, warm
+pool = warm.warm_up()
+assert pool.ready() is None, pool.ready()
+job = LocalLauncher(warm=True).start(JobSpec(script=sys.argv[1], nodes=2, backend="gloo"))
+while "up" not in job.logs(1):
+    time.sleep(0.1)
+print(json.dumps({"pool": pool.proc.pid, "ranks": job.status["pids"], "start": job.status["start"]}), flush=True)
+time.sleep(300)
+"""
+
+
+def test_killing_the_owner_leaves_neither_pool_nor_rank(tmp_path, jobs_dir):
+    sleepy = write(tmp_path / "sleepy.py", "import time\nprint('up', flush=True)\ntime.sleep(300)\n")
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, sleepy], stdout=subprocess.PIPE, text=True)
+    info = json.loads(owner.stdout.readline())
+    assert info["start"] == "warm"
+    pids = [info["pool"]] + info["ranks"]
+    assert all(psutil.pid_exists(p) for p in pids)
+    owner.kill()  # the kernel dies
+    owner.wait(30)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        left = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        if not left:
+            break
+        time.sleep(0.2)
+    assert left == []
+
+
+def test_unsafe_pool_falls_back_to_cold_with_a_reason(monkeypatch):
+    import threading
+
+    t = threading.Thread(target=time.sleep, args=(0.5,))
+    t.start()
+    try:
+        assert "threads" in warm.fork_unsafe_reason()
+    finally:
+        t.join()
+    p = warm.Pool.__new__(warm.Pool)
+    assert p.start(["/bin/sh", "-c", "true"], {}) == "only `python [-u] -m MODULE` starts warm"
