@@ -25,13 +25,11 @@ import threading
 import time
 from pathlib import Path
 
-import sdp_jupyter
 from sdp_jupyter.launch import jobdir, warm
 from sdp_jupyter.launch.job import Job
 from sdp_jupyter.launch.spec import JobSpec, SpecError
+from sdp_jupyter.launch.worker import COMPAT_DIR, PACKAGE_PARENT, smdistributed_installed  # noqa: F401
 
-PACKAGE_PARENT = str(Path(sdp_jupyter.__file__).resolve().parent.parent)
-COMPAT_DIR = str(Path(sdp_jupyter.__file__).resolve().parent / "_compat")
 LAST_LINES = 12  # lines of a failed rank's output quoted in the job's error
 
 _ACTIVE: set["LocalRun"] = set()
@@ -62,13 +60,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-def smdistributed_installed() -> bool:
-    try:
-        return importlib.util.find_spec("smdistributed") is not None
-    except (ImportError, ValueError):
-        return False
 
 
 def describe_exit(code: int) -> str:
