@@ -35,12 +35,16 @@ def test_hosts_are_really_separate(hosts):
         hosts.run(0, ["rm", "-f", "/dev/shm/sdp-test-probe"])
     # each host resolves the others by name, and traffic crosses the links
     before = [hosts.bytes(h) for h in range(hosts.n)]
-    srv = hosts.popen(3, [sys.executable, "-c", "import socket;s=socket.create_server(('0.0.0.0',7001));"
-                          "c,_=s.accept();c.sendall(c.recv(100000)*1)"])
+    # an echo server on h3 that reads all 50,000 bytes (they arrive in pieces over the shaped link)
+    # before it answers; the client on h0 reaches it by host name
+    srv = hosts.popen(3, [sys.executable, "-c", "import socket\ns=socket.create_server(('0.0.0.0',7001))\n"
+                          "c,_=s.accept()\nbuf=b''\nwhile len(buf)<50000:\n  d=c.recv(65536)\n  if not d: break\n"
+                          "  buf+=d\nc.sendall(buf)\nc.close()"])
     try:
         out = hosts.run(0, [sys.executable, "-c", "import socket,time\nfor i in range(100):\n  try:\n"
                             "    s=socket.create_connection(('h3',7001));break\n  except OSError: time.sleep(0.05)\n"
-                            "s.sendall(b'x'*50000)\nn=0\nwhile n<50000:\n  n+=len(s.recv(65536))\nprint(n)"])
+                            "s.sendall(b'x'*50000)\nn=0\nwhile n<50000:\n  d=s.recv(65536)\n  if not d: break\n"
+                            "  n+=len(d)\nprint(n)"])
         assert out.stdout.strip() == "50000"
     finally:
         srv.kill()
