@@ -28,7 +28,7 @@ from pathlib import Path
 from sdp_jupyter.launch import jobdir, warm
 from sdp_jupyter.launch.job import Job
 from sdp_jupyter.launch.spec import JobSpec, SpecError
-from sdp_jupyter.launch.worker import COMPAT_DIR, PACKAGE_PARENT, smdistributed_installed  # noqa: F401
+from sdp_jupyter.launch.pythonpath import COMPAT_DIR, PACKAGE_PARENT, smdistributed_installed  # noqa: F401
 
 LAST_LINES = 12  # lines of a failed rank's output quoted in the job's error
 

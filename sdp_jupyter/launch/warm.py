@@ -355,7 +355,7 @@ class Pool:
         self._owner.start()
 
     def _own(self) -> None:
-        from sdp_jupyter.launch.worker import COMPAT_DIR, PACKAGE_PARENT, smdistributed_installed
+        from sdp_jupyter.launch.pythonpath import COMPAT_DIR, PACKAGE_PARENT, smdistributed_installed
 
         # the rank's own PYTHONPATH, as LocalRun.environment makes it
         paths = ([] if smdistributed_installed() else [COMPAT_DIR]) + [PACKAGE_PARENT] \

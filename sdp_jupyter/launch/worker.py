@@ -19,24 +19,8 @@ import signal
 import sys
 import traceback
 import types
-from pathlib import Path
 
 PR_SET_PDEATHSIG = 1
-
-
-# Where a rank finds this package, and the smdistributed stand-in (used when AWS's is not installed):
-# the one definition the local launcher and the warm pool both put on a rank's PYTHONPATH.
-PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent.parent)
-COMPAT_DIR = str(Path(__file__).resolve().parent.parent / "_compat")
-
-
-def smdistributed_installed() -> bool:
-    import importlib.util
-
-    try:
-        return importlib.util.find_spec("smdistributed") is not None
-    except (ImportError, ValueError):
-        return False
 
 
 def arm_parent_death_signal(sig: int = signal.SIGKILL) -> None:
