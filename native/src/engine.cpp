@@ -344,6 +344,9 @@ void Engine::idle_check() {
 // ---------------------------------------------------------------- shutdown
 
 void Engine::shutdown() {
+  // One shutdown at a time: Python may call it from a process group's destroy and from the
+  // engine's finalizer on another thread; two joins of one std::thread are undefined behaviour.
+  std::lock_guard<std::mutex> once(shutdown_mu_);
   {
     std::unique_lock<std::mutex> lk(mu_);
     if (stopping_ && !progress_.joinable() && !acceptor_.joinable()) return;

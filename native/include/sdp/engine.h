@@ -128,6 +128,7 @@ class Engine : private OpState {
   bool busy_ = false;          // a thread is executing a collective or an idle check
   bool connected_ = false;
   std::thread progress_;
+  std::mutex shutdown_mu_;  // shutdown() runs once at a time
   Stats stats_;
 };
 
