@@ -20,15 +20,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from sdp_jupyter.comm import COLL_ALLREDUCE, COLL_BROADCAST, Communicator, EngineError, SmddpError
+from sdp_jupyter.comm import (COLL_ALLGATHER, COLL_ALLREDUCE, COLL_BROADCAST, COLL_REDUCE_SCATTER, DTYPES, OPS,
+                              Communicator, EngineError, SmddpError)
 
 BACKEND_NAME = "smddp"
 
-_DTYPES = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3, torch.int32: 4,
-           torch.int64: 5, torch.uint8: 6, torch.int8: 7, torch.bool: 6}
-_OPS = {ReduceOp.SUM: 0, ReduceOp.AVG: 1, ReduceOp.MAX: 2, ReduceOp.MIN: 3, ReduceOp.PRODUCT: 4}
-_OP_TYPES = {ReduceOp.RedOpType.SUM: 0, ReduceOp.RedOpType.AVG: 1, ReduceOp.RedOpType.MAX: 2,
-             ReduceOp.RedOpType.MIN: 3, ReduceOp.RedOpType.PRODUCT: 4}
+# The engine's codes come from sdp_jupyter.comm (one table); torch's names map onto them by name.
+_DTYPES = {getattr(torch, name): code for name, code in DTYPES.items()}
+_DTYPES[torch.bool] = DTYPES["uint8"]  # reduced as bytes, with logical ops (see _op_code)
+_OPS = {getattr(ReduceOp, name.upper()): code for name, code in OPS.items()}
+_OP_TYPES = {getattr(ReduceOp.RedOpType, name.upper()): code for name, code in OPS.items()}
+_LOGICAL = {OPS["sum"]: OPS["max"], OPS["product"]: OPS["min"]}  # bool: SUM is OR, PRODUCT is AND
 _TORCH_DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 
 
@@ -65,9 +67,9 @@ def _op_code(op, dtype) -> int:
         code = next((c for o, c in _OPS.items() if op == o), None)
     if code is None:
         raise ValueError(f"smddp supports SUM, AVG, MAX, MIN and PRODUCT, not {op}")
-    if dtype == torch.bool:  # logical: SUM is OR, PRODUCT is AND
-        code = {0: 2, 4: 3}.get(code, code)
-    elif code == 1 and not dtype.is_floating_point:
+    if dtype == torch.bool:
+        code = _LOGICAL.get(code, code)
+    elif code == OPS["avg"] and not dtype.is_floating_point:
         raise ValueError(f"ReduceOp.AVG needs a floating-point tensor, got {dtype}")
     return code
 
@@ -283,12 +285,11 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         return self._work(triples, tensors)
 
     def _gather_flat(self, flat: torch.Tensor, inp: torch.Tensor) -> list[int]:
-        """flat (world x n, contiguous CPU) <- every rank's inp, by one broadcast per rank."""
+        """flat (world x n, contiguous CPU) <- every rank's inp: the engine's all_gather, in place on
+        world blocks of n elements (this rank's block filled first)."""
         n = inp.numel()
         flat.view(-1)[self._rank * n:(self._rank + 1) * n].copy_(inp.reshape(-1))
-        esz = flat.element_size()
-        return [self._submit(COLL_BROADCAST, flat.data_ptr() + r * n * esz, n, _dtype_code(inp), 0, r)
-                for r in range(self._world)]
+        return [self._submit(COLL_ALLGATHER, flat.data_ptr(), n, _dtype_code(inp), 0, 0)]
 
     def allgather(self, output_tensors, input_tensors, opts=None):
         outs, inp = output_tensors[0], input_tensors[0]
@@ -327,7 +328,8 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         n = out.numel()
         if flat.numel() != n * self._world:
             raise ValueError(f"reduce_scatter input must hold world_size x output = {self._world} x {n} elements")
-        h = self._submit(COLL_ALLREDUCE, flat.data_ptr(), flat.numel(), _dtype_code(flat), _op_code(op, flat.dtype), 0)
+        # the engine's reduce_scatter: in place on world blocks of n, this rank's block reduced
+        h = self._submit(COLL_REDUCE_SCATTER, flat.data_ptr(), n, _dtype_code(flat), _op_code(op, flat.dtype), 0)
 
         def take():
             out.copy_(flat[self._rank * n:(self._rank + 1) * n].view_as(out))
@@ -354,7 +356,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         return SmddpWork(self, handles, output_lists, flat, [cut])
 
     def gather(self, output_lists, input_tensors, opts=None):
-        # emulated: an all-gather by broadcasts whose result only the root keeps
+        # emulated: an all-gather whose result only the root keeps
         root = opts.rootRank if opts is not None else 0
         inp = input_tensors[0].detach().cpu()
         flat = torch.empty((self._world,) + tuple(inp.shape), dtype=inp.dtype)
@@ -386,7 +388,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         if input.numel() % w or output.numel() != input.numel():
             raise ValueError(f"all_to_all_single needs input and output of equal size divisible by the "
                              f"world size {w}; got {input.numel()} and {output.numel()} elements")
-        # emulated: every rank broadcasts its whole input; rank r keeps piece r of each
+        # emulated: an all-gather of every rank's whole input; rank r keeps piece r of each
         inp = input.detach().reshape(-1).cpu()
         flat = torch.empty((w, inp.numel()), dtype=inp.dtype)
         handles = self._gather_flat(flat, inp)
@@ -427,7 +429,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
 
     def barrier(self, opts=None):
         token = torch.zeros(1, dtype=torch.uint8)
-        h = self._submit(COLL_ALLREDUCE, token.data_ptr(), 1, 6, 2, 0)
+        h = self._submit(COLL_ALLREDUCE, token.data_ptr(), 1, DTYPES["uint8"], OPS["max"], 0)
         return SmddpWork(self, [h], [token], token)
 
     def shutdown(self) -> None:
