@@ -28,12 +28,15 @@ install_browser() {
 }
 
 install_test_hosts() {
-    # iproute2 (ip, tc) for the cluster-in-a-box test hosts (sdp_jupyter.testing.cluster).
-    if ! command -v ip >/dev/null 2>&1 || ! command -v tc >/dev/null 2>&1; then
-        echo "[dev.sh] installing iproute2 for the network-namespace test hosts"
+    # iproute2 (ip, tc) for the cluster-in-a-box test hosts (sdp_jupyter.testing.cluster), and
+    # openssh (client and sshd) for the SSH target's tests: an sshd runs on each test host.
+    if ! command -v ip >/dev/null 2>&1 || ! command -v tc >/dev/null 2>&1 \
+            || ! command -v ssh >/dev/null 2>&1 || [ ! -x /usr/sbin/sshd ]; then
+        echo "[dev.sh] installing iproute2 and openssh for the network-namespace test hosts"
         if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
         $SUDO apt-get update -q >/dev/null
-        DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q iproute2 >/dev/null
+        DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends \
+            iproute2 openssh-client openssh-server >/dev/null
     fi
 }
 

@@ -1,4 +1,4 @@
-"""`sdp-train`: the local launcher without a notebook, for terminals and CI.
+"""`sdp-train`: the launcher without a notebook, for terminals and CI (every target: local, ssh, sagemaker).
 
     sdp-train --nodes 4 --backend gloo train.py --epochs 3
 
@@ -23,7 +23,8 @@ NOTEBOOK_ONLY = ("--wait", "--push", "--result")
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="sdp-train", description="Run a training script as a distributed job on this machine.")
+        prog="sdp-train", description="Run a training script as a distributed job: on this machine (default), "
+                                       "on SSH hosts (--target ssh) or on SageMaker (--target sagemaker).")
     for opt in all_options():
         if opt.flag not in NOTEBOOK_ONLY:
             parser.add_argument(opt.flag, **opt.argparse_kwargs())

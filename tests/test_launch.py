@@ -20,7 +20,7 @@ from sdp_jupyter.launch.worker import script_arguments
     ({"nodes": True}, "--nodes", "whole number"),
     ({"procs_per_node": 0}, "--procs-per-node", "1 or more"),
     ({"backend": "mpi"}, "--backend", "smddp, gloo, nccl"),
-    ({"target": "aws"}, "--target", "local, sagemaker"),
+    ({"target": "aws"}, "--target", "local, ssh, sagemaker"),
     ({"ranks_output": "3"}, "--ranks-output", "0, all"),
     ({"max_restarts": -1}, "--max-restarts", "0 or more"),
     ({"timeout": "soon"}, "--timeout", "seconds"),
@@ -199,14 +199,14 @@ def test_hybrid_layout_is_checked_once_the_launcher_knows_the_processes_per_node
 
 
 def test_compat_path_only_without_the_real_library(tmp_path, monkeypatch):
-    from sdp_jupyter.launch import local
+    from sdp_jupyter.launch import ranks  # the rank environment every target builds
 
     spec = LocalLauncher().resolve(JobSpec(code="x", name="c", backend="gloo", jobs_dir=str(tmp_path)))
     run = LocalRun(Job(spec, tmp_path / "c"), LocalLauncher())
-    monkeypatch.setattr(local, "smdistributed_installed", lambda: False)
-    assert local.COMPAT_DIR in run.environment(0, 0, 1)["PYTHONPATH"].split(":")
-    monkeypatch.setattr(local, "smdistributed_installed", lambda: True)
-    assert local.COMPAT_DIR not in run.environment(0, 0, 1)["PYTHONPATH"].split(":")
+    monkeypatch.setattr(ranks, "smdistributed_installed", lambda: False)
+    assert ranks.COMPAT_DIR in run.environment(0, 0, 1)["PYTHONPATH"].split(":")
+    monkeypatch.setattr(ranks, "smdistributed_installed", lambda: True)
+    assert ranks.COMPAT_DIR not in run.environment(0, 0, 1)["PYTHONPATH"].split(":")
 
 
 def test_bad_input_launches_nothing(tmp_path):

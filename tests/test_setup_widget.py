@@ -104,6 +104,21 @@ def test_sagemaker_target_takes_gpus_from_the_instance_and_checks_smddp():
     assert s.w_instance.value == "local" and not s.w_gpus.disabled
 
 
+def test_ssh_target_asks_for_hosts_and_puts_them_in_the_spec_and_the_line():
+    s = make(backend="smddp", nodes=2, per_gpu_batch=32, ssh={"config": "/etc/ssh/team_config"})
+    assert s.w_hosts.layout.display == "none"
+    s.w_target.value = "ssh"
+    assert s.w_hosts.layout.display is None and s.w_instance.layout.display == "none"
+    assert s.w_launch.disabled and "SSH hosts: enter the host names" in text(s.w_reason)
+    s.w_hosts.value = "gpu1, gpu2"
+    assert not s.w_launch.disabled
+    spec = s.spec
+    assert spec.target == "ssh" and spec.ssh == {"config": "/etc/ssh/team_config", "hosts": ["gpu1", "gpu2"]}
+    assert "--target ssh" in text(s.w_magic) and "--hosts gpu1,gpu2" in text(s.w_magic)
+    s.w_target.value = "local"
+    assert s.w_hosts.layout.display == "none" and s.spec.ssh == {}
+
+
 def test_estimates_follow_throughput_efficiency_and_price():
     s = make(target="sagemaker", instance_type="ml.p4d.24xlarge", backend="smddp", nodes=2, per_gpu_batch=64,
              dataset_size=1_024_000, epochs=10)

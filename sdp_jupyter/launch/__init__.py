@@ -4,7 +4,8 @@
     job.wait(); job.logs(0); job.result()
 
 `launch` accepts a JobSpec, a path to a .py file, or `code="..."`, plus JobSpec fields as keywords.
-`target="sagemaker"` hands the spec to sdp_jupyter.launch.sagemaker (its `SageMakerLauncher`).
+`target="ssh"` runs it on SSH hosts (sdp_jupyter.launch.ssh), `target="sagemaker"` as a SageMaker
+training job (sdp_jupyter.launch.sagemaker); TARGET_LAUNCHERS is the registry.
 """
 from __future__ import annotations
 
@@ -27,21 +28,25 @@ _JOBS: dict[str, Job] = {}  # jobs launched by this process, by name (latest las
 _JOBS_LOCK = threading.Lock()
 
 
+# The one registry of targets: name -> "module:launcher class" (imported when first used).
+TARGET_LAUNCHERS = {"local": "sdp_jupyter.launch.local:LocalLauncher",
+                    "ssh": "sdp_jupyter.launch.ssh:SSHLauncher",
+                    "sagemaker": "sdp_jupyter.launch.sagemaker:SageMakerLauncher"}
+
+
 def get_launcher(target: str):
-    """The launcher object for `target` ("local" or "sagemaker")."""
-    if target == "local":
-        return LocalLauncher()
-    if target == "sagemaker":
-        if importlib.util.find_spec("sdp_jupyter.launch.sagemaker") is None:
-            raise SpecError("--target", "sagemaker is not available yet in this installation "
-                                        "(sdp_jupyter.launch.sagemaker is missing). Fix: --target local")
-        module = importlib.import_module("sdp_jupyter.launch.sagemaker")
-        cls = getattr(module, "SageMakerLauncher", None)
-        if cls is None:
-            raise SpecError("--target", "sagemaker is not available yet: sdp_jupyter.launch.sagemaker has "
-                                        "no SageMakerLauncher. Fix: --target local")
-        return cls()
-    raise SpecError("--target", f"{target!r} is not one of local, sagemaker")
+    """The launcher object for `target` (a key of TARGET_LAUNCHERS)."""
+    if target not in TARGET_LAUNCHERS:
+        raise SpecError("--target", f"{target!r} is not one of {', '.join(TARGET_LAUNCHERS)}")
+    module_name, cls_name = TARGET_LAUNCHERS[target].split(":")
+    if importlib.util.find_spec(module_name) is None:
+        raise SpecError("--target", f"{target} is not available in this installation ({module_name} is "
+                                    "missing). Fix: --target local")
+    cls = getattr(importlib.import_module(module_name), cls_name, None)
+    if cls is None:
+        raise SpecError("--target", f"{target} is not available: {module_name} has no {cls_name}. "
+                                    "Fix: --target local")
+    return cls()
 
 
 def _launch(spec_or_script: JobSpec | str | os.PathLike | None = None, *, push: dict | None = None,

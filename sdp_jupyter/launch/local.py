@@ -5,77 +5,28 @@ it stops), with torchrun's and SageMaker's environment variables, its output rea
 into its log and the job's views. A supervisor thread per job watches the workers: when one fails
 the others are stopped (SIGINT, then SIGTERM, then SIGKILL), and the whole job is restarted up to
 `max_restarts` times. Workers die with the process that launched them (parent-death signal, armed
-in sdp_jupyter.launch.worker), and an atexit hook stops every job still running here.
+in sdp_jupyter.launch.worker), and an atexit hook (launch/supervise.py) stops every job still running here.
 """
 from __future__ import annotations
 
-import atexit
-import importlib.util
 import io
-import json
 import os
 import pickle
 import queue
 import secrets
 import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
-from sdp_jupyter.launch import jobdir, warm
+from sdp_jupyter.launch import jobdir, ranks, supervise, warm
 from sdp_jupyter.launch.job import Job
 from sdp_jupyter.launch.spec import JobSpec, SpecError
-from sdp_jupyter.launch.pythonpath import COMPAT_DIR, PACKAGE_PARENT, smdistributed_installed  # noqa: F401
+from sdp_jupyter.launch.ranks import describe_exit, free_port, gpu_count  # noqa: F401  (re-exported)
 
 LAST_LINES = 12  # lines of a failed rank's output quoted in the job's error
 
-_ACTIVE: set["LocalRun"] = set()
-_ACTIVE_LOCK = threading.Lock()
-
-
-def gpu_count() -> int:
-    """GPUs this machine offers (NVML, limited by CUDA_VISIBLE_DEVICES); 0 without a GPU or driver."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None and visible.strip() in ("", "-1"):
-        return 0
-    try:
-        import pynvml  # nvidia-ml-py
-
-        pynvml.nvmlInit()
-        try:
-            n = int(pynvml.nvmlDeviceGetCount())
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:
-        return 0
-    if visible is not None:
-        n = min(n, len([v for v in visible.split(",") if v.strip()]))
-    return n
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            return f"was killed by signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with code {code}"
-
-
-def _signal_group(pid: int, sig: int) -> None:
-    try:
-        os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 class LocalLauncher:
@@ -149,7 +100,7 @@ def _dumps(value) -> bytes:
     return buffer.getvalue()
 
 
-class LocalRun:
+class LocalRun(supervise.Run):
     """The supervisor of one local job: spawns, watches, restarts and stops its processes."""
 
     def __init__(self, job: Job, launcher: LocalLauncher):
@@ -159,64 +110,17 @@ class LocalRun:
         self.world_size = self.spec.nodes * self.spec.procs_per_node
         self.secret = secrets.token_hex(32)
         self.gpus = gpu_count()
-        self._stop = threading.Event()
-        self._stop_reason: str | None = None
         self._procs: list[subprocess.Popen] = []
         self._samplers: list[subprocess.Popen] = []
         self._readers: list[threading.Thread] = []
-        self._thread = threading.Thread(target=self._supervise, name=f"sdp-job-{job.name}", daemon=True)
-
-    def start(self) -> None:
-        with _ACTIVE_LOCK:
-            _ACTIVE.add(self)
-        self._thread.start()
-
-    def stop(self, reason: str | None = None) -> None:
-        self._stop_reason = self._stop_reason or reason
-        self._stop.set()
+        supervise.Run.__init__(self, f"sdp-job-{job.name}")
 
     # ------------------------------------------------------------------ environment
     def environment(self, rank: int, attempt: int, port: int) -> dict:
-        spec = self.spec
-        ppn = spec.procs_per_node
-        node, local_rank = divmod(rank, ppn)
-        env = dict(os.environ)
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (spec.nodes * ppn))))
-        env.update(spec.env)
-        env.update(spec.parallel_env())  # SDP_TP, SDP_PP, ...: only for a job with hybrid-parallel options
-        paths = [PACKAGE_PARENT]
-        if not smdistributed_installed():
-            paths.insert(0, COMPAT_DIR)
-        if env.get("PYTHONPATH"):
-            paths.append(env["PYTHONPATH"])
-        job_dir = str(self.job.dir)
-        hosts = [f"algo-{i + 1}" for i in range(spec.nodes)]
-        env.update({
-            "PYTHONPATH": os.pathsep.join(paths),
-            "PYTHONUNBUFFERED": "1",
-            "RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(self.world_size),
-            "LOCAL_WORLD_SIZE": str(ppn), "GROUP_RANK": str(node), "NODE_RANK": str(node),
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-            "SM_HOSTS": json.dumps(hosts), "SM_CURRENT_HOST": hosts[node],
-            "SM_NUM_GPUS": str(min(ppn, self.gpus)),
-            "SM_MODEL_DIR": os.path.join(job_dir, "model"),
-            "SM_OUTPUT_DATA_DIR": os.path.join(job_dir, "output"),
-            "SM_HPS": json.dumps(spec.hyperparameters),
-            "SDP_JOB_DIR": job_dir, "SDP_JOB_NAME": self.job.name, "SDP_JOB_SECRET": self.secret,
-            "SDP_BIND_ADDR": "127.0.0.1", "SDP_NUM_NODES": str(spec.nodes), "SDP_BACKEND": spec.backend,
-            "SDP_RESTART": str(attempt), "SDP_LAUNCHER_PID": str(os.getpid()),
-        })
-        env.setdefault("SM_CHANNEL_TRAIN", os.path.join(job_dir, "data", "train"))
-        if self.gpus >= spec.nodes * ppn and "CUDA_VISIBLE_DEVICES" not in spec.env:
-            # each local "node" sees its own GPUs, as separate hosts would (LOCAL_RANK indexes them)
-            parent = os.environ.get("CUDA_VISIBLE_DEVICES")
-            ids = [v.strip() for v in parent.split(",")] if parent else [str(i) for i in range(self.gpus)]
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(ids[node * ppn:(node + 1) * ppn])
-        for key, value in spec.hyperparameters.items():
-            env[f"SM_HP_{key.upper()}"] = value if isinstance(value, str) else json.dumps(value)
-        env["SDP_CHECKPOINT_DIR"] = str(Path(spec.checkpoint_dir).expanduser().absolute()) \
-            if spec.checkpoint_dir else os.path.join(job_dir, jobdir.CHECKPOINTS)
-        return env
+        return ranks.environment(self.spec, rank=rank, world_size=self.world_size, job_dir=str(self.job.dir),
+                                 job_name=self.job.name, secret=self.secret, master_addr="127.0.0.1",
+                                 master_port=port, bind_addr="127.0.0.1", attempt=attempt, gpus=self.gpus,
+                                 ranks_here=self.world_size, split_gpus=True)
 
     # ------------------------------------------------------------------ supervision
     def _supervise(self) -> None:
@@ -228,19 +132,13 @@ class LocalRun:
             if spec.checkpoint_dir:
                 Path(spec.checkpoint_dir).expanduser().mkdir(parents=True, exist_ok=True)
             self._start_samplers()
-            attempt, causes = 0, []
-            while True:
-                state, error, codes = self._attempt(attempt, started)
-                if state == "failed" and attempt < spec.max_restarts and not self._stop.is_set() \
-                        and error and not error.startswith("timed out"):
-                    attempt += 1
-                    for rank in range(self.world_size):
-                        self._line(rank, f"[sdp_jupyter] restart {attempt} of {spec.max_restarts} after: "
-                                         f"{error.splitlines()[0]}\n")
-                    causes.append(error)
-                    job._update(restarts=attempt, restart_errors=causes)
-                    continue
-                break
+
+            def announce(text: str) -> None:
+                for rank in range(self.world_size):
+                    self._line(rank, text)
+
+            state, error, codes = supervise.with_restarts(job, lambda n: self._attempt(n, started), announce,
+                                                          self._stop)
         except Exception as e:  # our own bug or an OS error: the job fails with it, nothing left running
             state, error = "failed", f"the launcher failed: {type(e).__name__}: {e}"
             self._terminate()
@@ -248,8 +146,7 @@ class LocalRun:
             self._stop_samplers()
             for t in self._readers:
                 t.join(timeout=2)
-            with _ACTIVE_LOCK:
-                _ACTIVE.discard(self)
+            supervise.unregister(self)
             warm.job_done(self.launcher.warm)
             job._update(state=state, error=error, exit_codes=codes, ended=time.time())
 
@@ -261,7 +158,7 @@ class LocalRun:
         for rank in range(self.world_size):
             env = self.environment(rank, attempt, port)
             env["SDP_SCRIPT"] = script
-            proc = self._spawn([sys.executable, "-u", "-m", "sdp_jupyter.launch.worker"], env)
+            proc = self._spawn(ranks.WORKER, env)
             self._procs.append(proc)
             reader = threading.Thread(target=self._read, args=(rank, proc), daemon=True,
                                       name=f"sdp-{self.job.name}-out{rank}")
@@ -306,8 +203,7 @@ class LocalRun:
                 self.job._update(start="cold", start_reason=f"warm start not possible: {proc}")
         elif self.job.status.get("start") is None:
             self.job._update(start="cold")
-        return subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
+        return ranks.spawn(env)
 
     def _failure_message(self, rank: int, code: int) -> str:
         node, local_rank = divmod(rank, self.spec.procs_per_node)
@@ -342,71 +238,29 @@ class LocalRun:
         self.job._emit(rank, text)
 
     def _terminate(self, codes: list | None = None) -> list:
-        """SIGINT every live rank's process group, then SIGTERM, then SIGKILL; return exit codes."""
-        procs = self._procs
-        for sig, grace in ((signal.SIGINT, self.launcher.sigint_grace),
-                           (signal.SIGTERM, self.launcher.sigterm_grace), (signal.SIGKILL, 5.0)):
-            alive = [p for p in procs if p.poll() is None]
-            if not alive:
-                break
-            for p in alive:
-                _signal_group(p.pid, sig)
-            deadline = time.monotonic() + grace
-            while time.monotonic() < deadline and any(p.poll() is None for p in alive):
-                time.sleep(0.02)
-        self._cleanup_groups()
-        return [p.returncode for p in procs]
+        """Stop every live rank (launch/ranks.py: SIGINT, SIGTERM, SIGKILL); return exit codes."""
+        return ranks.stop(self._procs, self.launcher.sigint_grace, self.launcher.sigterm_grace)
 
     def _cleanup_groups(self) -> None:
-        """Kill what a rank left behind in its session (e.g. data-loader workers)."""
-        for p in self._procs:
-            _signal_group(p.pid, signal.SIGKILL)
+        ranks.kill_groups(self._procs)
 
     # ------------------------------------------------------------------ per-node samplers
     def _start_samplers(self) -> None:
-        if importlib.util.find_spec("sdp_jupyter.monitor.sampler") is None:
-            return
-        env = dict(os.environ, SDP_LAUNCHER_PID=str(os.getpid()),
-                   PYTHONPATH=os.pathsep.join(filter(None, [PACKAGE_PARENT, os.environ.get("PYTHONPATH")])))
         for node in range(self.spec.nodes):
-            log = jobdir.open_private(self.job.dir / jobdir.LOGS / f"sampler-node-{node}.log")
-            with log:
-                self._samplers.append(subprocess.Popen(
-                    [sys.executable, "-m", "sdp_jupyter.launch.worker", "--module", "sdp_jupyter.monitor.sampler",
-                     "--job-dir", str(self.job.dir), "--node", str(node)],
-                    env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                    start_new_session=True, close_fds=True))
+            proc = ranks.start_sampler(self.job.dir, node)
+            if proc is not None:
+                self._samplers.append(proc)
 
     def _stop_samplers(self) -> None:
-        for p in self._samplers:
-            if p.poll() is None:
-                _signal_group(p.pid, signal.SIGTERM)
-        for p in self._samplers:
-            try:
-                p.wait(timeout=3)
-            except subprocess.TimeoutExpired:
-                _signal_group(p.pid, signal.SIGKILL)
-                p.wait()
+        ranks.stop_samplers(self._samplers)
 
     def kill_now(self) -> None:
         """At interpreter exit: no grace, nothing may survive us."""
         self._stop.set()
         for p in self._procs + self._samplers:
-            _signal_group(p.pid, signal.SIGTERM)
+            ranks.signal_group(p.pid, signal.SIGTERM)
         deadline = time.monotonic() + 1.0
         while time.monotonic() < deadline and any(p.poll() is None for p in self._procs + self._samplers):
             time.sleep(0.02)
         for p in self._procs + self._samplers:
-            _signal_group(p.pid, signal.SIGKILL)
-
-
-@atexit.register
-def _stop_all_at_exit() -> None:
-    with _ACTIVE_LOCK:
-        runs = list(_ACTIVE)
-    for run in runs:
-        run.kill_now()
-        try:
-            run.job._update(state="stopped", error="the launching process exited", ended=time.time())
-        except OSError:
-            pass
+            ranks.signal_group(p.pid, signal.SIGKILL)

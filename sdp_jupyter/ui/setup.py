@@ -68,7 +68,8 @@ class JobSetup(W.VBox):
     """The job setup form. Keyword arguments preset its fields (see ``scaling.Plan`` for their meaning).
 
     ``sagemaker`` holds the SageMaker target's other options (role, bucket, ...; see docs/launcher.md);
-    the instance type comes from the form. ``launch_job`` replaces ``sdp_jupyter.launch`` (tests and
+    the instance type comes from the form. ``ssh`` holds the SSH target's other options (python,
+    config; see docs/ssh.md); its hosts come from the form's "SSH hosts" field. ``launch_job`` replaces ``sdp_jupyter.launch`` (tests and
     other front-ends may pass their own).
     """
 
@@ -82,6 +83,7 @@ class JobSetup(W.VBox):
         hyperparameters: dict | None = None,
         jobs_dir: str | None = None,
         sagemaker: dict | None = None,
+        ssh: dict | None = None,
         launch_job=None,
         **plan_fields,
     ):
@@ -89,13 +91,15 @@ class JobSetup(W.VBox):
         unknown = sorted(set(plan_fields) - known)
         if unknown:
             raise TypeError(f"JobSetup() got unknown field(s) {', '.join(unknown)}; known: script, code, cell, "
-                            f"name, hyperparameters, jobs_dir, sagemaker, {', '.join(sorted(known))}")
+                            f"name, hyperparameters, jobs_dir, sagemaker, ssh, {', '.join(sorted(known))}")
         self._updating = False
         self._set_what_runs(script, code, cell)
         self.name = name
         self.extra_hyperparameters = dict(hyperparameters or {})
         self.jobs_dir = jobs_dir
         self.sagemaker_options = dict(sagemaker or {})  # JobSpec.sagemaker (role, bucket, ...) for that target
+        self.ssh_options = {k: v for k, v in (ssh or {}).items() if k != "hosts"}  # JobSpec.ssh: python, config
+        ssh_hosts = (ssh or {}).get("hosts") or []
         self._launch_job = launch_job
         self.job = None
         preset = scaling.Plan(**plan_fields)  # validates the choices (ValueError names the field)
@@ -108,9 +112,13 @@ class JobSetup(W.VBox):
         self.w_target = W.ToggleButtons(options=list(scaling.TARGETS), value=preset.target, description="target",
                                         style={"description_width": "170px", "button_width": "90px"})
         self.w_instance = W.Dropdown(options=self._instance_options(preset.target), description="instance type",
-                                     style=_STYLE, layout=_LAYOUT)
+                                     style=_STYLE, layout=W.Layout(width=_LAYOUT.width))  # its own: it is hidden for ssh
         self.w_instance.value = preset.instance_type if preset.target == "sagemaker" else instances.LOCAL
         self.w_instance_info = W.HTML()
+        self.w_hosts = W.Text(value=",".join(ssh_hosts) if isinstance(ssh_hosts, list) else str(ssh_hosts),
+                              placeholder="gpu1,gpu2 (as `ssh HOST` reaches them)", description="SSH hosts",
+                              style=_STYLE, layout=W.Layout(width=_LAYOUT.width))
+        self.w_hosts.add_class("sdp-ssh-hosts")
         self.w_nodes = num(W.BoundedIntText, "nodes", preset.nodes, min=1, max=4096)
         self.w_gpus = num(W.BoundedIntText, "GPUs (processes) / node", preset.gpus_per_node, min=1, max=64)
         self.w_backend = W.Dropdown(options=list(scaling.BACKENDS), value=preset.backend, description="backend",
@@ -158,7 +166,7 @@ class JobSetup(W.VBox):
         self.measurements: dict[int, float] = {}  # ranks -> samples/s per rank, every measured job of this form
         self.w_nodes.add_class("sdp-nodes")
 
-        inputs = [self.w_target, self.w_instance, self.w_nodes, self.w_gpus, self.w_backend, self.w_mode,
+        inputs = [self.w_target, self.w_instance, self.w_hosts, self.w_nodes, self.w_gpus, self.w_backend, self.w_mode,
                   self.w_per_gpu, self.w_ref_lr, self.w_ref_batch, self.w_rule, self.w_warmup, self.w_epochs,
                   self.w_dataset, self.w_optimizer, self.w_batchnorm, self.w_throughput, self.w_efficiency,
                   self.w_price]
@@ -166,7 +174,8 @@ class JobSetup(W.VBox):
             w.observe(self._changed, names="value")
         self.w_launch.on_click(lambda _b: self.launch())
 
-        left = W.VBox([W.HTML("<b>Where</b>"), self.w_target, self.w_instance, self.w_instance_info, self.w_nodes,
+        left = W.VBox([W.HTML("<b>Where</b>"), self.w_target, self.w_instance, self.w_instance_info, self.w_hosts,
+                       self.w_nodes,
                        self.w_gpus, self.w_backend, W.HTML("<b>Batch and learning rate</b>"), self.w_mode,
                        self.w_per_gpu, self.w_ref_lr, self.w_ref_batch, self.w_rule, self.w_warmup,
                        self.w_optimizer, self.w_batchnorm])
@@ -199,7 +208,7 @@ class JobSetup(W.VBox):
     # ------------------------------------------------------------------ reading the form
     @staticmethod
     def _instance_options(target: str) -> list[str]:
-        return [instances.LOCAL] if target == "local" else list(instances.catalogue())
+        return list(instances.catalogue()) if target == "sagemaker" else [instances.LOCAL]
 
     def _read_plan(self) -> scaling.Plan:
         """The form as a Plan; ValueError for a field that is not a number."""
@@ -224,6 +233,14 @@ class JobSetup(W.VBox):
             price_per_hour=_optional_float(self.w_price.value, "USD per node-hour"),
             cpus=self._cpus,
         )
+
+    @property
+    def ssh_hosts(self) -> list[str]:
+        """The "SSH hosts" field as a list; ValueError when the target is ssh and it is empty."""
+        hosts = [h.strip() for h in self.w_hosts.value.split(",") if h.strip()]
+        if not hosts and self.w_target.value == "ssh":
+            raise ValueError("SSH hosts: enter the host names, e.g. gpu1,gpu2")
+        return hosts
 
     @property
     def plan(self) -> scaling.Plan:
@@ -262,6 +279,8 @@ class JobSetup(W.VBox):
         extra = {}
         if plan.target == "sagemaker":
             extra["sagemaker"] = {**self.sagemaker_options, "instance_type": plan.instance_type}
+        if plan.target == "ssh":
+            extra["ssh"] = {**self.ssh_options, "hosts": self.ssh_hosts}
         return JobSpec(
             **self._what_runs(),
             name=self.name,
@@ -288,7 +307,7 @@ class JobSetup(W.VBox):
     def _apply(self, change) -> None:
         if change["owner"] is self.w_target:
             self.w_instance.options = self._instance_options(change["new"])
-            if change["new"] == "local":
+            if change["new"] != "sagemaker":
                 self.w_instance.value = instances.LOCAL
                 self.w_gpus.value = max(1, instances.get(instances.LOCAL).gpus)
             else:
@@ -305,6 +324,9 @@ class JobSetup(W.VBox):
         sagemaker = self.w_target.value == "sagemaker"
         inst = instances.get(self.w_instance.value)
         self.w_instance_info.value = f"<small>{html.escape(inst.describe())}</small>"
+        self.w_hosts.layout.display = None if self.w_target.value == "ssh" else "none"
+        self.w_instance.layout.display = "none" if self.w_target.value == "ssh" else None
+        self.w_instance_info.layout.display = self.w_instance.layout.display
         if sagemaker:
             self.w_gpus.value = max(1, inst.gpus)
         self.w_gpus.disabled = sagemaker

@@ -1,0 +1,333 @@
+"""The per-host agent: `python -m sdp_jupyter.launch.agent`, one per host of a remote job.
+
+A remote target reaches it over a byte channel (the SSH target: `ssh -T host python -m
+sdp_jupyter.launch.agent`, the agent's stdin and stdout). On its host the agent does what the local
+launcher does for a node: it writes the job's files into a private folder, starts the node's ranks
+with the same bootstrap and environment (launch/ranks.py), runs the node's utilization sampler, and
+streams everything back: each rank's output, metrics lines, exit codes, rank 0's result.
+
+Channel: frames of a 4-byte big-endian length and a UTF-8 JSON object with a "type". Binary values
+(the script, --push data, the result) travel base64-encoded. The job secret arrives in the `start`
+frame, so it is never on a command line, in the host's environment or in a file.
+
+    agent -> launcher   hello {version, python, hostname, addr, gpus, pid}   once, at start
+                        port {port}                 answer to `port`: a free port on this host
+                        out {rank, text}            a piece of a rank's output (at most LINE_CAP bytes)
+                        metrics {file, lines}       new complete lines of a metrics/*.jsonl file
+                        exit {rank, code}           a rank ended
+                        result {data}               rank 0's result.pkl (after rank 0 exited)
+                        done {codes}                every rank of the attempt has ended
+                        ping {}                     every HEARTBEAT_EVERY seconds
+                        error {message}             the agent cannot go on (bad frame, cannot start)
+    launcher -> agent   start {...}  port {}  stop {}  ping {}  bye {}
+
+The agent stops its ranks (SIGINT, SIGTERM, SIGKILL to their process groups) on `stop`, and on its
+own when the channel closes (the SSH connection dropped, the notebook died) or when no frame came
+from the launcher for the heartbeat timeout (a closed laptop, a cut link): no orphans. Its ranks
+and sampler also die with it (parent-death signal). Files live under
+`$SDP_AGENT_DIR` (default `~/.cache/sdp_jupyter/jobs`)/<job name>/node-<N>, 0700; a job's checkpoints stay
+there between restarts; the rest is removed when the launcher says `bye`.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import shutil
+import socket
+import struct
+import sys
+import threading
+import time
+from pathlib import Path
+
+MAX_FRAME = 1 << 30            # a frame over 1 GiB is refused (a --push that large belongs on shared storage)
+HEARTBEAT_EVERY = 1.0          # seconds between pings, both ways
+HEARTBEAT_TIMEOUT = 15.0       # no frame for this long: the other side is gone
+METRICS_FILE = re.compile(r"^(rank-\d+|system-node-\d+)\.jsonl$")
+
+
+class ChannelClosed(EOFError):
+    """The other end of the channel went away."""
+
+
+def encode(message: dict) -> bytes:
+    body = json.dumps(message, separators=(",", ":")).encode()
+    return struct.pack(">I", len(body)) + body
+
+
+def read_exact(stream, n: int) -> bytes:
+    chunks, got = [], 0
+    while got < n:
+        chunk = stream.read(n - got)
+        if not chunk:
+            raise ChannelClosed("the channel closed")
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+def decode(stream) -> dict:
+    """The next frame from a binary stream; ChannelClosed at its end, ValueError on garbage."""
+    (size,) = struct.unpack(">I", read_exact(stream, 4))
+    if size > MAX_FRAME:
+        raise ValueError(f"a frame of {size} bytes is over the {MAX_FRAME}-byte limit")
+    message = json.loads(read_exact(stream, size))
+    if not isinstance(message, dict) or not isinstance(message.get("type"), str):
+        raise ValueError("a frame is not an object with a type")
+    return message
+
+
+def b64(data: bytes | None) -> str | None:
+    return None if data is None else base64.b64encode(data).decode()
+
+
+def unb64(text: str | None) -> bytes | None:
+    return None if text is None else base64.b64decode(text)
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("sdp_jupyter")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def connection_address() -> str:
+    """The address this host was reached on (the server side of $SSH_CONNECTION), which the other
+    hosts of the job reach too; else the address that routes to the default gateway; else loopback."""
+    parts = os.environ.get("SSH_CONNECTION", "").split()
+    if len(parts) == 4:
+        return parts[2]
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def agent_root() -> Path:
+    return Path(os.environ.get("SDP_AGENT_DIR") or Path.home() / ".cache" / "sdp_jupyter" / "jobs")
+
+
+class Agent:
+    def __init__(self, inp, out):
+        self.inp, self.out = inp, out
+        self._send_lock = threading.Lock()
+        self._last_heard = time.monotonic()
+        self._procs: list = []
+        self._samplers: list = []
+        self._attempt_thread: threading.Thread | None = None
+        self.job_dir: Path | None = None
+        self.addr = connection_address()
+        self.timeout = HEARTBEAT_TIMEOUT
+        self.closed = threading.Event()
+
+    def send(self, message: dict) -> None:
+        data = encode(message)
+        with self._send_lock:
+            try:
+                self.out.write(data)
+                self.out.flush()
+            except (BrokenPipeError, OSError, ValueError):
+                self.closed.set()
+
+    # ---------------------------------------------------------------- main loop
+    def serve(self) -> int:
+        from sdp_jupyter.launch.ranks import gpu_count
+
+        self.send({"type": "hello", "version": version(), "python": sys.executable, "hostname": socket.gethostname(),
+                   "addr": self.addr, "gpus": gpu_count(), "pid": os.getpid()})
+        threading.Thread(target=self._heartbeat, daemon=True, name="sdp-agent-heartbeat").start()
+        try:
+            while not self.closed.is_set():
+                message = decode(self.inp)
+                self._last_heard = time.monotonic()
+                kind = message["type"]
+                if kind == "start":
+                    self._start(message)
+                elif kind == "port":
+                    from sdp_jupyter.launch.ranks import free_port
+
+                    self.send({"type": "port", "port": free_port(self.addr)})
+                elif kind == "stop":
+                    self._stop_ranks(float(message.get("sigint_grace", 3)), float(message.get("sigterm_grace", 2)))
+                elif kind == "bye":
+                    self._stop_ranks(0.5, 0.5)
+                    self._remove_files()
+                    return 0
+        except ChannelClosed:
+            pass
+        except Exception as e:  # a bad frame, a folder we may not use: said, then the ranks are stopped
+            self.send({"type": "error", "message": f"{type(e).__name__}: {e}"})
+        finally:
+            self.closed.set()
+            self._stop_ranks(1.0, 1.0)
+        return 0
+
+    def _heartbeat(self) -> None:
+        while not self.closed.wait(HEARTBEAT_EVERY):
+            self.send({"type": "ping"})
+            if time.monotonic() - self._last_heard > self.timeout:
+                # the launcher is gone (a cut link, a closed laptop): stop the ranks, then leave
+                self.closed.set()
+                self._stop_ranks(1.0, 1.0)
+                os._exit(3)
+
+    # ---------------------------------------------------------------- one attempt
+    def _start(self, m: dict) -> None:
+        from sdp_jupyter.launch import jobdir, ranks
+        from sdp_jupyter.launch.spec import JobSpec
+
+        if self._attempt_thread is not None and self._attempt_thread.is_alive():
+            raise ValueError("a start came while the previous attempt still runs")
+        self.timeout = float(m.get("heartbeat_timeout", HEARTBEAT_TIMEOUT))
+        spec = JobSpec.from_dict(m["spec"])
+        name = spec.name
+        if not name or "/" in name or name.startswith("."):
+            raise ValueError(f"bad job name {name!r}")
+        node = int(m["node"])
+        job_dir = agent_root() / name / f"node-{node}"  # per node: a home on shared storage serves many hosts
+        if self.job_dir is None:  # first attempt: fresh files; checkpoints of an earlier run of the name kept
+            jobdir.ensure_private_dir(agent_root())
+            jobdir.ensure_private_dir(job_dir.parent)
+            jobdir.prepare(job_dir)
+            jobdir.write_private(job_dir / jobdir.SCRIPT, unb64(m["script"]))
+            jobdir.write_private(job_dir / jobdir.SPEC, spec.to_json())
+            if m.get("push") is not None:
+                jobdir.write_private(job_dir / jobdir.PUSH, unb64(m["push"]))
+            (job_dir / jobdir.CHECKPOINTS).mkdir(exist_ok=True)
+            if spec.checkpoint_dir:
+                Path(spec.checkpoint_dir).expanduser().mkdir(parents=True, exist_ok=True)
+        self.job_dir = job_dir
+        (job_dir / jobdir.RESULT).unlink(missing_ok=True)
+        ppn = spec.procs_per_node
+        world = spec.nodes * ppn
+        gpus = ranks.gpu_count()
+        procs = []
+        for local_rank in range(ppn):
+            rank = node * ppn + local_rank
+            env = ranks.environment(spec, rank=rank, world_size=world, job_dir=str(job_dir), job_name=name,
+                                    secret=m["secret"], master_addr=m["master_addr"],
+                                    master_port=int(m["master_port"]), bind_addr=self.addr,
+                                    attempt=int(m.get("attempt", 0)), gpus=gpus, ranks_here=ppn, split_gpus=False)
+            env["SDP_SCRIPT"] = str(job_dir / jobdir.SCRIPT)
+            procs.append((rank, ranks.spawn(env)))
+        self._procs = [p for _, p in procs]
+        if not self._samplers:
+            sampler = ranks.start_sampler(job_dir, node)
+            if sampler is not None:
+                self._samplers.append(sampler)
+        self._attempt_thread = threading.Thread(target=self._watch, args=(procs,), daemon=True, name="sdp-agent-watch")
+        self._attempt_thread.start()
+
+    def _watch(self, procs: list) -> None:
+        readers = {rank: threading.Thread(target=self._read, args=(rank, p), daemon=True) for rank, p in procs}
+        for t in readers.values():
+            t.start()
+        tailer_stop = threading.Event()
+        tailer = threading.Thread(target=self._tail_metrics, args=(tailer_stop,), daemon=True)
+        tailer.start()
+        codes = {}
+        pending = dict(procs)
+        while pending:
+            for rank, p in list(pending.items()):
+                code = p.poll()
+                if code is not None:
+                    pending.pop(rank)
+                    readers[rank].join(timeout=2)  # its last lines go out before its exit
+                    codes[rank] = code
+                    self.send({"type": "exit", "rank": rank, "code": code})
+            time.sleep(0.05)
+        from sdp_jupyter.launch import jobdir, ranks
+
+        ranks.kill_groups([p for _, p in procs])
+        tailer_stop.set()
+        tailer.join(timeout=5)
+        result = self.job_dir / jobdir.RESULT
+        if 0 in codes and codes[0] == 0 and result.is_file():
+            self.send({"type": "result", "data": b64(result.read_bytes())})
+        self.send({"type": "done", "codes": codes})
+
+    def _read(self, rank: int, proc) -> None:
+        from sdp_jupyter.launch import jobdir
+
+        cap = jobdir.LINE_CAP
+        with jobdir.open_private(jobdir.log_path(self.job_dir, rank)) as log:
+            for raw in iter(lambda: proc.stdout.readline(cap), b""):
+                log.write(raw)
+                log.flush()
+                self.send({"type": "out", "rank": rank, "text": raw.decode("utf-8", errors="replace")})
+        proc.stdout.close()
+
+    def _tail_metrics(self, stop: threading.Event) -> None:
+        """Send every complete new line of metrics/*.jsonl; one last sweep after `stop`."""
+        from sdp_jupyter.launch import jobdir
+
+        offsets: dict[str, int] = {}
+        folder = self.job_dir / jobdir.METRICS
+        while True:
+            last = stop.wait(0.5)
+            try:
+                names = sorted(n for n in os.listdir(folder) if METRICS_FILE.match(n))
+            except OSError:
+                names = []
+            for name in names:
+                try:
+                    with open(folder / name, "rb") as f:
+                        f.seek(offsets.get(name, 0))
+                        data = f.read(8 << 20)
+                except OSError:
+                    continue
+                cut = data.rfind(b"\n") + 1
+                if cut:
+                    offsets[name] = offsets.get(name, 0) + cut
+                    self.send({"type": "metrics", "file": name, "lines": data[:cut].decode("utf-8", "replace")})
+            if last:
+                return
+
+    def _stop_ranks(self, sigint_grace: float, sigterm_grace: float) -> None:
+        from sdp_jupyter.launch import ranks
+
+        ranks.stop(self._procs, sigint_grace, sigterm_grace)
+        if self._attempt_thread is not None:
+            self._attempt_thread.join(timeout=10)
+        ranks.stop_samplers(self._samplers)
+        self._samplers = []
+
+    def _remove_files(self) -> None:
+        """After the job: everything but the checkpoints (a later job of the name may resume from them)."""
+        if self.job_dir is None:
+            return
+        from sdp_jupyter.launch import jobdir
+
+        for entry in list(self.job_dir.iterdir()) if self.job_dir.is_dir() else []:
+            if entry.name == jobdir.CHECKPOINTS and any(entry.iterdir()):
+                continue
+            shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
+        for folder in (self.job_dir, self.job_dir.parent):
+            try:
+                folder.rmdir()
+            except OSError:
+                pass
+
+
+def main() -> int:
+    import signal
+
+    from sdp_jupyter.launch.worker import arm_parent_death_signal
+
+    os.environ.pop("SDP_LAUNCHER_PID", None)
+    arm_parent_death_signal(signal.SIGTERM)  # the ssh session's shell or sshd went away: so do we
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # runs `finally`: the ranks are stopped
+    signal.signal(signal.SIGHUP, lambda *_: sys.exit(0))
+    out = os.fdopen(os.dup(sys.stdout.fileno()), "wb", buffering=0)
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # a stray print() cannot corrupt the channel
+    return Agent(sys.stdin.buffer, out).serve()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

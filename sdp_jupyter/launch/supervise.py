@@ -1,0 +1,80 @@
+"""What every target's supervisor does the same way: restarts, and stopping what runs at exit.
+
+A run (LocalRun, SSHRun) registers itself while it runs; at interpreter exit every registered run's
+`kill_now()` is called and its job marked stopped. `with_restarts` is the attempt loop behind
+`--max-restarts`.
+"""
+from __future__ import annotations
+
+import atexit
+import threading
+import time
+from typing import Callable
+
+_ACTIVE: set = set()
+_LOCK = threading.Lock()
+
+
+def register(run) -> None:
+    with _LOCK:
+        _ACTIVE.add(run)
+
+
+def unregister(run) -> None:
+    with _LOCK:
+        _ACTIVE.discard(run)
+
+
+class Run:
+    """A job's supervisor thread, started once; `stop(reason)` asks it to stop the job's ranks.
+    Subclasses set up their state, call `Run.__init__(self, name)` and implement `_supervise`
+    and `kill_now`."""
+
+    def __init__(self, name: str):
+        self._stop = threading.Event()
+        self._stop_reason: str | None = None
+        self._thread = threading.Thread(target=self._supervise, name=name, daemon=True)
+
+    def start(self) -> None:
+        register(self)
+        self._thread.start()
+
+    def stop(self, reason: str | None = None) -> None:
+        self._stop_reason = self._stop_reason or reason
+        self._stop.set()
+
+    def _supervise(self) -> None:
+        raise NotImplementedError
+
+    def kill_now(self) -> None:
+        raise NotImplementedError
+
+
+def with_restarts(job, attempt: Callable[[int], tuple], announce: Callable[[str], None],
+                  stopped: threading.Event, final: tuple[str, ...] = ("timed out",)) -> tuple:
+    """Run attempt(0), attempt(1), ... while one fails and restarts are left (spec.max_restarts),
+    unless the job was stopped or the error starts with one of `final` (a restart cannot help).
+    `announce` tells every rank's log about a restart. Returns the last attempt's (state, error, codes)."""
+    n, causes = 0, []
+    while True:
+        state, error, codes = attempt(n)
+        if state == "failed" and n < job.spec.max_restarts and not stopped.is_set() \
+                and error and not error.startswith(final):
+            n += 1
+            announce(f"[sdp_jupyter] restart {n} of {job.spec.max_restarts} after: {error.splitlines()[0]}\n")
+            causes.append(error)
+            job._update(restarts=n, restart_errors=causes)
+            continue
+        return state, error, codes
+
+
+@atexit.register
+def _stop_all_at_exit() -> None:
+    with _LOCK:
+        runs = list(_ACTIVE)
+    for run in runs:
+        run.kill_now()
+        try:
+            run.job._update(state="stopped", error="the launching process exited", ended=time.time())
+        except OSError:
+            pass

@@ -1,0 +1,263 @@
+"""The SSH target on real hosts: an sshd on each of h1..h3 (cluster-in-a-box), the notebook on h0.
+
+Every job here is started by a driver process on h0 that calls sdp_jupyter.launch(target="ssh"),
+exactly as a notebook would; the test watches the hosts from outside (processes, link counters).
+"""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+import time
+
+import pytest
+
+from helpers.cluster import cluster4, hosts  # noqa: F401
+from helpers.sshd import REPO, ssh_hosts  # noqa: F401
+from sdp_jupyter.launch import JobSpec, SpecError, agent
+from sdp_jupyter.launch import ssh as ssh_target
+
+TRAIN = r'''
+import os, socket, time, torch, torch.distributed as dist
+dist.init_process_group("smddp")
+rank, world = dist.get_rank(), dist.get_world_size()
+if int(os.environ.get("FAIL_FIRST", "0")) and os.environ["SDP_RESTART"] == "0" and rank == world - 1:
+    raise SystemExit(f"rank {rank} fails on purpose in attempt 0")
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Tanh(), torch.nn.Linear(512, 8))
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+g = torch.Generator().manual_seed(100 + rank)
+for step in range(int(os.environ.get("STEPS", "6"))):
+    x, y = torch.randn(16, 256, generator=g), torch.randn(16, 8, generator=g)
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    opt.zero_grad()
+    loss.backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+    opt.step()
+    print(f"step {step} loss {loss.item():.4f}", flush=True)
+    time.sleep(float(os.environ.get("STEP_SLEEP", "0")))
+names = [None] * world
+dist.all_gather_object(names, (socket.gethostname(), os.environ["SDP_BIND_ADDR"]))
+{"hosts": names, "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()])}
+'''
+
+DRIVER = r'''
+import json, sys, time, sdp_jupyter
+from sdp_jupyter.launch import SpecError
+args = json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}
+try:
+    job = sdp_jupyter.launch(**args)
+except SpecError as e:
+    print(json.dumps({"spec_error": str(e)}), flush=True)
+    raise SystemExit(0)
+if args.get("env", {}).get("STEP_SLEEP"):
+    while "step 2" not in job.logs(0) and not job.done:
+        time.sleep(0.1)
+    print(json.dumps({"running": job.name}), flush=True)
+    if sys.stdin.readline().strip() == "stop":
+        t0 = time.monotonic(); job.stop()
+        print(json.dumps({"stopped_in": time.monotonic() - t0}), flush=True)
+job.wait()
+print(json.dumps({"state": job.state, "error": job.error, "dir": str(job.dir), "t": time.time(),
+                  "codes": job.exit_codes, "restarts": job.restarts}), flush=True)
+'''
+
+
+def _drive(hosts, jobs, **launch_args):
+    """Start the driver on h0 with these launch() arguments; its stdin stays open for commands."""
+    import subprocess
+    import sys
+
+    args = {"code": TRAIN, "target": "ssh", "ssh": {"hosts": hosts.hosts, "config": str(hosts.config)},
+            "jobs_dir": str(jobs), **launch_args}
+    full = dict(os.environ, PYTHONPATH=str(REPO))
+    return hosts.cluster.popen(0, [sys.executable, "-c", DRIVER, json.dumps(args)], env=full, text=True,
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _line(proc, timeout: float = 120.0) -> dict:
+    """The driver's next JSON line (its stderr is shown if it ends first)."""
+    import select
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], 0.5)
+        if ready:
+            line = proc.stdout.readline()
+            if line.startswith("{"):
+                return json.loads(line)
+            if not line:
+                break
+    proc.kill()
+    raise AssertionError(f"the driver said nothing more; its stderr: {proc.stderr.read()[-3000:]}")
+
+
+# ---------------------------------------------------------------------------------- no hosts needed
+def test_hostfile_is_deepspeeds_format(tmp_path):
+    f = tmp_path / "hosts.txt"
+    f.write_text("# the team's boxes\ngpu1 slots=8\n\nroot@gpu2 slots=8  # the new one\n")
+    spec = JobSpec(code="x", target="ssh", ssh={"hostfile": str(f)})
+    assert ssh_target.hosts_of(spec) == (["gpu1", "root@gpu2"], 8)
+    f.write_text("gpu1 slots=8\ngpu2 slots=4\n")
+    with pytest.raises(SpecError, match="different slots.*--procs-per-node"):
+        ssh_target.hosts_of(spec)
+    f.write_text("gpu1 gpus=8\n")
+    with pytest.raises(SpecError, match="line 1.*slots=N"):
+        ssh_target.hosts_of(spec)
+
+
+@pytest.mark.parametrize("hosts, fragment", [
+    (["-oProxyCommand=touch /tmp/x"], "not a host name"),
+    (["gpu1;reboot"], "not a host name"),
+    ([], "needs the hosts"),
+])
+def test_bad_hosts_are_refused_before_ssh_runs(hosts, fragment):
+    with pytest.raises(SpecError, match=fragment) as info:
+        ssh_target.SSHLauncher().resolve(JobSpec(code="x", target="ssh", ssh={"hosts": hosts}))
+    assert info.value.option == "--hosts"
+
+
+def test_ssh_options_need_the_ssh_target_and_round_trip_through_the_magic_line():
+    with pytest.raises(SpecError, match="--hosts: is an option of --target ssh.*Fix: add --target ssh"):
+        JobSpec(code="x", ssh={"hosts": ["a"]})
+    spec = JobSpec(code="x", target="ssh", nodes=2, ssh={"hosts": ["a", "b"], "config": "/etc/c", "python": "/p y"})
+    line = spec.to_magic_line()
+    assert "--hosts a,b" in line and "--ssh-config /etc/c" in line and "--python '/p y'" in line
+    from sdp_jupyter.magics import SdpMagics, parse_line
+
+    args = parse_line(SdpMagics.sdp_train, line[len("%%sdp_train "):])
+    assert JobSpec.from_options(vars(args), code="x").ssh == spec.ssh
+
+
+def test_more_nodes_than_hosts_is_refused_and_nodes_default_to_the_hosts():
+    launcher = ssh_target.SSHLauncher()
+    spec, hosts, _ = launcher.resolve(JobSpec(code="x", target="ssh", ssh={"hosts": ["a", "b", "c"]}))
+    assert spec.nodes == 3 and hosts == ["a", "b", "c"]
+    spec, hosts, _ = launcher.resolve(JobSpec(code="x", target="ssh", nodes=2, ssh={"hosts": ["a", "b", "c"]}))
+    assert spec.nodes == 2 and hosts == ["a", "b"]
+    with pytest.raises(SpecError, match="4 nodes but 3 host"):
+        launcher.resolve(JobSpec(code="x", target="ssh", nodes=4, ssh={"hosts": ["a", "b", "c"]}))
+
+
+def test_agent_frames_round_trip_and_refuse_garbage():
+    import io
+    import struct
+
+    frame = agent.encode({"type": "out", "rank": 3, "text": "é\n"})
+    assert agent.decode(io.BytesIO(frame)) == {"type": "out", "rank": 3, "text": "é\n"}
+    with pytest.raises(ValueError, match="over the"):
+        agent.decode(io.BytesIO(struct.pack(">I", agent.MAX_FRAME + 1)))
+    with pytest.raises(ValueError, match="not an object with a type"):
+        agent.decode(io.BytesIO(agent.encode.__globals__["struct"].pack(">I", 2) + b"[]"))
+    with pytest.raises(agent.ChannelClosed):
+        agent.decode(io.BytesIO(frame[:-1]))
+
+
+# ---------------------------------------------------------------------------------- real hosts
+@pytest.mark.slow
+def test_three_hosts_train_like_the_local_run(ssh_hosts, hosts, tmp_path, jobs_dir):  # noqa: F811
+    import torch
+
+    import sdp_jupyter
+
+    before = {i: hosts.bytes(i) for i in ssh_hosts.nodes}
+    d = _drive(ssh_hosts, tmp_path / "remote", name="ssh-three", ranks_output="all")
+    out = _line(d)
+    assert out["state"] == "succeeded", out
+    remote = pickle.load(open(os.path.join(out["dir"], "result.pkl"), "rb"))
+    moved = {i: hosts.bytes(i)["tx"] - before[i]["tx"] for i in ssh_hosts.nodes}
+    names = [n for n, _ in remote["hosts"]]
+    assert names == ["h1", "h2", "h3"], remote["hosts"]
+    assert [a for _, a in remote["hosts"]] == [hosts.addresses[i] for i in ssh_hosts.nodes]
+    # 6 steps of a 540 KB gradient: every host sent well over a megabyte through its own link
+    assert all(b > 1_000_000 for b in moved.values()), moved
+    # the notebook side has what a local job's directory has: every rank's log, metrics, status
+    logs = [open(os.path.join(out["dir"], "logs", f"rank-{r}.log")).read() for r in range(3)]
+    assert all("step 5" in text for text in logs)
+    assert os.path.exists(os.path.join(out["dir"], "metrics", "system-node-2.jsonl"))
+    local = sdp_jupyter.launch(code=TRAIN, nodes=3, name="local-three")
+    assert local.wait(timeout=180) == "succeeded", local.error
+    assert torch.allclose(local.result()["params"], remote["params"], rtol=1e-5, atol=1e-6)
+    assert ssh_hosts.wait_clean(10) == {}
+    # the agents removed their files (no checkpoint was written)
+    assert not any(ssh_hosts.agent_dir(i).joinpath("ssh-three").exists() for i in ssh_hosts.nodes)
+
+
+@pytest.mark.slow
+def test_bad_hosts_are_named_and_nothing_is_launched(ssh_hosts, hosts, tmp_path):  # noqa: F811
+    hosts.cut(3)
+    t0 = time.monotonic()
+    d = _drive(ssh_hosts, tmp_path, ssh={"hosts": ["h1", "h3", "nosuchhost"], "config": str(ssh_hosts.config)})
+    err = _line(d)["spec_error"]
+    assert time.monotonic() - t0 < ssh_target.CONNECT_TIMEOUT + 10  # both within the connect deadline
+    assert err.startswith("--hosts: 2 of 3 host(s) cannot run the job; nothing was started")
+    assert "\n  h3: " in err and "\n  nosuchhost: " in err and "ssh -o BatchMode=yes nosuchhost true" in err
+    assert "h1:" not in err
+    assert ssh_hosts.wait_clean(5) == {}
+    hosts.heal(3)
+    d = _drive(ssh_hosts, tmp_path, ssh={"hosts": ["h1", "h2"], "config": str(ssh_hosts.config),
+                                         "python": "/usr/bin/python3"})
+    err = _line(d)["spec_error"]
+    assert "h1: sdp_jupyter is not installed for /usr/bin/python3 there. Fix: pip install sdp_jupyter==" in err
+    d = _drive(ssh_hosts, tmp_path, ssh={"hosts": ["h1"], "config": str(ssh_hosts.config), "python": "/no/python"})
+    assert "h1: /no/python does not run there" in _line(d)["spec_error"]
+    d = _drive(ssh_hosts, tmp_path, backend="nccl")
+    err = _line(d)["spec_error"]
+    assert "has 0 GPU(s) and nccl needs one per process" in err and "--backend smddp" in err
+    assert ssh_hosts.wait_clean(5) == {}
+
+
+@pytest.mark.slow
+def test_a_cut_link_is_named_and_every_host_is_cleaned(ssh_hosts, hosts, tmp_path):  # noqa: F811
+    d = _drive(ssh_hosts, tmp_path, env={"STEPS": "100000", "STEP_SLEEP": "0.2"})
+    assert "running" in _line(d)
+    hosts.cut(2)
+    cut_at = time.time()
+    d.stdin.write("wait\n")
+    d.stdin.flush()
+    out = _line(d, timeout=60)
+    assert out["state"] == "failed"
+    # ssh's keep-alive (6 s) or our heartbeat (10 s), whichever ends first, names the host
+    assert out["error"].startswith("host h2 (node 1)"), out["error"]
+    assert "has not answered" in out["error"] or "the ssh connection closed (ssh exit 255" in out["error"]
+    assert out["t"] - cut_at < ssh_target.HEARTBEAT_TIMEOUT + 8
+    # the other hosts' ranks are gone within seconds; the cut host's agent stops its own ranks when
+    # the launcher's heartbeats stop (it cannot be told)
+    t0 = time.monotonic()
+    left = {i: ssh_hosts.processes(i) for i in (1, 3)}
+    while any(left.values()) and time.monotonic() - t0 < 5:
+        time.sleep(0.2)
+        left = {i: ssh_hosts.processes(i) for i in (1, 3)}
+    assert not any(left.values()), left
+    assert ssh_hosts.wait_clean(agent.HEARTBEAT_TIMEOUT + 10) == {}
+
+
+@pytest.mark.slow
+def test_stop_and_a_killed_notebook_leave_nothing_anywhere(ssh_hosts, hosts, tmp_path):  # noqa: F811
+    d = _drive(ssh_hosts, tmp_path, env={"STEPS": "100000", "STEP_SLEEP": "0.2"})
+    assert "running" in _line(d)
+    d.stdin.write("stop\n")
+    d.stdin.flush()
+    assert _line(d)["stopped_in"] < 15
+    assert _line(d)["state"] == "stopped"
+    assert ssh_hosts.wait_clean(5) == {}
+    # the notebook's process is killed outright: its ssh clients die with it, the agents see their
+    # channel close and stop the ranks
+    d = _drive(ssh_hosts, tmp_path, env={"STEPS": "100000", "STEP_SLEEP": "0.2"})
+    assert "running" in _line(d)
+    assert all(ssh_hosts.processes(i) for i in ssh_hosts.nodes)
+    d.send_signal(signal.SIGKILL)
+    d.wait()
+    assert ssh_hosts.wait_clean(agent.HEARTBEAT_TIMEOUT + 5) == {}
+
+
+@pytest.mark.slow
+def test_a_failed_rank_restarts_the_job_on_every_host(ssh_hosts, hosts, tmp_path):  # noqa: F811
+    d = _drive(ssh_hosts, tmp_path, env={"FAIL_FIRST": "1"}, max_restarts=1)
+    out = _line(d)
+    assert out["state"] == "succeeded" and out["restarts"] == 1, out
+    log = open(os.path.join(out["dir"], "logs", "rank-2.log")).read()
+    assert "fails on purpose in attempt 0" in log and "[sdp_jupyter] restart 1 of 1 after: rank 2 (node 2 on host h3" in log
+    assert ssh_hosts.wait_clean(5) == {}
