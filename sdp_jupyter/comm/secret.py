@@ -16,13 +16,13 @@ import hashlib
 import ipaddress
 import os
 import secrets
-import stat
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 from sdp_jupyter._env import env_bool, env_int
+from sdp_jupyter._files import UnsafePath, ensure_private_dir, open_checked, write_private
 
 MIN_SECRET_BYTES = 16
 
@@ -59,14 +59,10 @@ def user_dir() -> Path:
     base = os.environ.get("XDG_RUNTIME_DIR")
     d = Path(base) / "sdp" if base and os.path.isdir(base) else Path(tempfile.gettempdir()) / f"sdp-{os.getuid()}"
     try:
-        d.mkdir(mode=0o700)
-    except FileExistsError:
-        pass
-    st = os.lstat(d)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
+        return ensure_private_dir(d, repair=False)
+    except UnsafePath:
         raise SecretError(f"{d} must be a directory owned by this user with mode 0700 (it is not: someone else "
-                          "may be able to read job secrets there). Fix: remove it, or set SDP_JOB_SECRET")
-    return d
+                          "may be able to read job secrets there). Fix: remove it, or set SDP_JOB_SECRET") from None
 
 
 def _secret_file() -> Path:
@@ -76,15 +72,8 @@ def _secret_file() -> Path:
 
 def publish_local_secret() -> bytes:
     """Rank 0 of a one-node job: a fresh secret in a 0600 file only this user can read."""
-    path = _secret_file()
     secret = secrets.token_hex(32).encode()
-    tmp = path.with_name(path.name + f".{secrets.token_hex(8)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    try:
-        os.write(fd, secret)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+    write_private(_secret_file(), secret)
     return secret
 
 
@@ -94,20 +83,18 @@ def read_local_secret(timeout: float) -> bytes:
     deadline = time.monotonic() + timeout
     while True:
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            f = open_checked(path)
         except FileNotFoundError:
             if time.monotonic() > deadline:
                 raise SecretError(f"rank 0 did not publish a job secret in {path} within {timeout:g} s; "
                                   "set SDP_JOB_SECRET on every rank") from None
             time.sleep(0.02)
             continue
-        try:
-            st = os.fstat(fd)
-            if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
-                raise SecretError(f"{path} is not a 0600 file of this user: refusing to use it as the job secret")
-            data = os.read(fd, 4096)
-        finally:
-            os.close(fd)
+        except UnsafePath:
+            raise SecretError(f"{path} is not a 0600 file of this user: refusing to use it as the job secret") from None
+        with f:
+            st = os.fstat(f.fileno())
+            data = f.read(4096)
         # A file older than this process by more than a minute is a leftover of an earlier job on
         # the same address and port (its rank 0 died during set-up): wait for the fresh one.
         if len(data) >= MIN_SECRET_BYTES and st.st_mtime >= _process_start() - 60:
