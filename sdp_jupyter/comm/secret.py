@@ -41,17 +41,27 @@ def check_secret(secret: bytes | str, source: str = "SDP_JOB_SECRET") -> bytes:
     return secret
 
 
+def is_loopback(host: str) -> bool:
+    """True for "localhost" and a loopback IP address (127.0.0.0/8, ::1); False for any other name."""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def single_node() -> bool:
     """True when this job certainly runs on one host (so a file can carry the secret)."""
     world = env_int("WORLD_SIZE", 1, min=1)
     local = os.environ.get("LOCAL_WORLD_SIZE")
     if local is not None and local.strip() and env_int("LOCAL_WORLD_SIZE", 1, min=1) == world:
         return True
-    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    try:
-        return master == "localhost" or ipaddress.ip_address(master).is_loopback
-    except ValueError:
-        return False
+    return is_loopback(os.environ.get("MASTER_ADDR", "127.0.0.1"))
+
+
+def uses_local_file() -> bool:
+    """True when the job secret travels through the one-node file (rule 2 above): no
+    SDP_JOB_SECRET, and one host."""
+    return "SDP_JOB_SECRET" not in os.environ and single_node()
 
 
 def user_dir() -> Path:
@@ -119,13 +129,13 @@ def remove_local_secret() -> None:
 _cached: dict[str, bytes] = {}
 
 
-def job_secret(rank: int | None = None, timeout: float = 300.0) -> bytes:
-    """This rank's job secret, by the rules in the module docstring. `rank` is ignored: the
-    process's RANK decides who publishes the one-node secret, once per process (subgroups reuse it)."""
+def job_secret(timeout: float = 300.0) -> bytes:
+    """This rank's job secret, by the rules in the module docstring. The process's RANK decides
+    who publishes the one-node secret, once per process (subgroups reuse it)."""
     given = os.environ.get("SDP_JOB_SECRET")
     if given is not None:
         return check_secret(given)
-    if single_node():
+    if uses_local_file():
         where = f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{os.environ.get('MASTER_PORT', '')}"
         if where not in _cached:
             _cached[where] = publish_local_secret() if env_int("RANK", 0, min=0) == 0 else read_local_secret(timeout)
