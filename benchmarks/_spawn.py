@@ -52,6 +52,27 @@ def run_ranks(script: str, world: int, per_node: int, args: list[str], timeout: 
     return results
 
 
+def backend_runs(script: str, ranks: list[int], args: list[str], backends=("smddp", "gloo")):
+    """For each world size in `ranks` and each layout (all ranks on one node; one rank per node):
+    (world, layout, {backend: its ranks' results}), the backends run in turn with `--backend B ARGS`."""
+    for world in ranks:
+        for layout, per_node in (("1 node", world), ("1 rank/node", 1)):
+            yield world, layout, {b: run_ranks(script, world, per_node, ["--backend", b, *args]) for b in backends}
+
+
+def slowest(results: list[dict], i: int, key: str) -> float:
+    """Row i's `key` on the slowest rank: a collective ends when its last rank is done."""
+    return max(o["rows"][i][key] for o in results)
+
+
+def write_results(path: str, info: dict, rows: list[dict], **extra) -> None:
+    """The benchmark's JSON: the machine, the command line, `extra` fields and the rows."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"machine": info, "command": " ".join(sys.argv), **extra, "rows": rows}, f, indent=1)
+    print(f"results: {path}")
+
+
 def machine_info() -> dict:
     import platform
 

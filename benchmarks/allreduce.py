@@ -74,41 +74,31 @@ def main() -> None:
         worker(a.backend, sizes, dtypes, a.budget)
         return
 
-    from _spawn import machine_info, run_ranks
+    from _spawn import backend_runs, machine_info, slowest, write_results
 
     ranks = [int(r) for r in a.ranks.split(",")] if a.ranks else ([2] if a.quick else [2, 4])
     info = machine_info()
     print(f"machine: {info['cpus']} cpus, single-core memcpy {info['memcpy_GBps']:.2f} GB/s, "
           f"load {info['loadavg_1min']}", flush=True)
     rows = []
-    for world in ranks:
-        for layout, per_node in (("1 node", world), ("1 rank/node", 1)):
-            res = {}
-            for backend in ("smddp", "gloo"):
-                args = ["--backend", backend, "--sizes", ",".join(map(str, sizes)), "--dtypes", ",".join(dtypes),
-                        "--budget", str(a.budget)]
-                out = run_ranks(os.path.abspath(__file__), world, per_node, args)
-                # A collective ends when the slowest rank is done: take the max over ranks.
-                res[backend] = [max(o["rows"][i]["median_s"] for o in out) for i in range(len(out[0]["rows"]))]
-                keys = [(r["dtype"], r["bytes"]) for r in out[0]["rows"]]
-            for i, (dtype, size) in enumerate(keys):
-                f = 2 * (world - 1) / world
-                row = {"world": world, "layout": layout, "dtype": dtype, "bytes": size}
-                for b in ("smddp", "gloo"):
-                    row[f"{b}_latency_us"] = res[b][i] * 1e6
-                    row[f"{b}_busbw_GBps"] = size / res[b][i] * f / 1e9
-                row["busbw_ratio"] = row["smddp_busbw_GBps"] / row["gloo_busbw_GBps"]
-                row["smddp_fraction_of_memcpy"] = row["smddp_busbw_GBps"] / info["memcpy_GBps"]
-                rows.append(row)
-                print(f"{world} ranks {layout:12s} {dtype:9s} {size / 1024:>9.0f} KiB | smddp "
-                      f"{row['smddp_latency_us']:>10.0f} us {row['smddp_busbw_GBps']:6.2f} GB/s | gloo "
-                      f"{row['gloo_latency_us']:>10.0f} us {row['gloo_busbw_GBps']:6.2f} GB/s | x{row['busbw_ratio']:5.2f}"
-                      f" | {100 * row['smddp_fraction_of_memcpy']:4.0f}% memcpy", flush=True)
-    os.makedirs(os.path.dirname(a.out), exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump({"machine": info, "command": " ".join(sys.argv), "rows": rows}, f, indent=1)
-    print(f"results: {a.out}")
-
+    args = ["--sizes", ",".join(map(str, sizes)), "--dtypes", ",".join(dtypes), "--budget", str(a.budget)]
+    for world, layout, res in backend_runs(os.path.abspath(__file__), ranks, args):
+        keys = [(r["dtype"], r["bytes"]) for r in res["smddp"][0]["rows"]]
+        for i, (dtype, size) in enumerate(keys):
+            f = 2 * (world - 1) / world
+            row = {"world": world, "layout": layout, "dtype": dtype, "bytes": size}
+            for b in ("smddp", "gloo"):
+                t = slowest(res[b], i, "median_s")
+                row[f"{b}_latency_us"] = t * 1e6
+                row[f"{b}_busbw_GBps"] = size / t * f / 1e9
+            row["busbw_ratio"] = row["smddp_busbw_GBps"] / row["gloo_busbw_GBps"]
+            row["smddp_fraction_of_memcpy"] = row["smddp_busbw_GBps"] / info["memcpy_GBps"]
+            rows.append(row)
+            print(f"{world} ranks {layout:12s} {dtype:9s} {size / 1024:>9.0f} KiB | smddp "
+                  f"{row['smddp_latency_us']:>10.0f} us {row['smddp_busbw_GBps']:6.2f} GB/s | gloo "
+                  f"{row['gloo_latency_us']:>10.0f} us {row['gloo_busbw_GBps']:6.2f} GB/s | x{row['busbw_ratio']:5.2f}"
+                  f" | {100 * row['smddp_fraction_of_memcpy']:4.0f}% memcpy", flush=True)
+    write_results(a.out, info, rows)
 
 if __name__ == "__main__":
     main()

@@ -92,31 +92,23 @@ def main() -> None:
     if a.worker:
         worker(a.backend, sizes, a.budget)
         return
-    from _spawn import machine_info, run_ranks
+    from _spawn import backend_runs, machine_info, slowest, write_results
 
     ranks = [int(r) for r in a.ranks.split(",")] if a.ranks else ([2] if a.quick else [2, 4])
     info = machine_info()
     print(f"machine: {info['cpus']} cpus, load {info['loadavg_1min']}", flush=True)
     rows = []
-    for world in ranks:
-        for layout, per_node in (("1 node", world), ("1 rank/node", 1)):
-            res = {}
-            for backend in ("smddp", "gloo"):
-                args = ["--backend", backend, "--sizes", ",".join(map(str, sizes)), "--budget", str(a.budget)]
-                res[backend] = run_ranks(os.path.abspath(__file__), world, per_node, args)
-            for i, size in enumerate(sizes):
-                for coll in ("all_gather", "reduce_scatter"):
-                    t = {b: max(o["rows"][i][f"{coll}_s"] for o in res[b]) for b in res}
-                    row = {"world": world, "layout": layout, "coll": coll, "bytes": size,
-                           "smddp_ms": t["smddp"] * 1e3, "gloo_ms": t["gloo"] * 1e3, "speedup": t["gloo"] / t["smddp"]}
-                    rows.append(row)
-                    print(f"{world} ranks {layout:12s} {coll:15s} {size / 1024:>8.0f} KiB | smddp {row['smddp_ms']:8.2f} ms"
-                          f" | gloo {row['gloo_ms']:8.2f} ms | x{row['speedup']:5.2f}", flush=True)
-    os.makedirs(os.path.dirname(a.out), exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump({"machine": info, "command": " ".join(sys.argv), "rows": rows}, f, indent=1)
-    print(f"results: {a.out}")
-
+    args = ["--sizes", ",".join(map(str, sizes)), "--budget", str(a.budget)]
+    for world, layout, res in backend_runs(os.path.abspath(__file__), ranks, args):
+        for i, size in enumerate(sizes):
+            for coll in ("all_gather", "reduce_scatter"):
+                t = {b: slowest(res[b], i, f"{coll}_s") for b in res}
+                row = {"world": world, "layout": layout, "coll": coll, "bytes": size,
+                       "smddp_ms": t["smddp"] * 1e3, "gloo_ms": t["gloo"] * 1e3, "speedup": t["gloo"] / t["smddp"]}
+                rows.append(row)
+                print(f"{world} ranks {layout:12s} {coll:15s} {size / 1024:>8.0f} KiB | smddp {row['smddp_ms']:8.2f} ms"
+                      f" | gloo {row['gloo_ms']:8.2f} ms | x{row['speedup']:5.2f}", flush=True)
+    write_results(a.out, info, rows)
 
 if __name__ == "__main__":
     main()

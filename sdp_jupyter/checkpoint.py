@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import os
 import pickle
-import secrets
 from pathlib import Path
+
+from sdp_jupyter._files import private_writer
 
 DEFAULT_NAME = "checkpoint.pt"
 
@@ -41,17 +42,12 @@ def save(obj, name: str = DEFAULT_NAME, *, all_ranks: bool = False) -> Path | No
     directory = checkpoint_dir()
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     path = directory / name
-    tmp = directory / f".{name}.{secrets.token_hex(8)}.tmp"
     torch = _torch()
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "wb") as f:
+    with private_writer(path, fsync=True) as f:
         if torch is not None:
             torch.save(obj, f)
         else:
             pickle.dump(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
     return path
 
 

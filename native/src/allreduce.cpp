@@ -31,22 +31,25 @@ char* Collectives::recv_slot(int set, int k) {
   return recv_buf_.data() + (size_t(set) * size_t(topo_.num_nodes()) + size_t(k)) * recv_slot_bytes();
 }
 
+// The frame that carries shard s of the chunk starting at element `off`.
+static FrameHeader shard_frame(const FrameHeader& base, size_t off, Shard s, size_t esz) {
+  FrameHeader h = base;
+  h.offset = off + s.lo;
+  h.nbytes = s.count * esz;
+  return h;
+}
+
 void Collectives::post_scatter(const FrameHeader& base, char* red, size_t off, size_t n, int set) {
   // Node k receives shard k of every node's chunk, into receive set `set` (two sets, so the
   // next chunk can arrive while this one is being reduced).
   int N = topo_.num_nodes(), me = topo_.node;
   size_t esz = dtype_size(DType(base.dtype));
-  size_t my_lo = shard_lo(n, me, N), my_n = shard_lo(n, me + 1, N) - my_lo;
+  Shard mine = shard(n, me, N);
   for (int k = 0; k < N; ++k) {
     if (k == me) continue;
-    FrameHeader h = base;
-    h.offset = off + shard_lo(n, k, N);
-    h.nbytes = (shard_lo(n, k + 1, N) - shard_lo(n, k, N)) * esz;
-    links_.post_send(k, h, red + shard_lo(n, k, N) * esz);
-    FrameHeader e = base;
-    e.offset = off + my_lo;
-    e.nbytes = my_n * esz;
-    links_.post_recv(k, e, recv_slot(set, k));
+    Shard theirs = shard(n, k, N);
+    links_.post_send(k, shard_frame(base, off, theirs, esz), red + theirs.lo * esz);
+    links_.post_recv(k, shard_frame(base, off, mine, esz), recv_slot(set, k));
     links_.mark_scatter(k, set);
   }
 }
@@ -54,29 +57,24 @@ void Collectives::post_scatter(const FrameHeader& base, char* red, size_t off, s
 void Collectives::reduce_shard(const Work& w, char* red, size_t n, int set) {
   int N = topo_.num_nodes(), me = topo_.node;
   size_t esz = dtype_size(w.dtype);
-  size_t my_lo = shard_lo(n, me, N), my_n = shard_lo(n, me + 1, N) - my_lo;
+  Shard mine = shard(n, me, N);
   int ns = 0;
-  srcs_[ns++] = red + my_lo * esz;
+  srcs_[ns++] = red + mine.lo * esz;
   for (int k = 0; k < N; ++k)
     if (k != me) srcs_[ns++] = recv_slot(set, k);
-  reduce_many(w.dtype, w.op, red + my_lo * esz, srcs_.data(), ns, my_n);
+  reduce_many(w.dtype, w.op, red + mine.lo * esz, srcs_.data(), ns, mine.count);
 }
 
 void Collectives::post_gather(const FrameHeader& base, char* red, size_t off, size_t n) {
   // Every node gets every reduced shard, straight into place.
   int N = topo_.num_nodes(), me = topo_.node;
   size_t esz = dtype_size(DType(base.dtype));
-  size_t my_lo = shard_lo(n, me, N), my_n = shard_lo(n, me + 1, N) - my_lo;
+  Shard mine = shard(n, me, N);
   for (int k = 0; k < N; ++k) {
     if (k == me) continue;
-    FrameHeader h = base;
-    h.offset = off + my_lo;
-    h.nbytes = my_n * esz;
-    links_.post_send(k, h, red + my_lo * esz);
-    FrameHeader e = base;
-    e.offset = off + shard_lo(n, k, N);
-    e.nbytes = (shard_lo(n, k + 1, N) - shard_lo(n, k, N)) * esz;
-    links_.post_recv(k, e, red + shard_lo(n, k, N) * esz);
+    Shard theirs = shard(n, k, N);
+    links_.post_send(k, shard_frame(base, off, mine, esz), red + mine.lo * esz);
+    links_.post_recv(k, shard_frame(base, off, theirs, esz), red + theirs.lo * esz);
   }
 }
 
@@ -133,8 +131,8 @@ void Collectives::pipelined_allreduce(const Work& w, double divisor) {
     links_.exchange(int(k & 1));
     reduce_shard(w, red, n, int(k & 1));
     if (divisor != 1.0) {
-      size_t my_lo = shard_lo(n, me, N), my_n = shard_lo(n, me + 1, N) - my_lo;
-      copy_scaled(w.dtype, red + my_lo * esz, red + my_lo * esz, my_n, divisor);
+      Shard mine = shard(n, me, N);
+      copy_scaled(w.dtype, red + mine.lo * esz, red + mine.lo * esz, mine.count, divisor);
     }
     post_gather(base, red, off, n);
     if (depth == 1) links_.exchange();  // chunk by chunk: scatter, reduce, gather, then the next

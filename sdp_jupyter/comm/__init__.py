@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import ipaddress
 import json
 import os
 import socket
@@ -22,7 +21,8 @@ import numpy as np
 
 from sdp_jupyter import _engine
 from sdp_jupyter._env import env_float, env_int
-from sdp_jupyter.comm.secret import SecretError, check_secret, job_secret, remove_local_secret, single_node
+from sdp_jupyter.comm.secret import (SecretError, check_secret, is_loopback, job_secret, remove_local_secret,
+                                     uses_local_file)
 
 EngineError = _engine.EngineError
 
@@ -53,11 +53,8 @@ def bind_address() -> str:
     if explicit:
         return explicit
     master = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    try:
-        if master == "localhost" or ipaddress.ip_address(master).is_loopback:
-            return "127.0.0.1"
-    except ValueError:
-        pass
+    if is_loopback(master):
+        return "127.0.0.1"
     try:
         infos = socket.getaddrinfo(master, 1, socket.AF_INET, socket.SOCK_DGRAM)
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
@@ -127,7 +124,7 @@ class Communicator:
         self._prefix = prefix
         # No secret in the store, ever: it comes from the launcher (SDP_JOB_SECRET) or, on one
         # node, from a 0600 file (sdp_jupyter.comm.secret).
-        secret = check_secret(secret, "the job secret") if secret is not None else job_secret(rank, self.timeout)
+        secret = check_secret(secret, "the job secret") if secret is not None else job_secret(self.timeout)
         self._secret = secret
 
         # Who lives where: every rank publishes its node key; nodes are numbered by first rank.
@@ -171,7 +168,7 @@ class Communicator:
         """Every rank says it is connected; then rank 0 stops serving the store (nobody needs it
         any more, and a store that is closed can be reached by nobody) and removes the one-node
         secret file."""
-        file_secret = "SDP_JOB_SECRET" not in os.environ and single_node()
+        file_secret = uses_local_file()
         if not (self._close_store or file_secret):
             return  # the caller owns the store (and may set up more groups through it)
         self._put(f"ready/{self.rank}", b"1")
@@ -337,7 +334,7 @@ def init(*, timeout: float | None = None, chunk_bytes: int | None = None) -> Com
     rank, world = env_int("RANK", 0, min=0), env_int("WORLD_SIZE", 1, min=1)
     t = timeout if timeout is not None else env_float("SDP_TIMEOUT", DEFAULT_TIMEOUT, min=0.001)
     try:
-        secret = job_secret(rank, t)
+        secret = job_secret(t)
     except SecretError as exc:
         raise SmddpError(str(exc)) from None
     store = TCPKeyValueStore(os.environ["MASTER_ADDR"], env_int("MASTER_PORT", 0, min=1), server=rank == 0, timeout=t,

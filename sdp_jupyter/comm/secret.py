@@ -16,13 +16,13 @@ import hashlib
 import ipaddress
 import os
 import secrets
-import stat
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 from sdp_jupyter._env import env_bool, env_int
+from sdp_jupyter._files import UnsafePath, ensure_private_dir, open_checked, write_private
 
 MIN_SECRET_BYTES = 16
 
@@ -41,17 +41,27 @@ def check_secret(secret: bytes | str, source: str = "SDP_JOB_SECRET") -> bytes:
     return secret
 
 
+def is_loopback(host: str) -> bool:
+    """True for "localhost" and a loopback IP address (127.0.0.0/8, ::1); False for any other name."""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def single_node() -> bool:
     """True when this job certainly runs on one host (so a file can carry the secret)."""
     world = env_int("WORLD_SIZE", 1, min=1)
     local = os.environ.get("LOCAL_WORLD_SIZE")
     if local is not None and local.strip() and env_int("LOCAL_WORLD_SIZE", 1, min=1) == world:
         return True
-    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    try:
-        return master == "localhost" or ipaddress.ip_address(master).is_loopback
-    except ValueError:
-        return False
+    return is_loopback(os.environ.get("MASTER_ADDR", "127.0.0.1"))
+
+
+def uses_local_file() -> bool:
+    """True when the job secret travels through the one-node file (rule 2 above): no
+    SDP_JOB_SECRET, and one host."""
+    return "SDP_JOB_SECRET" not in os.environ and single_node()
 
 
 def user_dir() -> Path:
@@ -59,14 +69,10 @@ def user_dir() -> Path:
     base = os.environ.get("XDG_RUNTIME_DIR")
     d = Path(base) / "sdp" if base and os.path.isdir(base) else Path(tempfile.gettempdir()) / f"sdp-{os.getuid()}"
     try:
-        d.mkdir(mode=0o700)
-    except FileExistsError:
-        pass
-    st = os.lstat(d)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
+        return ensure_private_dir(d, repair=False)
+    except UnsafePath:
         raise SecretError(f"{d} must be a directory owned by this user with mode 0700 (it is not: someone else "
-                          "may be able to read job secrets there). Fix: remove it, or set SDP_JOB_SECRET")
-    return d
+                          "may be able to read job secrets there). Fix: remove it, or set SDP_JOB_SECRET") from None
 
 
 def _secret_file() -> Path:
@@ -76,15 +82,8 @@ def _secret_file() -> Path:
 
 def publish_local_secret() -> bytes:
     """Rank 0 of a one-node job: a fresh secret in a 0600 file only this user can read."""
-    path = _secret_file()
     secret = secrets.token_hex(32).encode()
-    tmp = path.with_name(path.name + f".{secrets.token_hex(8)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    try:
-        os.write(fd, secret)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+    write_private(_secret_file(), secret)
     return secret
 
 
@@ -94,20 +93,18 @@ def read_local_secret(timeout: float) -> bytes:
     deadline = time.monotonic() + timeout
     while True:
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            f = open_checked(path)
         except FileNotFoundError:
             if time.monotonic() > deadline:
                 raise SecretError(f"rank 0 did not publish a job secret in {path} within {timeout:g} s; "
                                   "set SDP_JOB_SECRET on every rank") from None
             time.sleep(0.02)
             continue
-        try:
-            st = os.fstat(fd)
-            if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
-                raise SecretError(f"{path} is not a 0600 file of this user: refusing to use it as the job secret")
-            data = os.read(fd, 4096)
-        finally:
-            os.close(fd)
+        except UnsafePath:
+            raise SecretError(f"{path} is not a 0600 file of this user: refusing to use it as the job secret") from None
+        with f:
+            st = os.fstat(f.fileno())
+            data = f.read(4096)
         # A file older than this process by more than a minute is a leftover of an earlier job on
         # the same address and port (its rank 0 died during set-up): wait for the fresh one.
         if len(data) >= MIN_SECRET_BYTES and st.st_mtime >= _process_start() - 60:
@@ -132,13 +129,13 @@ def remove_local_secret() -> None:
 _cached: dict[str, bytes] = {}
 
 
-def job_secret(rank: int | None = None, timeout: float = 300.0) -> bytes:
-    """This rank's job secret, by the rules in the module docstring. `rank` is ignored: the
-    process's RANK decides who publishes the one-node secret, once per process (subgroups reuse it)."""
+def job_secret(timeout: float = 300.0) -> bytes:
+    """This rank's job secret, by the rules in the module docstring. The process's RANK decides
+    who publishes the one-node secret, once per process (subgroups reuse it)."""
     given = os.environ.get("SDP_JOB_SECRET")
     if given is not None:
         return check_secret(given)
-    if single_node():
+    if uses_local_file():
         where = f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{os.environ.get('MASTER_PORT', '')}"
         if where not in _cached:
             _cached[where] = publish_local_secret() if env_int("RANK", 0, min=0) == 0 else read_local_secret(timeout)

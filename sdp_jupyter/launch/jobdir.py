@@ -13,9 +13,10 @@ import os
 import pickle
 import secrets
 import shutil
-import stat
 import time
 from pathlib import Path
+
+from sdp_jupyter._files import UnsafePath, ensure_private_dir, open_checked, open_private, write_private
 
 STATES = ("pending", "running", "succeeded", "failed", "stopped")
 FINAL_STATES = ("succeeded", "failed", "stopped")
@@ -46,65 +47,14 @@ def log_path(job_dir: Path, rank: int) -> Path:
     return Path(job_dir) / LOGS / f"rank-{rank}.log"
 
 
-class UnsafeJobDir(PermissionError):
-    """A job directory or file that others own or can write: we refuse to trust it."""
-
-
-def ensure_private_dir(path: Path) -> Path:
-    """Create `path` (and missing parents) as 0700, or check that the existing one is a real
-    directory of this user, and make it 0700. Raises UnsafeJobDir otherwise."""
-    path = Path(path)
-    try:
-        path.mkdir(mode=0o700, parents=True)
-    except FileExistsError:
-        pass
-    st = os.lstat(path)
-    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-        raise UnsafeJobDir(f"{path} is not a directory (a symbolic link?): refusing to use it for a job")
-    if st.st_uid != os.geteuid():
-        raise UnsafeJobDir(f"{path} belongs to user id {st.st_uid}, not to you: refusing to use it for a job. "
-                           "Fix: choose another --name or --jobs-dir")
-    if stat.S_IMODE(st.st_mode) != 0o700:
-        os.chmod(path, 0o700)
-    return path
-
-
-def write_private(path: Path, data: bytes | str) -> None:
-    """Write `data` to `path` atomically as a 0600 file: a fresh temporary name opened with
-    O_EXCL|O_NOFOLLOW (never a file or link someone placed there), then renamed over `path`."""
-    path = Path(path)
-    if isinstance(data, str):
-        data = data.encode()
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-
-
-def open_private(path: Path, mode: str = "ab"):
-    """Open a job file for appending (logs, metrics), created 0600, never through a link."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
-    return os.fdopen(os.open(path, flags, 0o600), mode)
+# The private-file rules live in sdp_jupyter._files; these names stay importable from here.
+UnsafeJobDir = UnsafePath
 
 
 def load_pickle(path: Path):
     """Unpickle a job file (push.pkl, result.pkl) only if it and its directory are ours and
     nobody else can write them: unpickling runs code, so a planted file must never be loaded."""
-    path = Path(path)
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    with os.fdopen(fd, "rb") as f:
-        for what, st in (("file", os.fstat(f.fileno())), ("directory", os.stat(path.parent))):
-            if st.st_uid != os.geteuid() or st.st_mode & 0o022:
-                raise UnsafeJobDir(f"refusing to unpickle {path}: its {what} is not yours alone "
-                                   f"(owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o})")
+    with open_checked(path, mask=0o022) as f:
         return pickle.load(f)
 
 
@@ -124,8 +74,11 @@ def prepare(job_dir: Path) -> None:
 
     checkpoints/ is kept: a re-run with the same name resumes from it (like a SageMaker spot restart).
     """
-    ensure_private_dir(job_dir.parent)
-    ensure_private_dir(job_dir)
+    try:
+        ensure_private_dir(job_dir.parent)
+        ensure_private_dir(job_dir)
+    except UnsafeJobDir as exc:
+        raise UnsafeJobDir(f"{exc} for a job. Fix: choose another --name or --jobs-dir") from None
     for entry in job_dir.iterdir():
         if entry.name == CHECKPOINTS:
             continue
@@ -169,3 +122,9 @@ def list_job_dirs(root: str | os.PathLike | None = None) -> list[Path]:
         return []
     dirs = [d for d in base.iterdir() if (d / SPEC).is_file()]
     return sorted(dirs, key=lambda d: (d / SPEC).stat().st_mtime)
+
+
+__all__ = ["STATES", "FINAL_STATES", "SCRIPT", "SPEC", "STATUS", "RESULT", "PUSH", "LOGS", "METRICS", "CHECKPOINTS",
+           "KNOWN_ENTRIES", "LINE_CAP", "jobs_root", "new_job_name", "log_path", "UnsafeJobDir",
+           "ensure_private_dir", "write_private", "open_private", "load_pickle", "write_json_atomic", "read_json",
+           "prepare", "read_log", "list_job_dirs"]

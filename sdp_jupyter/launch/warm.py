@@ -19,6 +19,7 @@ Server:  python -m sdp_jupyter.launch.warm --socket PATH [--preload numpy,sklear
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
 import hashlib
 import io
@@ -461,9 +462,6 @@ def warm_up(preload: list[str] | tuple = ()) -> Pool:
         return pool
 
 
-_JOBS_DONE = 0
-
-
 def wanted(choice: bool | None) -> bool:
     """Start this job's ranks warm? True/False as asked (LocalLauncher(warm=...)); else SDP_WARM=1/0;
     else warm once a pool was started with warm_up(). Cold by default for now: the --warm/--cold
@@ -486,8 +484,6 @@ def _in_kernel() -> bool:
 
 def job_done(choice: bool | None) -> None:
     """After a job: start the pool for the next one (after, not during: the first job keeps the CPUs)."""
-    global _JOBS_DONE
-    _JOBS_DONE += 1
     if wanted(choice):
         warm_up()
 
@@ -498,17 +494,13 @@ def start_rank(argv: list, env: dict, cwd: str | None = None, preload: list[str]
     return warm_up(preload).start(argv, env, cwd)
 
 
+@atexit.register
 def shutdown() -> None:
     global _POOL
     with _POOL_LOCK:
         if _POOL is not None:
             _POOL.close()
             _POOL = None
-
-
-import atexit  # noqa: E402
-
-atexit.register(shutdown)
 
 
 def main(argv: list[str] | None = None) -> int:

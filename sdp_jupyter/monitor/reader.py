@@ -31,6 +31,8 @@ FINAL_STATES = ("succeeded", "failed", "stopped")
 STEP_COLUMNS = ("step", "t", "loss", "samples", "step_time", "comm_time", "exposed_comm", "data_wait",
                 "bytes_reduced")
 SYSTEM_COLUMNS = ("t", "util", "mem_used", "mem_total", "power_w", "proc_util", "ncpu")
+# the columns valid_record requires to be numbers or null (t and step have their own rules there)
+_NUMERIC_FIELDS = tuple(k for k in STEP_COLUMNS + SYSTEM_COLUMNS if k not in ("t", "step"))
 
 
 @runtime_checkable
@@ -132,8 +134,8 @@ def valid_record(ev) -> bool:
     step = ev.get("step")
     if step is not None and not (_number(step) or isinstance(step, str)):
         return False
-    for k in STEP_COLUMNS + SYSTEM_COLUMNS:
-        if k not in ("t", "step") and ev.get(k) is not None and not _number(ev[k]):
+    for k in _NUMERIC_FIELDS:
+        if ev.get(k) is not None and not _number(ev[k]):
             return False
     for k in ("source", "device"):
         if k in ev and not isinstance(ev[k], (str, int)):

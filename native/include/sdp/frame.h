@@ -58,4 +58,10 @@ bool first_difference(const Described& a, const Described& b, std::string* field
 // Shard k of n elements split N ways is [n*k/N, n*(k+1)/N): any n, shards differ by at most one.
 inline size_t shard_lo(size_t n, int k, int N) { return n * size_t(k) / size_t(N); }
 
+// That shard as its first element and its element count.
+struct Shard {
+  size_t lo, count;
+};
+inline Shard shard(size_t n, int k, int N) { return {shard_lo(n, k, N), shard_lo(n, k + 1, N) - shard_lo(n, k, N)}; }
+
 }  // namespace sdp
