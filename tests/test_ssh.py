@@ -5,7 +5,6 @@ exactly as a notebook would; the test watches the hosts from outside (processes,
 """
 from __future__ import annotations
 
-import json
 import os
 import pickle
 import signal
@@ -14,84 +13,16 @@ import time
 import pytest
 
 from helpers.cluster import cluster4, hosts  # noqa: F401
-from helpers.sshd import REPO, ssh_hosts  # noqa: F401
-from sdp_jupyter.launch import JobSpec, SpecError, agent
+from helpers.remote_jobs import TRAIN, drive, next_line, tell
+from helpers.sshd import ssh_hosts  # noqa: F401
+from sdp_jupyter.launch import JobSpec, SpecError, agent, remote
 from sdp_jupyter.launch import ssh as ssh_target
 
-TRAIN = r'''
-import os, socket, time, torch, torch.distributed as dist
-dist.init_process_group("smddp")
-rank, world = dist.get_rank(), dist.get_world_size()
-if int(os.environ.get("FAIL_FIRST", "0")) and os.environ["SDP_RESTART"] == "0" and rank == world - 1:
-    raise SystemExit(f"rank {rank} fails on purpose in attempt 0")
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Tanh(), torch.nn.Linear(512, 8))
-opt = torch.optim.SGD(model.parameters(), lr=0.05)
-g = torch.Generator().manual_seed(100 + rank)
-for step in range(int(os.environ.get("STEPS", "6"))):
-    x, y = torch.randn(16, 256, generator=g), torch.randn(16, 8, generator=g)
-    loss = torch.nn.functional.mse_loss(model(x), y)
-    opt.zero_grad()
-    loss.backward()
-    for p in model.parameters():
-        dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
-    opt.step()
-    print(f"step {step} loss {loss.item():.4f}", flush=True)
-    time.sleep(float(os.environ.get("STEP_SLEEP", "0")))
-names = [None] * world
-dist.all_gather_object(names, (socket.gethostname(), os.environ["SDP_BIND_ADDR"]))
-{"hosts": names, "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()])}
-'''
-
-DRIVER = r'''
-import json, sys, time, sdp_jupyter
-from sdp_jupyter.launch import SpecError
-args = json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}
-try:
-    job = sdp_jupyter.launch(**args)
-except SpecError as e:
-    print(json.dumps({"spec_error": str(e)}), flush=True)
-    raise SystemExit(0)
-if args.get("env", {}).get("STEP_SLEEP"):
-    while "step 2" not in job.logs(0) and not job.done:
-        time.sleep(0.1)
-    print(json.dumps({"running": job.name}), flush=True)
-    if sys.stdin.readline().strip() == "stop":
-        t0 = time.monotonic(); job.stop()
-        print(json.dumps({"stopped_in": time.monotonic() - t0}), flush=True)
-job.wait()
-print(json.dumps({"state": job.state, "error": job.error, "dir": str(job.dir), "t": time.time(),
-                  "codes": job.exit_codes, "restarts": job.restarts}), flush=True)
-'''
-
-
 def _drive(hosts, jobs, **launch_args):
-    """Start the driver on h0 with these launch() arguments; its stdin stays open for commands."""
-    import subprocess
-    import sys
-
-    args = {"code": TRAIN, "target": "ssh", "ssh": {"hosts": hosts.hosts, "config": str(hosts.config)},
-            "jobs_dir": str(jobs), **launch_args}
-    full = dict(os.environ, PYTHONPATH=str(REPO))
-    return hosts.cluster.popen(0, [sys.executable, "-c", DRIVER, json.dumps(args)], env=full, text=True,
-                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-
-
-def _line(proc, timeout: float = 120.0) -> dict:
-    """The driver's next JSON line (its stderr is shown if it ends first)."""
-    import select
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([proc.stdout], [], [], 0.5)
-        if ready:
-            line = proc.stdout.readline()
-            if line.startswith("{"):
-                return json.loads(line)
-            if not line:
-                break
-    proc.kill()
-    raise AssertionError(f"the driver said nothing more; its stderr: {proc.stderr.read()[-3000:]}")
+    """The driver on h0, launching on the SSH hosts with the test's ssh_config."""
+    args = {"target": "ssh", "ssh": {"hosts": hosts.hosts, "config": str(hosts.config)}, "jobs_dir": str(jobs),
+            **launch_args}
+    return drive(hosts.cluster, args)
 
 
 # ---------------------------------------------------------------------------------- no hosts needed
@@ -164,7 +95,7 @@ def test_three_hosts_train_like_the_local_run(ssh_hosts, hosts, tmp_path, jobs_d
 
     before = {i: hosts.bytes(i) for i in ssh_hosts.nodes}
     d = _drive(ssh_hosts, tmp_path / "remote", name="ssh-three", ranks_output="all")
-    out = _line(d)
+    out = next_line(d)
     assert out["state"] == "succeeded", out
     remote = pickle.load(open(os.path.join(out["dir"], "result.pkl"), "rb"))
     moved = {i: hosts.bytes(i)["tx"] - before[i]["tx"] for i in ssh_hosts.nodes}
@@ -190,8 +121,8 @@ def test_bad_hosts_are_named_and_nothing_is_launched(ssh_hosts, hosts, tmp_path)
     hosts.cut(3)
     t0 = time.monotonic()
     d = _drive(ssh_hosts, tmp_path, ssh={"hosts": ["h1", "h3", "nosuchhost"], "config": str(ssh_hosts.config)})
-    err = _line(d)["spec_error"]
-    assert time.monotonic() - t0 < ssh_target.CONNECT_TIMEOUT + 10  # both within the connect deadline
+    err = next_line(d)["spec_error"]
+    assert time.monotonic() - t0 < remote.CONNECT_TIMEOUT + 10  # both within the connect deadline
     assert err.startswith("--hosts: 2 of 3 host(s) cannot run the job; nothing was started")
     assert "\n  h3: " in err and "\n  nosuchhost: " in err and "ssh -o BatchMode=yes nosuchhost true" in err
     assert "h1:" not in err
@@ -199,12 +130,12 @@ def test_bad_hosts_are_named_and_nothing_is_launched(ssh_hosts, hosts, tmp_path)
     hosts.heal(3)
     d = _drive(ssh_hosts, tmp_path, ssh={"hosts": ["h1", "h2"], "config": str(ssh_hosts.config),
                                          "python": "/usr/bin/python3"})
-    err = _line(d)["spec_error"]
+    err = next_line(d)["spec_error"]
     assert "h1: sdp_jupyter is not installed for /usr/bin/python3 there. Fix: pip install sdp_jupyter==" in err
     d = _drive(ssh_hosts, tmp_path, ssh={"hosts": ["h1"], "config": str(ssh_hosts.config), "python": "/no/python"})
-    assert "h1: /no/python does not run there" in _line(d)["spec_error"]
+    assert "h1: /no/python does not run there" in next_line(d)["spec_error"]
     d = _drive(ssh_hosts, tmp_path, backend="nccl")
-    err = _line(d)["spec_error"]
+    err = next_line(d)["spec_error"]
     assert "has 0 GPU(s) and nccl needs one per process" in err and "--backend smddp" in err
     assert ssh_hosts.wait_clean(5) == {}
 
@@ -212,17 +143,16 @@ def test_bad_hosts_are_named_and_nothing_is_launched(ssh_hosts, hosts, tmp_path)
 @pytest.mark.slow
 def test_a_cut_link_is_named_and_every_host_is_cleaned(ssh_hosts, hosts, tmp_path):  # noqa: F811
     d = _drive(ssh_hosts, tmp_path, env={"STEPS": "100000", "STEP_SLEEP": "0.2"})
-    assert "running" in _line(d)
+    assert "running" in next_line(d)
     hosts.cut(2)
     cut_at = time.time()
-    d.stdin.write("wait\n")
-    d.stdin.flush()
-    out = _line(d, timeout=60)
+    tell(d, "wait")
+    out = next_line(d, timeout=60)
     assert out["state"] == "failed"
     # ssh's keep-alive (6 s) or our heartbeat (10 s), whichever ends first, names the host
     assert out["error"].startswith("host h2 (node 1)"), out["error"]
     assert "has not answered" in out["error"] or "the ssh connection closed (ssh exit 255" in out["error"]
-    assert out["t"] - cut_at < ssh_target.HEARTBEAT_TIMEOUT + 8
+    assert out["t"] - cut_at < remote.HEARTBEAT_TIMEOUT + 8
     # the other hosts' ranks are gone within seconds; the cut host's agent stops its own ranks when
     # the launcher's heartbeats stop (it cannot be told)
     t0 = time.monotonic()
@@ -237,16 +167,15 @@ def test_a_cut_link_is_named_and_every_host_is_cleaned(ssh_hosts, hosts, tmp_pat
 @pytest.mark.slow
 def test_stop_and_a_killed_notebook_leave_nothing_anywhere(ssh_hosts, hosts, tmp_path):  # noqa: F811
     d = _drive(ssh_hosts, tmp_path, env={"STEPS": "100000", "STEP_SLEEP": "0.2"})
-    assert "running" in _line(d)
-    d.stdin.write("stop\n")
-    d.stdin.flush()
-    assert _line(d)["stopped_in"] < 15
-    assert _line(d)["state"] == "stopped"
+    assert "running" in next_line(d)
+    tell(d, "stop")
+    assert next_line(d)["stopped_in"] < 15
+    assert next_line(d)["state"] == "stopped"
     assert ssh_hosts.wait_clean(5) == {}
     # the notebook's process is killed outright: its ssh clients die with it, the agents see their
     # channel close and stop the ranks
     d = _drive(ssh_hosts, tmp_path, env={"STEPS": "100000", "STEP_SLEEP": "0.2"})
-    assert "running" in _line(d)
+    assert "running" in next_line(d)
     assert all(ssh_hosts.processes(i) for i in ssh_hosts.nodes)
     d.send_signal(signal.SIGKILL)
     d.wait()
@@ -256,7 +185,7 @@ def test_stop_and_a_killed_notebook_leave_nothing_anywhere(ssh_hosts, hosts, tmp
 @pytest.mark.slow
 def test_a_failed_rank_restarts_the_job_on_every_host(ssh_hosts, hosts, tmp_path):  # noqa: F811
     d = _drive(ssh_hosts, tmp_path, env={"FAIL_FIRST": "1"}, max_restarts=1)
-    out = _line(d)
+    out = next_line(d)
     assert out["state"] == "succeeded" and out["restarts"] == 1, out
     log = open(os.path.join(out["dir"], "logs", "rank-2.log")).read()
     assert "fails on purpose in attempt 0" in log and "[sdp_jupyter] restart 1 of 1 after: rank 2 (node 2 on host h3" in log

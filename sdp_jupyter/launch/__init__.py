@@ -4,7 +4,8 @@
     job.wait(); job.logs(0); job.result()
 
 `launch` accepts a JobSpec, a path to a .py file, or `code="..."`, plus JobSpec fields as keywords.
-`target="ssh"` runs it on SSH hosts (sdp_jupyter.launch.ssh), `target="sagemaker"` as a SageMaker
+`target="ssh"` runs it on SSH hosts (sdp_jupyter.launch.ssh), `target="ray"` on a Ray cluster
+(sdp_jupyter.launch.ray), `target="sagemaker"` as a SageMaker
 training job (sdp_jupyter.launch.sagemaker); TARGET_LAUNCHERS is the registry.
 """
 from __future__ import annotations
@@ -31,6 +32,7 @@ _JOBS_LOCK = threading.Lock()
 # The one registry of targets: name -> "module:launcher class" (imported when first used).
 TARGET_LAUNCHERS = {"local": "sdp_jupyter.launch.local:LocalLauncher",
                     "ssh": "sdp_jupyter.launch.ssh:SSHLauncher",
+                    "ray": "sdp_jupyter.launch.ray:RayLauncher",
                     "sagemaker": "sdp_jupyter.launch.sagemaker:SageMakerLauncher"}
 
 

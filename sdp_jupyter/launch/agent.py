@@ -1,7 +1,8 @@
 """The per-host agent: `python -m sdp_jupyter.launch.agent`, one per host of a remote job.
 
-A remote target reaches it over a byte channel (the SSH target: `ssh -T host python -m
-sdp_jupyter.launch.agent`, the agent's stdin and stdout). On its host the agent does what the local
+A remote target reaches it over a byte channel, the agent's stdin and stdout: the SSH target through
+`ssh -T host python -m sdp_jupyter.launch.agent`, the Ray target through an actor on the node that
+starts the agent as its child and relays the frames (launch/ray.py). On its host the agent does what the local
 launcher does for a node: it writes the job's files into a private folder, starts the node's ranks
 with the same bootstrap and environment (launch/ranks.py), runs the node's utilization sampler, and
 streams everything back: each rank's output, metrics lines, exit codes, rank 0's result.
@@ -68,15 +69,25 @@ def read_exact(stream, n: int) -> bytes:
     return b"".join(chunks)
 
 
-def decode(stream) -> dict:
-    """The next frame from a binary stream; ChannelClosed at its end, ValueError on garbage."""
+def read_body(stream) -> bytes:
+    """The next frame's JSON bytes from a binary stream; ChannelClosed at its end."""
     (size,) = struct.unpack(">I", read_exact(stream, 4))
     if size > MAX_FRAME:
         raise ValueError(f"a frame of {size} bytes is over the {MAX_FRAME}-byte limit")
-    message = json.loads(read_exact(stream, size))
+    return read_exact(stream, size)
+
+
+def parse(body: bytes) -> dict:
+    """A frame's JSON bytes as a message; ValueError on garbage."""
+    message = json.loads(body)
     if not isinstance(message, dict) or not isinstance(message.get("type"), str):
         raise ValueError("a frame is not an object with a type")
     return message
+
+
+def decode(stream) -> dict:
+    """The next frame from a binary stream; ChannelClosed at its end, ValueError on garbage."""
+    return parse(read_body(stream))
 
 
 def b64(data: bytes | None) -> str | None:
@@ -98,8 +109,11 @@ def version() -> str:
 
 
 def connection_address() -> str:
-    """The address this host was reached on (the server side of $SSH_CONNECTION), which the other
-    hosts of the job reach too; else the address that routes to the default gateway; else loopback."""
+    """The address the other hosts of the job reach this one on: SDP_AGENT_ADDR (set by the Ray
+    target: the Ray node's address), else the address this host was reached on over SSH (the server
+    side of $SSH_CONNECTION), else what the host name resolves to, else loopback."""
+    if os.environ.get("SDP_AGENT_ADDR"):
+        return os.environ["SDP_AGENT_ADDR"]
     parts = os.environ.get("SSH_CONNECTION", "").split()
     if len(parts) == 4:
         return parts[2]

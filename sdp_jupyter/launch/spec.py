@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 BACKENDS = ("smddp", "gloo", "nccl")
-TARGETS = ("local", "ssh", "sagemaker")
+TARGETS = ("local", "ssh", "ray", "sagemaker")
 RANKS_OUTPUT = ("0", "all")
 
 # Variables the launcher sets itself; --env may not override them (the job would not start right).
@@ -83,7 +83,7 @@ OPTIONS: tuple[Option, ...] = (
            "processes per node (default: GPUs per node, or 1 on a CPU-only machine)", metavar="P"),
     Option("--backend", "backend", "torch.distributed backend: smddp (default), gloo or nccl"),
     Option("--name", "name", "job name, also the job directory's name (default: job-<time>-<id>)"),
-    Option("--target", "target", "where to run: local (default), ssh or sagemaker"),
+    Option("--target", "target", "where to run: local (default), ssh, ray or sagemaker"),
     Option("--wait", None, "block until the job ends (Ctrl-C stops it); raise if it failed", kind="flag"),
     Option("--env", "env", "environment variable for every rank (repeatable)", kind="append",
            metavar="KEY=VALUE"),
@@ -112,6 +112,7 @@ OPTIONS_BY_FIELD = {o.field: o for o in OPTIONS if o.field}
 # Modules that add rows to the option table ("module:ATTRIBUTE", a tuple of Option). Their fields are
 # "<dict field of JobSpec>.<key>", e.g. "sagemaker.instance_type" fills JobSpec.sagemaker["instance_type"].
 OPTION_PROVIDERS = ["sdp_jupyter.launch.sagemaker:SAGEMAKER_OPTIONS", "sdp_jupyter.launch.ssh:SSH_OPTIONS",
+                    "sdp_jupyter.launch.ray:RAY_OPTIONS",
                     "sdp_jupyter.launch.parallel_options:PARALLEL_OPTIONS"]
 
 
@@ -187,7 +188,8 @@ class JobSpec:
 
     Exactly one of `code` (the cell's source) or `script` (path to a .py file) says what runs.
     `sagemaker` holds options only the SageMaker target reads (owned by sdp_jupyter.launch.sagemaker),
-    `ssh` those only the SSH target reads (hosts, hostfile, python, config; sdp_jupyter.launch.ssh).
+    `ssh` those only the SSH target reads (hosts, hostfile, python, config; sdp_jupyter.launch.ssh),
+    `ray` those of the Ray target (address; sdp_jupyter.launch.ray).
     `parallel` holds the hybrid-parallel options (tp, pp, microbatches, ...; owned by
     sdp_jupyter.launch.parallel_options): only those that differ from their defaults are kept, and
     the workers get them as SDP_TP, SDP_PP, ... (`parallel_env()`).
@@ -213,6 +215,7 @@ class JobSpec:
     sagemaker: dict = field(default_factory=dict)
     parallel: dict = field(default_factory=dict)
     ssh: dict = field(default_factory=dict)
+    ray: dict = field(default_factory=dict)
 
     def __post_init__(self):
         self.nodes = parse_whole("nodes", self.nodes, 1, "4")
@@ -263,12 +266,14 @@ class JobSpec:
             raise SpecError("code", "give exactly one of code= (the training code) or script= (a .py file)")
         if self.code is not None and not str(self.code).strip():
             raise SpecError("code", "the training code is empty: put the code below the %%sdp_train line")
-        if not isinstance(self.ssh, dict):
-            raise SpecError("ssh", f"must be a dict of SSH options, got {type(self.ssh).__name__}")
-        if self.ssh and self.target != "ssh":
-            flag = "--" + next(iter(self.ssh)).replace("_", "-").replace("config", "ssh-config")
-            raise SpecError(flag, f"is an option of --target ssh, and the target is {self.target}. "
-                                  f"Fix: add --target ssh, or remove {flag}")
+        for target in ("ssh", "ray"):  # a target's own options, refused with another target
+            options = getattr(self, target)
+            if not isinstance(options, dict):
+                raise SpecError(target, f"must be a dict of {target} options, got {type(options).__name__}")
+            if options and self.target != target:
+                flag = "--" + next(iter(options)).replace("_", "-").replace("config", "ssh-config")
+                raise SpecError(flag, f"is an option of --target {target}, and the target is {self.target}. "
+                                      f"Fix: add --target {target}, or remove {flag}")
         if not isinstance(self.sagemaker, dict):
             raise SpecError("sagemaker", f"must be a dict of SageMaker options, got {type(self.sagemaker).__name__}")
         if self.parallel is None:

@@ -1,0 +1,293 @@
+"""The Ray target: `%%sdp_train --target ray --address HOST:6379 --nodes 4` runs the cell on a Ray cluster.
+
+One placement group with one bundle per node, STRICT_SPREAD (every node of the job on its own Ray
+node), and in each bundle one actor that starts the per-host agent (launch/agent.py) as its child and
+relays its frames: the same agent the SSH target reaches over ssh, reached here through actor calls.
+The ranks are real processes in their own sessions, started by the agent exactly as the local
+launcher starts them; the job secret travels in the `start` frame of an actor call, never in a
+node's environment or a log. Everything else (preflight, mirroring, heartbeats, stop, restarts) is
+the remote run of launch/remote.py. See docs/ray.md.
+
+Ray is optional: `pip install sdp_jupyter[ray]` (the test extra includes it).
+"""
+from __future__ import annotations
+
+import collections
+import os
+import queue
+import socket
+import sys
+import threading
+from pathlib import Path
+
+from sdp_jupyter.launch import agent as channel
+from sdp_jupyter.launch import jobdir, remote
+from sdp_jupyter.launch.job import Job
+from sdp_jupyter.launch.remote import CONNECT_TIMEOUT
+from sdp_jupyter.launch.spec import JobSpec, Option, SpecError
+
+RAY_OPTIONS = (
+    Option("--address", "ray.address",
+           "--target ray: the cluster, HOST:PORT, auto or ray://HOST:10001 (default: $RAY_ADDRESS, else auto)",
+           metavar="ADDRESS"),
+)
+KEYS = {"address"}
+PLACEMENT_TIMEOUT = 30   # seconds for the cluster to place every node's bundle
+RECV_WAIT = 0.2          # seconds an actor holds a poll for frames
+
+
+def address_of(spec: JobSpec) -> str:
+    options = spec.ray or {}
+    unknown = sorted(set(options) - KEYS)
+    if unknown:
+        raise SpecError("ray", f"unknown Ray option(s) {', '.join(unknown)}; known: {', '.join(sorted(KEYS))}")
+    return str(options.get("address") or os.environ.get("RAY_ADDRESS") or "auto")
+
+
+def _import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise SpecError("--target", "ray is not installed here. Fix: pip install 'sdp_jupyter[ray]' "
+                                    "(or pip install ray), then run the cell again") from None
+    return ray
+
+
+def connect(address: str):
+    """Join the cluster at `address` (unless this process already has); SpecError naming it if not."""
+    ray = _import_ray()
+    if ray.is_initialized():
+        return ray
+    if address not in ("auto", "local"):
+        host, _, port = address.removeprefix("ray://").rpartition(":")
+        try:
+            socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT).close()
+        except (OSError, ValueError) as e:
+            raise SpecError("--address", f"cannot reach the Ray cluster at {address} within {CONNECT_TIMEOUT} s "
+                                         f"({e}). Fix: the head's address and port (`ray status` on the head "
+                                         "prints them), or start one: ray start --head") from None
+    try:
+        ray.init(address=address, log_to_driver=False, logging_level="ERROR", configure_logging=False)
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        fix = ("start one (ray start --head) or give --address HOST:PORT" if address == "auto"
+               else "check the address; a ray:// client needs the cluster's Ray and Python versions")
+        raise SpecError("--address", f"cannot join the Ray cluster at {address}: {first}. Fix: {fix}") from None
+    return ray
+
+
+class AgentActor:
+    """Runs on a Ray node: starts the agent as its child and relays frames both ways."""
+
+    def __init__(self):
+        import subprocess
+
+        import ray
+
+        self.addr = ray.util.get_node_ip_address()
+        env = dict(os.environ, SDP_AGENT_ADDR=self.addr)
+        self.proc = subprocess.Popen([sys.executable, "-m", "sdp_jupyter.launch.agent"], env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self.frames: collections.deque = collections.deque()
+        self.stderr: collections.deque = collections.deque(maxlen=40)
+        self.ended: int | None = None
+        self.cond = threading.Condition()
+        threading.Thread(target=self._read, daemon=True).start()
+        threading.Thread(target=self._read_stderr, daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            while True:
+                body = channel.read_body(self.proc.stdout)
+                with self.cond:
+                    self.frames.append(body)
+                    self.cond.notify_all()
+        except (channel.ChannelClosed, ValueError):
+            pass
+        code = self.proc.wait()
+        with self.cond:
+            self.ended = code
+            self.cond.notify_all()
+
+    def _read_stderr(self) -> None:
+        for raw in iter(self.proc.stderr.readline, b""):
+            self.stderr.append(raw.decode("utf-8", "replace").rstrip())
+
+    def send(self, data: bytes) -> None:
+        try:
+            self.proc.stdin.write(data)
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError, ValueError):
+            pass
+
+    def recv(self, wait: float):
+        """(frames, exit code of the agent or None, its last stderr lines once it ended)."""
+        with self.cond:
+            if not self.frames and self.ended is None:
+                self.cond.wait(wait)
+            frames = list(self.frames)
+            self.frames.clear()
+            ended = self.ended if not self.frames else None
+        return frames, ended, list(self.stderr) if ended is not None else []
+
+    def close(self, wait: float) -> int | None:
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            return self.proc.wait(timeout=wait)
+        except Exception:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+class RayLink(remote.Link):
+    kind = "ray"
+
+    def __init__(self, node: int, host: str, actor, inbox: queue.Queue):
+        super().__init__(node, host, inbox)
+        self.actor = actor
+        threading.Thread(target=self._poll, daemon=True, name=f"sdp-ray-{node}").start()
+
+    def _poll(self) -> None:
+        import ray
+
+        while True:
+            try:
+                frames, ended, stderr = ray.get(self.actor.recv.remote(RECV_WAIT), timeout=remote.HEARTBEAT_TIMEOUT)
+            except ray.exceptions.GetTimeoutError:
+                continue  # the run's heartbeat check names a node that stays silent
+            except Exception as e:  # the actor died: its node was lost, or it never started
+                text = str(e)
+                self.stderr.extend(line for line in text.splitlines()[-20:] if line.strip())
+                why = "its Ray actor died (the node was lost?)" if self.connected.is_set() \
+                    else "its Ray actor did not start"
+                self.inbox.put((self.node, {"type": "eof", "why": why, "code": None}))
+                return
+            self.connected.set()
+            for body in frames:
+                try:
+                    self.heard(channel.parse(body))
+                except ValueError as e:
+                    self.inbox.put((self.node, {"type": "eof", "why": f"the agent sent a bad frame ({e})",
+                                                "code": None}))
+                    return
+            if ended is not None:
+                self.stderr.extend(stderr)
+                self.inbox.put((self.node, {"type": "eof", "why": "the agent ended", "code": ended}))
+                return
+
+    def send(self, message: dict) -> bool:
+        try:
+            self.actor.send.remote(channel.encode(message))
+            return True
+        except Exception:
+            return False
+
+    def close(self, wait: float = 5.0) -> None:
+        import ray
+
+        try:
+            ray.get(self.actor.close.remote(wait), timeout=wait + 5)
+        except Exception:
+            pass
+        try:
+            ray.kill(self.actor)
+        except Exception:
+            pass
+
+
+def _describe_nodes(nodes: list[dict]) -> str:
+    return ", ".join(f"{n['NodeManagerAddress']} ({n['Resources'].get('CPU', 0):g} CPU, "
+                     f"{n['Resources'].get('GPU', 0):g} GPU)" for n in nodes) or "no node"
+
+
+class RayRun(remote.RemoteRun):
+    option = "--nodes"
+
+    def __init__(self, spec: JobSpec, launcher: "RayLauncher", address: str):
+        super().__init__(spec, [], launcher)
+        self.address = address
+        self.pg = None
+
+    def open_links(self) -> list[remote.Link]:
+        ray = connect(self.address)
+        from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        spec = self.spec
+        alive = [n for n in ray.nodes() if n.get("Alive")]
+        gpus = spec.backend == "nccl"
+        ppn = spec.procs_per_node or (max(1, int(min(n["Resources"].get("GPU", 0) for n in alive))) if gpus else 1)
+        bundle = {"CPU": float(ppn)} | ({"GPU": float(ppn)} if gpus else {})
+        fit = [n for n in alive if all(n["Resources"].get(k, 0) >= v for k, v in bundle.items())]
+        if len(fit) < spec.nodes:
+            need = " and ".join(f"{v:g} {k}" for k, v in bundle.items())
+            raise SpecError("--nodes", f"{spec.nodes} node(s) with {need} each asked, and the Ray cluster at "
+                                       f"{self.address} has {len(fit)} such node(s) of {len(alive)}: "
+                                       f"{_describe_nodes(alive)}. Fix: --nodes {max(1, len(fit))}"
+                                       + (" or fewer --procs-per-node" if spec.procs_per_node else ""))
+        self.spec = spec.replace(procs_per_node=ppn)
+        self.pg = placement_group([dict(bundle) for _ in range(spec.nodes)], strategy="STRICT_SPREAD",
+                                  name=f"sdp-{spec.name}")
+        try:
+            ray.get(self.pg.ready(), timeout=PLACEMENT_TIMEOUT)
+        except Exception:
+            remove_placement_group(self.pg)
+            self.pg = None
+            raise SpecError("--nodes", f"the Ray cluster at {self.address} could not place {spec.nodes} bundle(s) "
+                                       f"of {bundle} on distinct nodes within {PLACEMENT_TIMEOUT} s (busy with other "
+                                       f"work?); it has {_describe_nodes(alive)}") from None
+        by_id = {n["NodeID"]: n["NodeManagerAddress"] for n in alive}
+        placed = placement_group_table(self.pg).get("bundles_to_node_id", {})
+        self.hosts = [by_id.get(placed.get(i), f"ray-node-{i}") for i in range(spec.nodes)]
+        actor_cls = ray.remote(AgentActor)
+        links = []
+        for node in range(spec.nodes):
+            actor = actor_cls.options(
+                num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_concurrency=1,
+                name=f"sdp-agent-{spec.name}-{node}",
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=node),
+            ).remote()
+            links.append(RayLink(node, self.hosts[node], actor, self.inbox))
+        return links
+
+    def close_all(self) -> None:
+        super().close_all()
+        self._remove_group()
+
+    def kill_now(self) -> None:
+        super().kill_now()
+        self._remove_group()
+
+    def _remove_group(self) -> None:
+        if self.pg is None:
+            return
+        try:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.pg)
+        except Exception:
+            pass
+        self.pg = None
+
+
+class RayLauncher:
+    """Runs a JobSpec on a Ray cluster, one node per Ray node. Grace periods (seconds) apply when stopping."""
+
+    def __init__(self, sigint_grace: float = 3.0, sigterm_grace: float = 2.0):
+        self.sigint_grace = sigint_grace
+        self.sigterm_grace = sigterm_grace
+
+    def start(self, spec: JobSpec, push: dict | None = None) -> Job:
+        from sdp_jupyter.launch.local import pickle_push
+
+        address = address_of(spec)
+        _import_ray()
+        if spec.script is not None and not Path(spec.script).is_file():
+            raise SpecError("script", f"{spec.script} does not exist; give the path of a .py file")
+        spec = spec.replace(name=spec.name or jobdir.new_job_name())
+        push_bytes = pickle_push(spec.push, push or {})
+        return remote.start_job(RayRun(spec, self, address), push_bytes, ray_address=address)
+

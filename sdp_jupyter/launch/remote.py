@@ -1,0 +1,338 @@
+"""What every remote target shares: one agent per node (launch/agent.py) reached over a link.
+
+The SSH target's link is an ssh client's stdin/stdout; the Ray target's is an actor that runs the
+agent. Either way the notebook side is this module: start every node's agent at once and check its
+hello (version, GPUs) before anything starts; then, per attempt, ask node 0 for a port, send each
+agent its `start`, mirror output, metrics and the result into the job directory, and name a rank
+that fails or a node that goes silent (HEARTBEAT_TIMEOUT). Stop, restarts and the exit hook work as
+for local jobs (launch/supervise.py).
+"""
+from __future__ import annotations
+
+import collections
+import os
+import queue
+import secrets
+import sys
+import threading
+import time
+
+from sdp_jupyter.launch import agent as channel
+from sdp_jupyter.launch import jobdir, supervise
+from sdp_jupyter.launch.job import Job
+from sdp_jupyter.launch.ranks import describe_exit
+from sdp_jupyter.launch.spec import JobSpec, SpecError
+
+CONNECT_TIMEOUT = 10       # seconds for a link to reach its node
+HELLO_TIMEOUT = 30         # seconds from opening a link to the agent's hello (connect + interpreter start)
+HEARTBEAT_TIMEOUT = 10.0   # a node silent this long is lost (the agent pings every second)
+LAST_LINES = 12
+
+
+class Link:
+    """One node's agent as the notebook side sees it. Frames go into `inbox` as (node, message); when
+    the link ends, (node, {"type": "eof", "why", "code"}). `connected` is set once the node is reached
+    (before the interpreter starts); `stderr` keeps the link's and the agent's last words."""
+
+    kind = "link"
+
+    def __init__(self, node: int, host: str, inbox: queue.Queue):
+        self.node, self.host, self.inbox = node, host, inbox
+        self.hello: dict | None = None
+        self.last_heard = time.monotonic()
+        self.stderr = collections.deque(maxlen=40)
+        self.connected = threading.Event()
+
+    def heard(self, message: dict) -> None:
+        self.last_heard = time.monotonic()
+        self.inbox.put((self.node, message))
+
+    def send(self, message: dict) -> bool:
+        raise NotImplementedError
+
+    def close(self, wait: float = 5.0) -> None:
+        raise NotImplementedError
+
+    def unreachable(self) -> str:
+        return f"not reachable within {CONNECT_TIMEOUT} s"
+
+    def diagnose(self, code, python: str) -> str:
+        """What went wrong before the agent said hello, and the fix."""
+        said = " ".join(line for line in self.stderr if line)[-400:]
+        if "No module named" in said and "sdp_jupyter" in said:
+            return (f"sdp_jupyter is not installed for {python} there. Fix: pip install "
+                    f"sdp_jupyter=={channel.version()} on {self.host}")
+        return f"the agent did not start (exit {code}: {said or 'no output'})"
+
+
+def start_job(run: "RemoteRun", push_bytes: bytes | None, **status) -> Job:
+    """Preflight `run`, make the job directory, start the run; nothing is left open on failure."""
+    try:
+        spec = run.preflight()
+        job_dir, spec = Job.create_dir(spec, push_bytes)
+    except BaseException:
+        run.close_all()
+        raise
+    job = Job(spec, job_dir)
+    job._update(state="pending", created=time.time(), started=None, ended=None, exit_codes=[], restarts=0,
+                error=None, launcher_pid=os.getpid(), target=spec.target, hosts=run.hosts,
+                host_names=[c.hello.get("hostname") for c in run.conns],
+                world_size=spec.nodes * spec.procs_per_node, **status)
+    run.attach(job, push_bytes)
+    job._run = run
+    run.start()
+    return job
+
+
+class RemoteRun(supervise.Run):
+    """The supervisor of one remote job: its links (one agent per node), attempts, restarts and stop.
+
+    A target subclasses it with `open_links()` (start every node's agent; the links put frames into
+    `self.inbox`) and `option` (the flag an unusable node is reported under)."""
+
+    option = "--nodes"
+    python = sys.executable  # the interpreter named in "not installed" errors
+
+    def __init__(self, spec: JobSpec, hosts: list[str], launcher):
+        self.spec, self.hosts, self.launcher = spec, hosts, launcher
+        self.inbox: queue.Queue = queue.Queue()
+        self.conns: list[Link] = []
+        self.secret = secrets.token_hex(32)
+        self.job: Job | None = None
+        self.push_bytes: bytes | None = None
+        self._logs: dict[int, object] = {}
+        supervise.Run.__init__(self, f"sdp-{spec.target}-{spec.name}")
+
+    # ---------------------------------------------------------------- before the job exists
+    def preflight(self) -> JobSpec:
+        """Start every host's agent at once and check its hello; one SpecError naming every bad host."""
+        self.conns = self.open_links()
+        spec = self.spec  # open_links may settle procs_per_node
+        problems: dict[int, str] = {}
+        waiting = set(range(len(self.conns)))
+        deadline = time.monotonic() + HELLO_TIMEOUT
+        connect_by = time.monotonic() + CONNECT_TIMEOUT + 2
+        while waiting and time.monotonic() < deadline:
+            if time.monotonic() > connect_by:
+                for node in [n for n in waiting if not self.conns[n].connected.is_set()]:
+                    problems[node] = self.conns[node].unreachable()
+                    waiting.discard(node)
+            try:
+                node, message = self.inbox.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            if node not in waiting:
+                continue
+            conn = self.conns[node]
+            if message["type"] == "hello":
+                conn.hello = message
+                waiting.discard(node)
+            elif message["type"] == "eof":
+                problems[node] = conn.diagnose(message.get("code"), self.python)
+                waiting.discard(node)
+        for node in waiting:
+            problems[node] = (f"connected, but the agent did not start within {HELLO_TIMEOUT} s "
+                              f"({'; '.join(self.conns[node].stderr) or 'no output'})")
+        ours = channel.version()
+        for conn in self.conns:
+            if conn.hello is None or conn.node in problems:
+                continue
+            if conn.hello.get("version") != ours:
+                problems[conn.node] = (f"it has sdp_jupyter {conn.hello.get('version')}, this notebook {ours}. "
+                                       f"Fix: pip install sdp_jupyter=={ours} there")
+        ppn = spec.procs_per_node
+        if ppn is None:  # GPUs per host, as locally; 1 on CPU-only hosts
+            ppn = min((max(1, int(c.hello.get("gpus") or 0)) for c in self.conns if c.hello), default=1)
+        if spec.backend == "nccl":
+            for conn in self.conns:
+                if conn.hello and conn.node not in problems and int(conn.hello.get("gpus") or 0) < ppn:
+                    problems[conn.node] = (f"it has {conn.hello.get('gpus') or 0} GPU(s) and nccl needs one per "
+                                           f"process ({ppn}). Fix: --procs-per-node {conn.hello.get('gpus') or 0} "
+                                           "or --backend smddp")
+        if problems:
+            lines = "\n".join(f"  {self.hosts[n]}: {problems[n]}" for n in sorted(problems))
+            raise SpecError(self.option, f"{len(problems)} of {len(self.hosts)} host(s) cannot run the job; "
+                                       f"nothing was started:\n{lines}")
+        self.spec = spec.replace(procs_per_node=ppn)
+        return self.spec
+
+    def attach(self, job: Job, push_bytes: bytes | None) -> None:
+        self.job, self.spec, self.push_bytes = job, job.spec, push_bytes
+
+    def open_links(self) -> list["Link"]:
+        raise NotImplementedError
+
+    def close_all(self) -> None:
+        for conn in self.conns:
+            conn.send({"type": "bye"})
+        for conn in self.conns:
+            conn.close()
+
+    # ---------------------------------------------------------------- the job
+    def _supervise(self) -> None:
+        job, spec = self.job, self.spec
+        state, error, codes = "failed", None, []
+        try:
+            def announce(text: str) -> None:
+                for rank in range(spec.nodes * spec.procs_per_node):
+                    self._out(rank, text)
+
+            # a lost host is not restarted onto: the job names it and ends
+            state, error, codes = supervise.with_restarts(job, self._attempt, announce, self._stop,
+                                                          final=("timed out", "host "))
+        except Exception as e:  # our own bug or an OS error: the job fails with it, nothing left running
+            state, error = "failed", f"the launcher failed: {type(e).__name__}: {e}"
+        finally:
+            self.close_all()
+            for log in self._logs.values():
+                log.close()
+            self._write_agent_logs()
+            supervise.unregister(self)
+            job._update(state=state, error=error, exit_codes=codes, ended=time.time())
+
+    def _attempt(self, attempt: int) -> tuple[str, str | None, list]:
+        spec, job = self.spec, self.job
+        world = spec.nodes * spec.procs_per_node
+        first = self.conns[0]
+        port = self._ask_port(first)
+        script = channel.b64((job.dir / jobdir.SCRIPT).read_bytes())
+        for conn in self.conns:
+            conn.send({"type": "start", "spec": spec.to_dict(), "node": conn.node, "secret": self.secret,
+                       "master_addr": first.hello["addr"], "master_port": port, "attempt": attempt,
+                       "script": script, "push": channel.b64(self.push_bytes),
+                       "heartbeat_timeout": HEARTBEAT_TIMEOUT})
+        job._update(state="running", started=job.status.get("started") or time.time(), port=port,
+                    master_addr=first.hello["addr"])
+        started = time.monotonic()
+        codes: list = [None] * world
+        done: set[int] = set()
+        failure: str | None = None
+        next_ping = 0.0
+        while len(done) < len(self.conns):
+            now = time.monotonic()
+            if now >= next_ping:
+                for conn in self.conns:
+                    conn.send({"type": "ping"})
+                next_ping = now + channel.HEARTBEAT_EVERY
+                for conn in self.conns:
+                    if conn.node not in done and now - conn.last_heard > HEARTBEAT_TIMEOUT:
+                        done.add(conn.node)  # lost: nobody to wait for there (its agent stops its own ranks)
+                        return self._fail(f"host {conn.host} (node {conn.node}) has not answered for "
+                                          f"{HEARTBEAT_TIMEOUT:g} s: its link or the host is down", codes, done)
+            if self._stop.is_set():
+                self._stop_all(done)
+                return "stopped", self._stop_reason, codes
+            if spec.timeout and now - started > spec.timeout and failure is None:
+                return self._fail(f"timed out after {spec.timeout:g} s (--timeout)", codes, done)
+            try:
+                node, message = self.inbox.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            kind = message["type"]
+            if self._mirror(message):
+                continue
+            if kind == "exit":
+                rank, code = int(message["rank"]), int(message["code"])
+                codes[rank] = code
+                if code != 0 and failure is None:
+                    failure = self._failure_message(rank, code)
+                    return self._fail(failure, codes, done)
+            elif kind == "result":
+                jobdir.write_private(job.dir / jobdir.RESULT, channel.unb64(message["data"]))
+            elif kind == "done":
+                done.add(node)
+            elif kind == "error":
+                return self._fail(f"host {self.hosts[node]} (node {node}): {message.get('message')}", codes, done)
+            elif kind == "eof":
+                conn = self.conns[node]
+                done.add(node)
+                said = "; ".join(line for line in list(conn.stderr)[-3:] if line)
+                return self._fail(f"host {conn.host} (node {node}): {message['why']} ({conn.kind} exit "
+                                  f"{message['code']}{': ' + said if said else ''})", codes, done)
+        return "succeeded", None, codes
+
+    def _ask_port(self, conn: Link) -> int:
+        conn.send({"type": "port"})
+        deadline = time.monotonic() + HEARTBEAT_TIMEOUT
+        held = []
+        try:
+            while time.monotonic() < deadline:
+                try:
+                    node, message = self.inbox.get(timeout=0.2)
+                except queue.Empty:
+                    continue
+                if node == conn.node and message["type"] == "port":
+                    return int(message["port"])
+                if message["type"] == "eof":
+                    raise RuntimeError(f"host {self.hosts[node]} (node {node}): {message['why']}")
+                if message["type"] != "ping":
+                    held.append((node, message))
+        finally:
+            for item in held:
+                self.inbox.put(item)
+        raise RuntimeError(f"host {conn.host} did not give a port within {HEARTBEAT_TIMEOUT:g} s")
+
+    def _fail(self, error: str, codes: list, done: set) -> tuple[str, str, list]:
+        self._stop_all(done)
+        return "failed", error, codes
+
+    def _stop_all(self, done: set) -> None:
+        """Every agent stops its ranks; wait (bounded) until each says done, keeping their last output."""
+        g1, g2 = self.launcher.sigint_grace, self.launcher.sigterm_grace
+        for conn in self.conns:
+            if conn.node not in done:
+                conn.send({"type": "stop", "sigint_grace": g1, "sigterm_grace": g2})
+        deadline = time.monotonic() + g1 + g2 + 8
+        while time.monotonic() < deadline and len(done) < len(self.conns):
+            try:
+                node, message = self.inbox.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if not self._mirror(message) and message["type"] in ("done", "eof"):
+                done.add(node)
+
+    # ---------------------------------------------------------------- mirroring into the job directory
+    def _mirror(self, message: dict) -> bool:
+        """Output and metrics go into the job directory and the views; True when `message` was one."""
+        if message["type"] == "out":
+            self._out(int(message["rank"]), message["text"])
+        elif message["type"] == "metrics":
+            self._metrics(message)
+        else:
+            return False
+        return True
+
+    def _out(self, rank: int, text: str) -> None:
+        log = self._logs.get(rank)
+        if log is None:
+            log = self._logs[rank] = jobdir.open_private(jobdir.log_path(self.job.dir, rank), "a")
+        log.write(text)
+        log.flush()
+        self.job._emit(rank, text)
+
+    def _metrics(self, message: dict) -> None:
+        name = str(message.get("file", ""))
+        if not channel.METRICS_FILE.match(name):  # never a path: only the names the agent may send
+            return
+        with jobdir.open_private(self.job.dir / jobdir.METRICS / name, "a") as f:
+            f.write(str(message.get("lines", "")))
+
+    def _failure_message(self, rank: int, code: int) -> str:
+        node, local_rank = divmod(rank, self.spec.procs_per_node)
+        tail = "".join(self.job.logs(rank, tail=LAST_LINES)).rstrip()
+        msg = f"rank {rank} (node {node} on host {self.hosts[node]}, local rank {local_rank}) {describe_exit(code)}"
+        return msg + (f"; its last lines:\n{tail}" if tail else "")
+
+    def _write_agent_logs(self) -> None:
+        for conn in self.conns:
+            if conn.stderr:
+                with jobdir.open_private(self.job.dir / jobdir.LOGS / f"agent-node-{conn.node}.log", "a") as f:
+                    f.write("\n".join(conn.stderr) + "\n")
+
+    def kill_now(self) -> None:
+        """At interpreter exit: close every connection at once; the agents stop their ranks."""
+        self._stop.set()
+        for conn in self.conns:
+            conn.send({"type": "stop", "sigint_grace": 0.5, "sigterm_grace": 0.5})
+        for conn in self.conns:
+            conn.close(wait=2.0)

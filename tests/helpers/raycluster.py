@@ -1,0 +1,130 @@
+"""A real Ray cluster on the shared cluster-in-a-box: the head on h0, a worker on each of h1..h3.
+
+Each node is `ray start ... --block` inside its test host (own address, hostname and /dev/shm; its own
+--temp-dir, since the hosts share a filesystem), with token authentication and a small object store.
+The test's driver runs on h0 too, with the same token. Everything is stopped by PID at the end of the
+session (never `ray stop`, which would end every Ray process on the machine).
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers.cluster import cluster4  # noqa: F401
+
+RAY = str(Path(sys.executable).with_name("ray"))
+
+
+class RayHosts:
+    def __init__(self, cluster, root: Path):
+        self.cluster, self.root = cluster, root
+        self.address = f"{cluster.addresses[0]}:6379"
+        self.env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(16),
+                        RAY_USAGE_STATS_ENABLED="0", RAY_DISABLE_IMPORT_WARNING="1")
+        self.env.pop("RAY_ADDRESS", None)
+        self.starts: dict[int, subprocess.Popen] = {}
+
+    def start(self) -> None:
+        for i in range(self.cluster.n):
+            self._start_node(i)
+            if i == 0:
+                self._wait_nodes(1)
+        self._wait_nodes(self.cluster.n)
+
+    def _start_node(self, i: int) -> None:
+        head = ["--head", "--port", "6379", "--include-dashboard=false"] if i == 0 else ["--address", self.address]
+        argv = [RAY, "start", *head, "--node-ip-address", self.cluster.addresses[i], "--num-cpus", "1",
+                "--object-store-memory", str(80 << 20), "--temp-dir", str(self.root / f"h{i}"),
+                "--disable-usage-stats", "--block"]
+        with open(self.root / f"ray-h{i}.log", "ab") as log:
+            self.starts[i] = self.cluster.popen(i, argv, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+
+    def restart_node(self, i: int) -> None:
+        """Bring worker host `i`'s Ray node back after a test killed it (what is left of it is killed first)."""
+        for pid in self.ray_pids(i):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if i in self.starts:
+            self.starts[i].wait()
+        self._start_node(i)
+        self._wait_nodes(self.cluster.n)
+
+    def _wait_nodes(self, n: int, timeout: float = 120.0) -> None:
+        code = ("import ray, sys; ray.init(address=sys.argv[1], logging_level='ERROR'); "
+                "print(sum(1 for x in ray.nodes() if x['Alive']))")
+        deadline = time.monotonic() + timeout
+        while True:
+            for i, p in self.starts.items():
+                if p.poll() is not None:
+                    raise RuntimeError(f"ray start on h{i} exited: {(self.root / f'ray-h{i}.log').read_text()[-3000:]}")
+            p = self.cluster.run(0, [sys.executable, "-c", code, self.address], env=self.env, check=False, timeout=90)
+            if p.returncode == 0 and p.stdout.strip().splitlines()[-1:] == [str(n)]:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the Ray cluster did not reach {n} nodes: {p.stdout[-500:]} {p.stderr[-2000:]}")
+            time.sleep(1)
+
+    def ray_pids(self, host: int) -> list[int]:
+        found = []
+        for pid in self.cluster.pids(host):
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"ray" in argv and b"sshd" not in argv:
+                found.append(pid)
+        return found
+
+    def memory_mb(self) -> float:
+        """Resident memory of every Ray process of the test cluster, in MB."""
+        total = 0
+        for host in range(self.cluster.n):
+            for pid in self.ray_pids(host):
+                try:
+                    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                        if line.startswith("VmRSS:"):
+                            total += int(line.split()[1])
+                except OSError:
+                    pass
+        return total / 1024
+
+    def stop(self) -> None:
+        for p in self.starts.values():  # `ray start --block` stops its node's processes on SIGTERM
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.starts.values():
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        time.sleep(0.5)
+        for host in range(self.cluster.n):  # and by PID what outlived it
+            for pid in self.ray_pids(host):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def ray_hosts(cluster4, tmp_path_factory):  # noqa: F811
+    """A Ray head on h0 and workers on h1..h3 of the shared cluster. Skipped without ray."""
+    if not os.path.exists(RAY):
+        pytest.skip("ray is not installed (pip install 'sdp_jupyter[ray]')")
+    hosts = RayHosts(cluster4, tmp_path_factory.mktemp("ray"))
+    try:
+        hosts.start()
+        yield hosts
+    finally:
+        hosts.stop()

@@ -1,0 +1,92 @@
+"""What the remote-target tests (SSH, Ray) run: a seeded training script, and a driver that plays the
+notebook on test host h0 (it calls sdp_jupyter.launch exactly as a cell would) and reports in JSON lines."""
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent.parent
+
+# Seeded: the same job gives the same parameters on any target. STEPS / STEP_SLEEP make it long,
+# FAIL_FIRST makes the last rank fail in attempt 0 (for restarts).
+TRAIN = r'''
+import os, socket, time, torch, torch.distributed as dist
+dist.init_process_group("smddp")
+rank, world = dist.get_rank(), dist.get_world_size()
+if int(os.environ.get("FAIL_FIRST", "0")) and os.environ["SDP_RESTART"] == "0" and rank == world - 1:
+    raise SystemExit(f"rank {rank} fails on purpose in attempt 0")
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Tanh(), torch.nn.Linear(512, 8))
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+g = torch.Generator().manual_seed(100 + rank)
+for step in range(int(os.environ.get("STEPS", "6"))):
+    x, y = torch.randn(16, 256, generator=g), torch.randn(16, 8, generator=g)
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    opt.zero_grad()
+    loss.backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+    opt.step()
+    print(f"step {step} loss {loss.item():.4f}", flush=True)
+    time.sleep(float(os.environ.get("STEP_SLEEP", "0")))
+names = [None] * world
+dist.all_gather_object(names, (socket.gethostname(), os.environ["SDP_BIND_ADDR"]))
+{"hosts": names, "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()])}
+'''
+
+# A long job (STEP_SLEEP set) prints {"running"} once rank 0 is at step 2, then reads a command on
+# stdin: "stop" stops the job, anything else waits for it. Every job ends with {"state", ...}.
+DRIVER = r'''
+import json, sys, time, sdp_jupyter
+from sdp_jupyter.launch import SpecError
+args = json.loads(sys.argv[1])
+t0 = time.time()
+try:
+    job = sdp_jupyter.launch(**args)
+except SpecError as e:
+    print(json.dumps({"spec_error": str(e), "after": time.time() - t0}), flush=True)
+    raise SystemExit(0)
+if args.get("env", {}).get("STEP_SLEEP"):
+    while "step 2" not in job.logs(0) and not job.done:
+        time.sleep(0.1)
+    print(json.dumps({"running": job.name}), flush=True)
+    if sys.stdin.readline().strip() == "stop":
+        t0 = time.monotonic(); job.stop()
+        print(json.dumps({"stopped_in": time.monotonic() - t0}), flush=True)
+job.wait()
+print(json.dumps({"state": job.state, "error": job.error, "dir": str(job.dir), "t": time.time(),
+                  "codes": job.exit_codes, "restarts": job.restarts, "status": job.status}), flush=True)
+'''
+
+
+def drive(cluster, launch_args: dict, env: dict | None = None) -> subprocess.Popen:
+    """Start the driver on h0 with these launch() arguments; its stdin stays open for commands."""
+    full = dict(env or os.environ)
+    full["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), full.get("PYTHONPATH")]))
+    return cluster.popen(0, [sys.executable, "-c", DRIVER, json.dumps({"code": TRAIN, **launch_args})], env=full,
+                         text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def tell(proc, command: str) -> None:
+    proc.stdin.write(command + "\n")
+    proc.stdin.flush()
+
+
+def next_line(proc, timeout: float = 120.0) -> dict:
+    """The driver's next JSON line (its stderr is shown if it ends first)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], 0.5)
+        if ready:
+            line = proc.stdout.readline()
+            if line.startswith("{"):
+                return json.loads(line)
+            if not line:
+                break
+    proc.kill()
+    raise AssertionError(f"the driver said nothing more; its stderr: {proc.stderr.read()[-3000:]}")

@@ -1,0 +1,142 @@
+"""The Ray target on a real Ray cluster: head on h0, workers on h1..h3 (cluster-in-a-box), driver on h0.
+
+Each job is started by a driver process on h0 that calls sdp_jupyter.launch(target="ray"), exactly as
+a notebook would; the test watches the hosts from outside (processes, link counters).
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from helpers.cluster import cluster4, hosts  # noqa: F401
+from helpers.raycluster import ray_hosts  # noqa: F401
+from helpers.remote_jobs import TRAIN, drive, next_line, tell
+from sdp_jupyter.launch import JobSpec, SpecError, remote
+
+
+def _drive(rh, jobs, **launch_args):
+    args = {"target": "ray", "ray": {"address": rh.address}, "jobs_dir": str(jobs), "nodes": 4, **launch_args}
+    return drive(rh.cluster, args, env=rh.env)
+
+
+def _ranks_and_agents(cluster, host: int) -> list[int]:
+    found = []
+    for pid in cluster.pids(host):
+        try:
+            argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if b"sdp_jupyter.launch.worker" in argv or b"sdp_jupyter.launch.agent" in argv:
+            found.append(pid)
+    return found
+
+
+def _wait_clean(cluster, timeout: float) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        left = {h: _ranks_and_agents(cluster, h) for h in range(cluster.n)}
+        left = {h: p for h, p in left.items() if p}
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
+
+
+# ---------------------------------------------------------------------------------- no cluster needed
+def test_ray_options_need_the_ray_target():
+    with pytest.raises(SpecError, match="--address: is an option of --target ray.*Fix: add --target ray"):
+        JobSpec(code="x", ray={"address": "10.0.0.5:6379"})
+    spec = JobSpec(code="x", target="ray", nodes=4, ray={"address": "10.0.0.5:6379"})
+    assert "--target ray" in spec.to_magic_line() and "--address 10.0.0.5:6379" in spec.to_magic_line()
+
+
+def test_without_ray_installed_the_error_gives_the_pip_command(monkeypatch):
+    from sdp_jupyter.launch import ray as ray_target
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
+    with pytest.raises(SpecError, match=r"ray is not installed here. Fix: pip install 'sdp_jupyter\[ray\]'"):
+        ray_target.RayLauncher().start(JobSpec(code="x", target="ray"))
+
+
+def test_an_unreachable_address_is_named_within_the_connect_deadline():
+    from sdp_jupyter.launch import ray as ray_target
+
+    t0 = time.monotonic()
+    with pytest.raises(SpecError, match=r"--address: cannot reach the Ray cluster at 127.0.0.1:1 within 10 s"):
+        ray_target.connect("127.0.0.1:1")
+    assert time.monotonic() - t0 < remote.CONNECT_TIMEOUT + 2
+
+
+# ---------------------------------------------------------------------------------- a real cluster
+@pytest.mark.slow
+def test_four_ray_nodes_train_like_the_local_run(ray_hosts, hosts, tmp_path, jobs_dir):  # noqa: F811
+    import torch
+
+    import sdp_jupyter
+
+    before = {i: hosts.bytes(i)["tx"] for i in range(4)}
+    d = _drive(ray_hosts, tmp_path / "remote", name="ray-four", ranks_output="all")
+    out = next_line(d, timeout=180)
+    assert out["state"] == "succeeded", out
+    moved = {i: hosts.bytes(i)["tx"] - before[i] for i in range(4)}
+    remote_result = pickle.load(open(os.path.join(out["dir"], "result.pkl"), "rb"))
+    # STRICT_SPREAD: four distinct Ray nodes, each rank at its own node's address
+    assert sorted(n for n, _ in remote_result["hosts"]) == ["h0", "h1", "h2", "h3"], remote_result["hosts"]
+    assert sorted(a for _, a in remote_result["hosts"]) == sorted(hosts.addresses)
+    assert sorted(out["status"]["host_names"]) == ["h0", "h1", "h2", "h3"]
+    assert all(b > 1_000_000 for b in moved.values()), moved  # gradients crossed every link
+    assert all("step 5" in open(os.path.join(out["dir"], "logs", f"rank-{r}.log")).read() for r in range(4))
+    local = sdp_jupyter.launch(code=TRAIN, nodes=4, name="local-four")
+    assert local.wait(timeout=180) == "succeeded", local.error
+    assert torch.allclose(local.result()["params"], remote_result["params"], rtol=1e-5, atol=1e-6)
+    assert _wait_clean(hosts, 10) == {}
+    print(f"\n[ray] test cluster memory (4 nodes, RSS of Ray's processes): {ray_hosts.memory_mb():.0f} MB")
+
+
+@pytest.mark.slow
+def test_too_many_nodes_are_refused_listing_the_cluster(ray_hosts, tmp_path):  # noqa: F811
+    d = _drive(ray_hosts, tmp_path, nodes=5)
+    err = next_line(d)["spec_error"]
+    assert err.startswith("--nodes: 5 node(s) with 1 CPU each asked, and the Ray cluster at")
+    assert "has 4 such node(s) of 4" in err and "10.213.0.4 (1 CPU, 0 GPU)" in err and "Fix: --nodes 4" in err
+    assert _wait_clean(ray_hosts.cluster, 5) == {}
+
+
+@pytest.mark.slow
+def test_stop_leaves_nothing_on_any_node(ray_hosts, tmp_path):  # noqa: F811
+    d = _drive(ray_hosts, tmp_path, env={"STEPS": "100000", "STEP_SLEEP": "0.2"})
+    assert "running" in next_line(d, timeout=180)
+    assert all(_ranks_and_agents(ray_hosts.cluster, h) for h in range(4))
+    tell(d, "stop")
+    assert next_line(d)["stopped_in"] < 15
+    assert next_line(d)["state"] == "stopped"
+    assert _wait_clean(ray_hosts.cluster, 5) == {}
+
+
+@pytest.mark.slow
+def test_a_lost_node_is_named_within_ten_seconds(ray_hosts, tmp_path):  # noqa: F811
+    c = ray_hosts.cluster
+    d = _drive(ray_hosts, tmp_path, env={"STEPS": "100000", "STEP_SLEEP": "0.2"})
+    assert "running" in next_line(d, timeout=180)
+    tell(d, "wait")
+    try:
+        # the Ray node on h2 loses power, as far as its processes are concerned: Ray's and the job's
+        victims = ray_hosts.ray_pids(2) + _ranks_and_agents(c, 2)
+        killed_at = time.time()
+        for pid in victims:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        out = next_line(d, timeout=60)
+        assert out["state"] == "failed"
+        assert "(node " in out["error"] and "10.213.0.3" in out["error"], out["error"]
+        assert out["t"] - killed_at < remote.HEARTBEAT_TIMEOUT + 1, out["t"] - killed_at
+        assert _wait_clean(c, 10) == {}
+    finally:
+        ray_hosts.restart_node(2)
