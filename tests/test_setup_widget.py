@@ -104,7 +104,7 @@ def test_sagemaker_target_takes_gpus_from_the_instance_and_checks_smddp():
     assert s.w_instance.value == "local" and not s.w_gpus.disabled
 
 
-def test_ssh_target_asks_for_hosts_and_puts_them_in_the_spec_and_the_line():
+def test_ssh_and_ray_targets_ask_for_hosts_or_address_and_put_them_in_the_spec_and_the_line():
     s = make(backend="smddp", nodes=2, per_gpu_batch=32, ssh={"config": "/etc/ssh/team_config"})
     assert s.w_hosts.layout.display == "none"
     s.w_target.value = "ssh"
@@ -117,6 +117,11 @@ def test_ssh_target_asks_for_hosts_and_puts_them_in_the_spec_and_the_line():
     assert "--target ssh" in text(s.w_magic) and "--hosts gpu1,gpu2" in text(s.w_magic)
     s.w_target.value = "local"
     assert s.w_hosts.layout.display == "none" and s.spec.ssh == {}
+    s.w_target.value = "ray"  # the address may stay empty: $RAY_ADDRESS, else auto
+    assert s.w_address.layout.display is None and not s.w_launch.disabled and s.spec.ray == {}
+    s.w_address.value = "10.0.0.5:6379"
+    assert s.spec.target == "ray" and s.spec.ray == {"address": "10.0.0.5:6379"}
+    assert "--target ray" in text(s.w_magic) and "--address 10.0.0.5:6379" in text(s.w_magic)
 
 
 def test_estimates_follow_throughput_efficiency_and_price():

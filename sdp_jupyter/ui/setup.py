@@ -69,7 +69,8 @@ class JobSetup(W.VBox):
 
     ``sagemaker`` holds the SageMaker target's other options (role, bucket, ...; see docs/launcher.md);
     the instance type comes from the form. ``ssh`` holds the SSH target's other options (python,
-    config; see docs/ssh.md); its hosts come from the form's "SSH hosts" field. ``launch_job`` replaces ``sdp_jupyter.launch`` (tests and
+    config; see docs/ssh.md); its hosts come from the form's "SSH hosts" field. ``ray_address`` presets
+    the form's "Ray address" field (empty: $RAY_ADDRESS, else auto; see docs/ray.md). ``launch_job`` replaces ``sdp_jupyter.launch`` (tests and
     other front-ends may pass their own).
     """
 
@@ -84,6 +85,7 @@ class JobSetup(W.VBox):
         jobs_dir: str | None = None,
         sagemaker: dict | None = None,
         ssh: dict | None = None,
+        ray_address: str | None = None,
         launch_job=None,
         **plan_fields,
     ):
@@ -91,7 +93,7 @@ class JobSetup(W.VBox):
         unknown = sorted(set(plan_fields) - known)
         if unknown:
             raise TypeError(f"JobSetup() got unknown field(s) {', '.join(unknown)}; known: script, code, cell, "
-                            f"name, hyperparameters, jobs_dir, sagemaker, ssh, {', '.join(sorted(known))}")
+                            f"name, hyperparameters, jobs_dir, sagemaker, ssh, ray_address, {', '.join(sorted(known))}")
         self._updating = False
         self._set_what_runs(script, code, cell)
         self.name = name
@@ -119,6 +121,9 @@ class JobSetup(W.VBox):
                               placeholder="gpu1,gpu2 (as `ssh HOST` reaches them)", description="SSH hosts",
                               style=_STYLE, layout=W.Layout(width=_LAYOUT.width))
         self.w_hosts.add_class("sdp-ssh-hosts")
+        self.w_address = W.Text(value=ray_address or "", placeholder="$RAY_ADDRESS, else auto (HOST:6379, ray://...)",
+                                description="Ray address", style=_STYLE, layout=W.Layout(width=_LAYOUT.width))
+        self.w_address.add_class("sdp-ray-address")
         self.w_nodes = num(W.BoundedIntText, "nodes", preset.nodes, min=1, max=4096)
         self.w_gpus = num(W.BoundedIntText, "GPUs (processes) / node", preset.gpus_per_node, min=1, max=64)
         self.w_backend = W.Dropdown(options=list(scaling.BACKENDS), value=preset.backend, description="backend",
@@ -166,7 +171,7 @@ class JobSetup(W.VBox):
         self.measurements: dict[int, float] = {}  # ranks -> samples/s per rank, every measured job of this form
         self.w_nodes.add_class("sdp-nodes")
 
-        inputs = [self.w_target, self.w_instance, self.w_hosts, self.w_nodes, self.w_gpus, self.w_backend, self.w_mode,
+        inputs = [self.w_target, self.w_instance, self.w_hosts, self.w_address, self.w_nodes, self.w_gpus, self.w_backend, self.w_mode,
                   self.w_per_gpu, self.w_ref_lr, self.w_ref_batch, self.w_rule, self.w_warmup, self.w_epochs,
                   self.w_dataset, self.w_optimizer, self.w_batchnorm, self.w_throughput, self.w_efficiency,
                   self.w_price]
@@ -175,7 +180,7 @@ class JobSetup(W.VBox):
         self.w_launch.on_click(lambda _b: self.launch())
 
         left = W.VBox([W.HTML("<b>Where</b>"), self.w_target, self.w_instance, self.w_instance_info, self.w_hosts,
-                       self.w_nodes,
+                       self.w_address, self.w_nodes,
                        self.w_gpus, self.w_backend, W.HTML("<b>Batch and learning rate</b>"), self.w_mode,
                        self.w_per_gpu, self.w_ref_lr, self.w_ref_batch, self.w_rule, self.w_warmup,
                        self.w_optimizer, self.w_batchnorm])
@@ -281,6 +286,8 @@ class JobSetup(W.VBox):
             extra["sagemaker"] = {**self.sagemaker_options, "instance_type": plan.instance_type}
         if plan.target == "ssh":
             extra["ssh"] = {**self.ssh_options, "hosts": self.ssh_hosts}
+        if plan.target == "ray" and self.w_address.value.strip():
+            extra["ray"] = {"address": self.w_address.value.strip()}
         return JobSpec(
             **self._what_runs(),
             name=self.name,
@@ -325,7 +332,8 @@ class JobSetup(W.VBox):
         inst = instances.get(self.w_instance.value)
         self.w_instance_info.value = f"<small>{html.escape(inst.describe())}</small>"
         self.w_hosts.layout.display = None if self.w_target.value == "ssh" else "none"
-        self.w_instance.layout.display = "none" if self.w_target.value == "ssh" else None
+        self.w_address.layout.display = None if self.w_target.value == "ray" else "none"
+        self.w_instance.layout.display = "none" if self.w_target.value in ("ssh", "ray") else None
         self.w_instance_info.layout.display = self.w_instance.layout.display
         if sagemaker:
             self.w_gpus.value = max(1, inst.gpus)
