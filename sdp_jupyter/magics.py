@@ -221,7 +221,7 @@ class SdpMagics(Magics):
         try:
             JobSpec(code="pass", preload=modules)  # the same check as --preload
         except SpecError as e:
-            raise UsageError(str(e).replace("--preload", "%sdp_warm", 1)) from None
+            raise UsageError(str(e).replace("--preload", "%sdp_warm")) from None
         started = time.monotonic()
         pool = warm.warm_up(modules)
         reason = pool.ready()
