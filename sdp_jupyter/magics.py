@@ -214,8 +214,8 @@ class SdpMagics(Magics):
     def sdp_warm(self, line: str = ""):
         """Start this kernel's warm pool now and wait until it is ready: the next %%sdp_train jobs fork
         their ranks from it instead of starting fresh interpreters (docs/warm.md). The pool imports torch,
-        torch.optim, torch.distributed, torch.nn.parallel, sdp_jupyter.torch and the modules named here.
-        Without it the pool starts after the kernel's first job."""
+        torch.optim, torch.distributed, torch.nn.parallel, torch._dynamo, sdp_jupyter.torch and the modules
+        named here. Without it the pool starts after the kernel's first job."""
         args = parse_line(self.sdp_warm, line)
         modules = [m.strip() for arg in args.modules for m in arg.split(",") if m.strip()]
         try:

@@ -2,7 +2,7 @@
 
 `python -m sdp_jupyter.launch.worker` spends seconds importing torch before a line of the job runs.
 The pool server (one per kernel and target host) imports torch, torch.optim, torch.distributed,
-torch.nn.parallel and sdp_jupyter.torch (plus --preload modules) once, and then forks one process
+torch.nn.parallel, torch._dynamo and sdp_jupyter.torch (plus --preload modules) once, and then forks one process
 per rank. Each forked rank gets what a cold start gets: its own session (setsid), the launcher's
 environment, working directory and sys.argv, a parent-death signal, real pipes for stdout/stderr
 (passed over a unix socket with SCM_RIGHTS) and its own exit code; the job's code runs only in the
@@ -35,7 +35,10 @@ import threading
 import time
 from pathlib import Path
 
-BASE_MODULES = ("torch", "torch.optim", "torch.distributed", "torch.nn.parallel", "sdp_jupyter.torch")
+# torch._dynamo: an optimizer's first step() imports it (about 800 modules, sympy among them: 1.4 s per
+# rank here), so a warm rank running the quickstart would pay it; importing it starts no thread.
+BASE_MODULES = ("torch", "torch.optim", "torch.distributed", "torch.nn.parallel", "torch._dynamo",
+                "sdp_jupyter.torch")
 PR_SET_PDEATHSIG = 1
 MAX_REQUEST = 4 << 20
 READY_TIMEOUT = 120.0
