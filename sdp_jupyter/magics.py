@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import shlex
 import sys
+import time
 
 from IPython.core import magic_arguments
 from IPython.core.error import UsageError
@@ -15,7 +16,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.display import display
 
 import sdp_jupyter.launch as launching
-from sdp_jupyter.launch import Job, JobError, JobSpec, SpecError
+from sdp_jupyter.launch import Job, JobError, JobSpec, SpecError, warm
 from sdp_jupyter.launch.spec import all_options
 from sdp_jupyter.ui.jobview import widgets_enabled
 
@@ -205,6 +206,36 @@ class SdpMagics(Magics):
         job.raise_for_state()
         if job.spec.result:
             self._store_result(job, job.spec.result)
+
+    @magic_arguments.magic_arguments()
+    @magic_arguments.argument("modules", nargs="*",
+                              help="modules the pool imports too, e.g. numpy sklearn (or numpy,sklearn)")
+    @line_magic
+    def sdp_warm(self, line: str = ""):
+        """Start this kernel's warm pool now and wait until it is ready: the next %%sdp_train jobs fork
+        their ranks from it instead of starting fresh interpreters (docs/warm.md). The pool imports torch,
+        torch.optim, torch.distributed, torch.nn.parallel, torch._dynamo, sdp_jupyter.torch and the modules
+        named here. Without it the pool starts after the kernel's first job."""
+        args = parse_line(self.sdp_warm, line)
+        modules = [m.strip() for arg in args.modules for m in arg.split(",") if m.strip()]
+        try:
+            JobSpec(code="pass", preload=modules)  # the same check as --preload
+        except SpecError as e:
+            raise UsageError(str(e).replace("--preload", "%sdp_warm")) from None
+        started = time.monotonic()
+        pool = warm.warm_up(modules)
+        reason = pool.ready()
+        if reason:
+            print(f"warm pool not usable ({reason}): %%sdp_train jobs start cold")
+            return
+        imported = ", ".join(list(warm.BASE_MODULES) + pool.preload)
+        print(f"warm pool ready in {time.monotonic() - started:.1f} s (pid {pool.proc.pid}, imported {imported})")
+        for failure in pool.info.get("preload_failed") or []:
+            print(f"  could not import {failure}")
+        if not warm.wanted(None):
+            print("SDP_WARM=0 is set: jobs still start cold unless given --warm")
+        else:
+            print("the next %%sdp_train jobs of this kernel start warm (--cold: fresh interpreters)")
 
     def _job(self, name: str | None) -> Job:
         try:

@@ -28,6 +28,31 @@ def job_processes(root) -> list:
         job_dir = env.get("SDP_JOB_DIR") or next((a for a in args if a.startswith(root)), None)
         if job_dir and os.path.realpath(job_dir).startswith(root):
             found.append(p)
+    return found + [p for p in warm_ranks(root) if p.pid not in {f.pid for f in found}]
+
+
+def warm_ranks(root) -> list:
+    """Live ranks forked by a warm pool for jobs under `root`: their /proc environ and cmdline are the
+    pool's (docs/warm.md), so they are found from each job's status.json ("start": "warm", "pids")."""
+    import json
+
+    import psutil
+
+    found = []
+    for status_file in Path(root).glob("*/status.json"):
+        try:
+            status = json.loads(status_file.read_text())
+        except (OSError, ValueError):
+            continue
+        if status.get("start") != "warm":
+            continue
+        for pid in status.get("pids") or []:
+            try:
+                p = psutil.Process(int(pid))
+                if p.status() != psutil.STATUS_ZOMBIE and "sdp_jupyter.launch.warm" in p.cmdline():
+                    found.append(p)
+            except (psutil.Error, OSError, ValueError, TypeError):
+                continue
     return found
 
 

@@ -251,3 +251,55 @@ def test_a_folder_that_is_not_a_job_is_never_cleared(tmp_path):
     with pytest.raises(SpecError, match="not a job directory"):
         launch(code="x", name="Documents", jobs_dir=str(tmp_path), backend="gloo")
     assert (precious / "thesis.tex").read_text() == "years of work"
+
+
+def test_warm_cold_and_preload_options_parse_round_trip_and_refuse_bad_values():
+    from sdp_jupyter.cli import build_parser
+
+    assert JobSpec(code="x").start == "auto" and JobSpec(code="x").preload == []
+    for line, start, preload in [("%%sdp_train --warm --preload numpy,sklearn", "warm", ["numpy", "sklearn"]),
+                                 ("%%sdp_train --cold", "cold", []),
+                                 ("%%sdp_train --preload os.path", "auto", ["os.path"])]:
+        spec = JobSpec.from_options(_parse_magic_line(line), code="x")
+        assert (spec.start, spec.preload) == (start, preload)
+        assert spec.to_magic_line() == line
+        assert JobSpec.from_json(spec.to_json()) == spec
+    # sdp-train: the same rows
+    ns = build_parser().parse_args(["--cold", "--preload", "numpy", "train.py"])
+    assert JobSpec.from_options(vars(ns), script=ns.script).start == "cold"
+    with pytest.raises(SpecError, match=r"^--cold: cannot be given together with --warm\. Fix: keep one"):
+        JobSpec.from_options(_parse_magic_line("%%sdp_train --warm --cold"), code="x")
+    with pytest.raises(SpecError, match=r"^--warm/--cold: 'hot' is not one of auto, warm, cold\. Fix: --warm"):
+        JobSpec(code="x", start="hot")
+    with pytest.raises(SpecError, match=r"^--preload: 'numpy-1' is not a module name\. Fix: --preload numpy"):
+        JobSpec.from_options(_parse_magic_line("%%sdp_train --preload numpy-1"), code="x")
+    with pytest.raises(SpecError, match=r"^--warm: warm starts are for the local target only .* Fix: remove --warm"):
+        JobSpec(code="x", start="warm", target="sagemaker")
+    with pytest.raises(SpecError, match=r"^--preload: .* Fix: remove --preload"):
+        JobSpec(code="x", preload=["numpy"], target="ssh", ssh={"hosts": ["a"]})
+    assert JobSpec(code="x", start="cold", target="sagemaker").start == "cold"  # what it does anyway
+
+
+def test_launcher_takes_warm_or_cold_from_the_spec_unless_its_own_argument_says():
+    assert LocalLauncher().start_choice(JobSpec(code="x", start="warm")) is True
+    assert LocalLauncher().start_choice(JobSpec(code="x", start="cold")) is False
+    assert LocalLauncher().start_choice(JobSpec(code="x")) is None
+    assert LocalLauncher(warm=False).start_choice(JobSpec(code="x", start="warm")) is False
+    assert LocalLauncher(warm=True).start_choice(JobSpec(code="x", start="cold")) is True
+
+
+def test_summary_and_job_view_say_warm_or_cold_start(jobs_dir):
+    from sdp_jupyter.ui.jobview import JobView
+
+    job_dir, spec = Job.create_dir(JobSpec(code="x", name="label", nodes=2))
+    job = Job(spec, job_dir)
+    job._update(state="succeeded", created=1.0, started=1.0, ended=2.0)
+    assert job.start_label is None and " start" not in job.summary()
+    job._update(start="warm")
+    assert "backend smddp, warm start, restarts 0)" in job.summary()
+    assert "warm start" in JobView(job).header.value
+    job._update(start="cold", start_reason="warm start not possible: the pool runs 2 Python threads")
+    reopened = Job.open(job_dir)  # read back from status.json
+    assert "cold start (warm start not possible: the pool runs 2 Python threads)" in reopened.summary()
+    header = JobView(reopened).header.value
+    assert "cold start (warm start not possible: the pool runs 2 Python threads)" in header

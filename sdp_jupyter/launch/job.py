@@ -324,11 +324,23 @@ class Job:
                 print(f"sdp_jupyter: a callback of job {self.name} failed: {e!r}")
 
     # ------------------------------------------------------------------ display
+    @property
+    def start_label(self) -> str | None:
+        """How the ranks started: "warm start" (forked from the warm pool), "cold start", or
+        "cold start (warm start not possible: REASON)" when a warm start fell back; None until the
+        ranks start, and for targets that do not say (docs/warm.md)."""
+        st = self.status
+        if st.get("start") not in ("warm", "cold"):
+            return None
+        label = f"{st['start']} start"
+        return f"{label} ({st['start_reason']})" if st.get("start_reason") else label
+
     def summary(self) -> str:
         st = self.status
+        start = f", {self.start_label}" if self.start_label else ""
         line = (f"Job {self.name}: {st.get('state', 'pending')} after {self.elapsed:.1f} s "
                 f"({self.spec.nodes} node(s) x {self.spec.procs_per_node or 1} proc(s), backend "
-                f"{self.spec.backend}, restarts {st.get('restarts', 0)}) in {self.dir}")
+                f"{self.spec.backend}{start}, restarts {st.get('restarts', 0)}) in {self.dir}")
         if st.get("error"):
             line += "\n" + st["error"]
         return line

@@ -35,7 +35,14 @@ class LocalLauncher:
     def __init__(self, sigint_grace: float = 3.0, sigterm_grace: float = 2.0, warm: bool | None = None):
         self.sigint_grace = sigint_grace
         self.sigterm_grace = sigterm_grace
-        self.warm = warm  # True/False: warm/cold starts (launch/warm.py); None: SDP_WARM, else warm after a first job
+        self.warm = warm  # True/False: every job warm/cold (launch/warm.py); None: each spec's --warm/--cold/auto
+
+    def start_choice(self, spec: JobSpec) -> bool | None:
+        """Warm (True), cold (False) or the default (None: warm.wanted decides) for this job's ranks:
+        the constructor's `warm=` when given, else the spec's --warm / --cold."""
+        if self.warm is not None:
+            return self.warm
+        return {"warm": True, "cold": False}.get(spec.start)
 
     def resolve(self, spec: JobSpec) -> JobSpec:
         """Fill in what depends on this machine (name, processes per node) and check it can run here."""
@@ -110,6 +117,7 @@ class LocalRun(supervise.Run):
         self.world_size = self.spec.nodes * self.spec.procs_per_node
         self.secret = secrets.token_hex(32)
         self.gpus = gpu_count()
+        self.warm_choice = launcher.start_choice(self.spec)
         self._procs: list[subprocess.Popen] = []
         self._samplers: list[subprocess.Popen] = []
         self._readers: list[threading.Thread] = []
@@ -147,7 +155,7 @@ class LocalRun(supervise.Run):
             for t in self._readers:
                 t.join(timeout=2)
             supervise.unregister(self)
-            warm.job_done(self.launcher.warm)
+            warm.job_done(self.warm_choice, self.spec.preload)
             job._update(state=state, error=error, exit_codes=codes, ended=time.time())
 
     def _attempt(self, attempt: int, started: float) -> tuple[str, str | None, list]:
@@ -193,8 +201,8 @@ class LocalRun(supervise.Run):
 
     def _spawn(self, argv: list, env: dict):
         """A rank's process: forked by the warm pool (launch/warm.py) or started cold; same contract."""
-        if warm.wanted(self.launcher.warm):
-            proc = warm.start_rank(argv, env)
+        if warm.wanted(self.warm_choice):
+            proc = warm.start_rank(argv, env, preload=self.spec.preload)
             if not isinstance(proc, str):
                 if self.job.status.get("start") is None:
                     self.job._update(start="warm")

@@ -22,6 +22,7 @@ from typing import Any
 BACKENDS = ("smddp", "gloo", "nccl")
 TARGETS = ("local", "ssh", "ray", "sagemaker")
 RANKS_OUTPUT = ("0", "all")
+STARTS = ("auto", "warm", "cold")  # how ranks start: docs/warm.md
 
 # Variables the launcher sets itself; --env may not override them (the job would not start right).
 RESERVED_ENV = frozenset(
@@ -33,6 +34,7 @@ RESERVED_ENV = frozenset(
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 _ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _IDENT_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_MODULE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
 
 class SpecError(ValueError):
@@ -105,6 +107,12 @@ OPTIONS: tuple[Option, ...] = (
            metavar="0|all"),
     Option("--jobs-dir", "jobs_dir", "root of job directories (default: $SDP_JOBS_DIR or ./sdp_jobs)",
            metavar="DIR"),
+    Option("--warm", "start", "fork the ranks from this kernel's warm pool, which imported torch once "
+           "(default: warm after the kernel's first job or %sdp_warm; local target)", kind="flag", const="warm"),
+    Option("--cold", "start", "start every rank as a fresh interpreter, even when a warm pool runs",
+           kind="flag", const="cold"),
+    Option("--preload", "preload", "modules the warm pool imports too, e.g. --preload numpy,sklearn",
+           kind="csv", metavar="A,B,C"),
 )
 
 OPTIONS_BY_FIELD = {o.field: o for o in OPTIONS if o.field}
@@ -212,6 +220,8 @@ class JobSpec:
     timeout: float | None = None
     ranks_output: str = "0"
     jobs_dir: str | None = None
+    start: str = "auto"
+    preload: list = field(default_factory=list)
     sagemaker: dict = field(default_factory=dict)
     parallel: dict = field(default_factory=dict)
     ssh: dict = field(default_factory=dict)
@@ -266,6 +276,20 @@ class JobSpec:
             raise SpecError("code", "give exactly one of code= (the training code) or script= (a .py file)")
         if self.code is not None and not str(self.code).strip():
             raise SpecError("code", "the training code is empty: put the code below the %%sdp_train line")
+        if self.start not in STARTS:
+            raise SpecError("--warm/--cold", f"{self.start!r} is not one of {', '.join(STARTS)}. Fix: --warm or "
+                                             "--cold (start='warm' or 'cold' in Python), or neither for auto")
+        if isinstance(self.preload, str):
+            self.preload = [m.strip() for m in self.preload.split(",") if m.strip()]
+        self.preload = list(self.preload)
+        for name in self.preload:
+            if not isinstance(name, str) or not _MODULE_RE.match(name):
+                raise SpecError("--preload", f"{name!r} is not a module name. Fix: --preload numpy,sklearn "
+                                             "(comma-separated module names)")
+        if self.target != "local" and (self.start == "warm" or self.preload):
+            flag = "--warm" if self.start == "warm" else "--preload"
+            raise SpecError(flag, f"warm starts are for the local target only so far, and the target is "
+                                  f"{self.target}. Fix: remove {flag}")
         for target in ("ssh", "ray"):  # a target's own options, refused with another target
             options = getattr(self, target)
             if not isinstance(options, dict):
@@ -323,6 +347,7 @@ class JobSpec:
     def from_options(cls, values: dict, **extra) -> "JobSpec":
         """Build from parsed option values keyed by argparse dest (None = not given)."""
         fields: dict[str, Any] = dict(extra)
+        given: dict[str, str] = {}  # field -> the option that filled it (--warm and --cold share one)
         for opt in all_options():
             value = values.get(opt.flag.lstrip("-").replace("-", "_"))
             if opt.field is None or value is None or (opt.kind == "flag" and value is False):
@@ -335,6 +360,10 @@ class JobSpec:
                 top, key = opt.field.split(".", 1)
                 fields[top] = {**(fields.get(top) or {}), key: value}
             else:
+                if opt.field in given and fields[opt.field] != value:
+                    raise SpecError(opt.flag, f"cannot be given together with {given[opt.field]}. "
+                                              f"Fix: keep one of {given[opt.field]} and {opt.flag}")
+                given[opt.field] = opt.flag
                 fields[opt.field] = value
         return cls(**fields)
 
@@ -366,6 +395,8 @@ class JobSpec:
                 parts += ["--push", ",".join(value)]
             elif opt.field == "timeout":
                 parts += ["--timeout", f"{value:g}"]
+            elif opt.kind in ("flag", "csv"):  # --warm / --cold (one field, two flags), --preload
+                parts += _render_key(opt, value)
             else:
                 parts += [opt.flag, shlex.quote(str(value))]
         return " ".join(parts)

@@ -2,7 +2,7 @@
 
 `python -m sdp_jupyter.launch.worker` spends seconds importing torch before a line of the job runs.
 The pool server (one per kernel and target host) imports torch, torch.optim, torch.distributed,
-torch.nn.parallel and sdp_jupyter.torch (plus --preload modules) once, and then forks one process
+torch.nn.parallel, torch._dynamo and sdp_jupyter.torch (plus --preload modules) once, and then forks one process
 per rank. Each forked rank gets what a cold start gets: its own session (setsid), the launcher's
 environment, working directory and sys.argv, a parent-death signal, real pipes for stdout/stderr
 (passed over a unix socket with SCM_RIGHTS) and its own exit code; the job's code runs only in the
@@ -35,7 +35,10 @@ import threading
 import time
 from pathlib import Path
 
-BASE_MODULES = ("torch", "torch.optim", "torch.distributed", "torch.nn.parallel", "sdp_jupyter.torch")
+# torch._dynamo: an optimizer's first step() imports it (about 800 modules, sympy among them: 1.4 s per
+# rank here), so a warm rank running the quickstart would pay it; importing it starts no thread.
+BASE_MODULES = ("torch", "torch.optim", "torch.distributed", "torch.nn.parallel", "torch._dynamo",
+                "sdp_jupyter.torch")
 PR_SET_PDEATHSIG = 1
 MAX_REQUEST = 4 << 20
 READY_TIMEOUT = 120.0
@@ -462,30 +465,45 @@ def warm_up(preload: list[str] | tuple = ()) -> Pool:
         return pool
 
 
-def wanted(choice: bool | None) -> bool:
-    """Start this job's ranks warm? True/False as asked (LocalLauncher(warm=...)); else SDP_WARM=1/0;
-    else warm once a pool was started with warm_up(). Cold by default for now: the --warm/--cold
-    options, %sdp_warm and the job view's warm/cold label are not wired yet, and the suite's
-    orphan checks cannot see forked ranks, so the issue's default (warm after a kernel's first job)
-    waits for those."""
-    if choice is not None:
-        return choice
+def _env_choice() -> bool | None:
+    """SDP_WARM=1 / 0 when set (it overrides the default, not an explicit --warm/--cold), else None."""
+    if not os.environ.get("SDP_WARM", "").strip():
+        return None
     from sdp_jupyter._env import env_bool
 
-    if os.environ.get("SDP_WARM", "").strip():
-        return env_bool("SDP_WARM", False)
-    return _POOL is not None and _in_kernel()
+    return env_bool("SDP_WARM", False)
+
+
+def wanted(choice: bool | None) -> bool:
+    """Start this job's ranks warm? True/False as asked (--warm/--cold, LocalLauncher(warm=...));
+    else SDP_WARM=1/0; else warm when this process has a pool: one started after an earlier job of
+    this kernel (job_done), or asked for with %sdp_warm / warm_up(). So a kernel's first job is cold,
+    and outside a kernel jobs are cold unless asked."""
+    if choice is not None:
+        return choice
+    env = _env_choice()
+    return env if env is not None else _POOL is not None
 
 
 def _in_kernel() -> bool:
+    """True inside a Jupyter kernel (not a terminal IPython, not a plain script)."""
     ipython = sys.modules.get("IPython")
-    return ipython is not None and getattr(ipython, "get_ipython", lambda: None)() is not None
+    shell = ipython is not None and getattr(ipython, "get_ipython", lambda: None)()
+    return bool(shell) and getattr(shell, "kernel", None) is not None
 
 
-def job_done(choice: bool | None) -> None:
-    """After a job: start the pool for the next one (after, not during: the first job keeps the CPUs)."""
-    if wanted(choice):
-        warm_up()
+def job_done(choice: bool | None, preload: list[str] | tuple = ()) -> None:
+    """After a job: start the pool for the next one (after, not during: the first job keeps the CPUs).
+    In a Jupyter kernel that is the default (the kernel's next job starts warm); elsewhere only when
+    asked (--warm, SDP_WARM=1). Never after --cold or with SDP_WARM=0."""
+    if choice is False:
+        return
+    env = _env_choice()
+    if choice or env or (env is None and _in_kernel()):
+        try:
+            warm_up(preload)
+        except Exception:  # e.g. no temporary directory: the next job starts cold, with the reason
+            pass
 
 
 def start_rank(argv: list, env: dict, cwd: str | None = None, preload: list[str] | tuple = ()):

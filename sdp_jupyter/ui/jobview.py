@@ -222,10 +222,11 @@ class JobView(w.VBox):
         # Everything read from the job directory is text someone else may have written: escaped.
         esc = lambda v: html.escape(str(v))  # noqa: E731
         restarts = f" · restarts {esc(st.get('restarts'))}" if st.get("restarts") else ""
+        start = f" · <span class='sdp-start'>{esc(job.start_label)}</span>" if job.start_label else ""
         self.header.value = (
             f"<b>{esc(job.name)}</b> · <span style='color:{colour}'><b>{esc(state)}</b></span>"
             f" · {job.elapsed:.1f} s · {esc(spec.nodes)} node(s) × {esc(spec.procs_per_node or 1)} · "
-            f"{esc(spec.backend)}{restarts} · <code>{esc(job.dir)}</code>")
+            f"{esc(spec.backend)}{start}{restarts} · <code>{esc(job.dir)}</code>")
         if st.get("error"):
             self.error.value = (f"<pre style='color:{colour};white-space:pre-wrap;margin:0'>"
                                 f"{esc(st['error'])}</pre>")
