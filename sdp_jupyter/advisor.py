@@ -1,7 +1,7 @@
 """Model-parallel advisor: per-GPU memory of a hybrid-parallel training job, the rules a configuration
 must obey, and the cheapest change that makes a model fit.
 
-Pure logic: no torch, no widgets (``measure()`` imports torch when it is called). Every figure is
+Pure logic: no torch, no widgets (measure mode, which imports torch, is ``sdp_jupyter.parallel.measure``). Every figure is
 bytes; ``GiB`` is 2**30 bytes, the unit NVIDIA's "40 GB" A100 is sold in (nvidia-smi: 40960 MiB) and
 the unit of ``sdp_jupyter.instances`` (``gpu_memory_gb``).
 
@@ -937,11 +937,3 @@ REFERENCES = (
                                  sharding="optimizer", checkpointing="layer", schedule="gpipe")),
 )
 
-
-def measure(workload: Workload, cluster: Cluster, config: ParallelConfig, stage: int | None = None,
-            build=None, runtime: str = "megatron"):
-    """Measure mode (imports torch): simulate one rank at full size under fake tensors and compare
-    with this formula. See ``sdp_jupyter.parallel.measure``."""
-    from sdp_jupyter.parallel.measure import measure as _measure
-
-    return _measure(workload, cluster, config, stage, build, runtime)

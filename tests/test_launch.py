@@ -293,12 +293,12 @@ def test_summary_and_job_view_say_warm_or_cold_start(jobs_dir):
 
     job_dir, spec = Job.create_dir(JobSpec(code="x", name="label", nodes=2))
     job = Job(spec, job_dir)
-    job._update(state="succeeded", created=1.0, started=1.0, ended=2.0)
+    job.update_status(state="succeeded", created=1.0, started=1.0, ended=2.0)
     assert job.start_label is None and " start" not in job.summary()
-    job._update(start="warm")
+    job.update_status(start="warm")
     assert "backend smddp, warm start, restarts 0)" in job.summary()
     assert "warm start" in JobView(job).header.value
-    job._update(start="cold", start_reason="warm start not possible: the pool runs 2 Python threads")
+    job.update_status(start="cold", start_reason="warm start not possible: the pool runs 2 Python threads")
     reopened = Job.open(job_dir)  # read back from status.json
     assert "cold start (warm start not possible: the pool runs 2 Python threads)" in reopened.summary()
     header = JobView(reopened).header.value

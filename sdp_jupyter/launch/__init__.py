@@ -10,14 +10,12 @@ training job (sdp_jupyter.launch.sagemaker); TARGET_LAUNCHERS is the registry.
 """
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import os
 import sys
 import threading
 import types
 
-from sdp_jupyter.launch import jobdir
+from sdp_jupyter.launch import jobdir, targets
 from sdp_jupyter.launch.job import Job, JobError
 from sdp_jupyter.launch.local import LocalLauncher
 from sdp_jupyter.launch.spec import OPTIONS, JobSpec, Option, SpecError
@@ -29,25 +27,17 @@ _JOBS: dict[str, Job] = {}  # jobs launched by this process, by name (latest las
 _JOBS_LOCK = threading.Lock()
 
 
-# The one registry of targets: name -> "module:launcher class" (imported when first used).
-TARGET_LAUNCHERS = {"local": "sdp_jupyter.launch.local:LocalLauncher",
-                    "ssh": "sdp_jupyter.launch.ssh:SSHLauncher",
-                    "ray": "sdp_jupyter.launch.ray:RayLauncher",
-                    "sagemaker": "sdp_jupyter.launch.sagemaker:SageMakerLauncher"}
+TARGET_LAUNCHERS = targets.LAUNCHERS  # the one registry of targets (launch/targets.py)
 
 
 def get_launcher(target: str):
     """The launcher object for `target` (a key of TARGET_LAUNCHERS)."""
-    if target not in TARGET_LAUNCHERS:
-        raise SpecError("--target", f"{target!r} is not one of {', '.join(TARGET_LAUNCHERS)}")
-    module_name, cls_name = TARGET_LAUNCHERS[target].split(":")
-    if importlib.util.find_spec(module_name) is None:
-        raise SpecError("--target", f"{target} is not available in this installation ({module_name} is "
-                                    "missing). Fix: --target local")
-    cls = getattr(importlib.import_module(module_name), cls_name, None)
+    if target not in targets.LAUNCHERS:
+        raise SpecError("--target", f"{target!r} is not one of {', '.join(targets.LAUNCHERS)}")
+    cls = targets.load(targets.LAUNCHERS[target])
     if cls is None:
-        raise SpecError("--target", f"{target} is not available: {module_name} has no {cls_name}. "
-                                    "Fix: --target local")
+        raise SpecError("--target", f"{target} is not available in this installation "
+                                    f"({targets.LAUNCHERS[target]} is missing). Fix: --target local")
     return cls()
 
 

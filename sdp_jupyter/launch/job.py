@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from sdp_jupyter.launch import jobdir
+from sdp_jupyter.launch import jobdir, targets
 from sdp_jupyter.launch.spec import JobSpec
 
 TAIL_LINES = 2000  # lines per rank kept in memory for views opened late; the log file has them all
@@ -49,7 +49,7 @@ class Job:
         self.spec = spec
         self.dir = Path(job_dir).absolute()
         self.name = self.dir.name
-        self._run = run  # object with stop(); None for a reopened job
+        self.supervisor = run  # object with stop(); None for a reopened job
         self._lock = threading.RLock()
         self._status: dict = jobdir.read_json(self.dir / jobdir.STATUS, {}) or {}
         self._listeners: list[Callable[[int, str], None]] = []
@@ -71,9 +71,9 @@ class Job:
             raise JobError(f"no job {str(name_or_dir)!r}: {spec_file} does not exist. "
                            f"List jobs with %sdp_jobs or sdp_jupyter.launch.list_jobs()")
         target = (jobdir.read_json(path / jobdir.STATUS, {}) or {}).get("target")
-        if cls is Job and target == "sagemaker" and importlib.util.find_spec("sdp_jupyter.launch.sagemaker"):
-            # the SageMaker job's own class knows its logs (one per host) and remote state
-            return importlib.import_module("sdp_jupyter.launch.sagemaker").SageMakerJob.open(path)
+        own = targets.load(targets.JOB_CLASSES[target]) if cls is Job and target in targets.JOB_CLASSES else None
+        if own is not None:  # e.g. a SageMaker job's class knows its logs (one per host) and remote state
+            return own.open(path)
         return cls(JobSpec.from_json(spec_file.read_text()), path)
 
     @classmethod
@@ -110,12 +110,12 @@ class Job:
     @property
     def live(self) -> bool:
         """True when this process owns the job's workers."""
-        return self._run is not None
+        return self.supervisor is not None
 
     @property
     def status(self) -> dict:
         with self._lock:
-            if self._run is None and not self._done.is_set():
+            if self.supervisor is None and not self._done.is_set():
                 self._status = jobdir.read_json(self.dir / jobdir.STATUS, self._status) or {}
                 st = self._status
                 if st.get("state") in ("pending", "running") and st.get("launcher_pid") \
@@ -222,9 +222,9 @@ class Job:
         """Stop every rank (SIGINT, then SIGTERM, then SIGKILL after a grace period)."""
         if self.done:
             return self.state
-        if self._run is None:
+        if self.supervisor is None:
             raise JobError(f"job {self.name} is not running in this process, so it cannot be stopped here")
-        self._run.stop()
+        self.supervisor.stop()
         if wait:
             self.wait()
         return self.state
@@ -278,7 +278,7 @@ class Job:
         """Call listener(rank, text) for every new output line; return the lines seen so far."""
         with self._lock:
             snapshot = {rank: list(lines) for rank, lines in self._tails.items()}
-            if self._run is None and not snapshot:
+            if self.supervisor is None and not snapshot:
                 snapshot = {r: self.logs(r, tail=TAIL_LINES).splitlines(keepends=True)
                             for r in range(self.world_size)}
             self._listeners.append(listener)
@@ -298,7 +298,7 @@ class Job:
         callback(self)
 
     # ------------------------------------------------------------------ used by runs
-    def _emit(self, rank: int, text: str) -> None:
+    def emit_output(self, rank: int, text: str) -> None:
         with self._lock:
             self._tails.setdefault(rank, collections.deque(maxlen=TAIL_LINES)).append(text)
             listeners = list(self._listeners)
@@ -308,7 +308,7 @@ class Job:
             except Exception:  # a broken view must not stop the job's output
                 pass
 
-    def _update(self, **fields) -> None:
+    def update_status(self, **fields) -> None:
         with self._lock:
             self._status.update(fields)
             jobdir.write_json_atomic(self.dir / jobdir.STATUS, self._status)

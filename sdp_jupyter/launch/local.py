@@ -63,11 +63,11 @@ class LocalLauncher:
         push_bytes = pickle_push(spec.push, push or {})
         job_dir, spec = Job.create_dir(spec, push_bytes)
         job = Job(spec, job_dir)
-        job._update(state="pending", created=time.time(), started=None, ended=None, exit_codes=[],
+        job.update_status(state="pending", created=time.time(), started=None, ended=None, exit_codes=[],
                     restarts=0, error=None, launcher_pid=os.getpid(), target="local",
                     world_size=spec.nodes * spec.procs_per_node)
         run = LocalRun(job, self)
-        job._run = run
+        job.supervisor = run
         run.start()
         return job
 
@@ -156,7 +156,7 @@ class LocalRun(supervise.Run):
                 t.join(timeout=2)
             supervise.unregister(self)
             warm.job_done(self.warm_choice, self.spec.preload)
-            job._update(state=state, error=error, exit_codes=codes, ended=time.time())
+            job.update_status(state=state, error=error, exit_codes=codes, ended=time.time())
 
     def _attempt(self, attempt: int, started: float) -> tuple[str, str | None, list]:
         port = free_port()
@@ -174,7 +174,7 @@ class LocalRun(supervise.Run):
             readers.append(reader)
             self._readers.append(reader)
             threading.Thread(target=lambda r=rank, p=proc: exits.put((r, p.wait())), daemon=True).start()
-        self.job._update(state="running", started=self.job.status.get("started") or time.time(),
+        self.job.update_status(state="running", started=self.job.status.get("started") or time.time(),
                          port=port, pids=[p.pid for p in self._procs])
         codes: list = [None] * self.world_size
         remaining = self.world_size
@@ -205,12 +205,12 @@ class LocalRun(supervise.Run):
             proc = warm.start_rank(argv, env, preload=self.spec.preload)
             if not isinstance(proc, str):
                 if self.job.status.get("start") is None:
-                    self.job._update(start="warm")
+                    self.job.update_status(start="warm")
                 return proc
             if self.job.status.get("start_reason") is None:  # one cold rank makes the job "cold"
-                self.job._update(start="cold", start_reason=f"warm start not possible: {proc}")
+                self.job.update_status(start="cold", start_reason=f"warm start not possible: {proc}")
         elif self.job.status.get("start") is None:
-            self.job._update(start="cold")
+            self.job.update_status(start="cold")
         return ranks.spawn(env)
 
     def _failure_message(self, rank: int, code: int) -> str:
@@ -235,7 +235,7 @@ class LocalRun(supervise.Run):
                     if not raw.endswith(b"\n") and len(raw) >= cap:
                         text += f" … [line cut at {cap} bytes in this view; the log has it all]\n"
                         cut = True
-                    self.job._emit(rank, text)
+                    self.job.emit_output(rank, text)
                 elif raw.endswith(b"\n"):
                     cut = False
         proc.stdout.close()
@@ -243,7 +243,7 @@ class LocalRun(supervise.Run):
     def _line(self, rank: int, text: str) -> None:
         with jobdir.open_private(jobdir.log_path(self.job.dir, rank), "a") as log:
             log.write(text)
-        self.job._emit(rank, text)
+        self.job.emit_output(rank, text)
 
     def _terminate(self, codes: list | None = None) -> list:
         """Stop every live rank (launch/ranks.py: SIGINT, SIGTERM, SIGKILL); return exit codes."""

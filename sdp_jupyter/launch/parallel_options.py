@@ -19,7 +19,7 @@ from typing import Any
 
 from sdp_jupyter._env import FALSE, TRUE
 
-from sdp_jupyter.launch.spec import Option, SpecError, parse_whole
+from sdp_jupyter.launch.options import Option, SpecError, parse_whole
 
 PARALLEL_OPTIONS: tuple[Option, ...] = (
     Option("--tp", "parallel.tp", "tensor-parallel degree: a power of two, at most --procs-per-node "

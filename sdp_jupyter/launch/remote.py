@@ -74,12 +74,12 @@ def start_job(run: "RemoteRun", push_bytes: bytes | None, **status) -> Job:
         run.close_all()
         raise
     job = Job(spec, job_dir)
-    job._update(state="pending", created=time.time(), started=None, ended=None, exit_codes=[], restarts=0,
+    job.update_status(state="pending", created=time.time(), started=None, ended=None, exit_codes=[], restarts=0,
                 error=None, launcher_pid=os.getpid(), target=spec.target, hosts=run.hosts,
                 host_names=[c.hello.get("hostname") for c in run.conns],
                 world_size=spec.nodes * spec.procs_per_node, **status)
     run.attach(job, push_bytes)
-    job._run = run
+    job.supervisor = run
     run.start()
     return job
 
@@ -188,7 +188,7 @@ class RemoteRun(supervise.Run):
                 log.close()
             self._write_agent_logs()
             supervise.unregister(self)
-            job._update(state=state, error=error, exit_codes=codes, ended=time.time())
+            job.update_status(state=state, error=error, exit_codes=codes, ended=time.time())
 
     def _attempt(self, attempt: int) -> tuple[str, str | None, list]:
         spec, job = self.spec, self.job
@@ -201,7 +201,7 @@ class RemoteRun(supervise.Run):
                        "master_addr": first.hello["addr"], "master_port": port, "attempt": attempt,
                        "script": script, "push": channel.b64(self.push_bytes),
                        "heartbeat_timeout": HEARTBEAT_TIMEOUT})
-        job._update(state="running", started=job.status.get("started") or time.time(), port=port,
+        job.update_status(state="running", started=job.status.get("started") or time.time(), port=port,
                     master_addr=first.hello["addr"])
         started = time.monotonic()
         codes: list = [None] * world
@@ -308,7 +308,7 @@ class RemoteRun(supervise.Run):
             log = self._logs[rank] = jobdir.open_private(jobdir.log_path(self.job.dir, rank), "a")
         log.write(text)
         log.flush()
-        self.job._emit(rank, text)
+        self.job.emit_output(rank, text)
 
     def _metrics(self, message: dict) -> None:
         name = str(message.get("file", ""))

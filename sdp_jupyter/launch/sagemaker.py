@@ -633,7 +633,7 @@ class SageMakerLauncher:
         plan.spec = spec
         source = build_source_dir(job_dir, plan)
         job = SageMakerJob(spec, job_dir)
-        job._update(state="pending", created=time.time(), started=None, ended=None, exit_codes=[], restarts=0,
+        job.update_status(state="pending", created=time.time(), started=None, ended=None, exit_codes=[], restarts=0,
                     error=None, target="sagemaker", world_size=spec.nodes * plan.procs_per_node,
                     sagemaker={"region": plan.region, "instance_type": plan.instance_type,
                                "image_uri": plan.image_uri, "role": plan.role, "output_path": plan.output_path,
@@ -644,10 +644,10 @@ class SageMakerLauncher:
             trainer = build_trainer(plan, source, sm_session)
             trainer.train(wait=False, logs=False)
         except SpecError as e:
-            job._update(state="failed", ended=time.time(), error=str(e))
+            job.update_status(state="failed", ended=time.time(), error=str(e))
             raise
         except Exception as e:
-            job._update(state="failed", ended=time.time(), error=f"CreateTrainingJob failed: {e}")
+            job.update_status(state="failed", ended=time.time(), error=f"CreateTrainingJob failed: {e}")
             raise JobError(f"job {spec.name}: SageMaker did not start the training job: {e}", job) from e
         finally:
             gate.remove(sm_session.boto_session)
@@ -657,7 +657,7 @@ class SageMakerLauncher:
             name = trainer._latest_training_job.training_job_name
             print(f"[sdp_jupyter] note: the final CreateTrainingJob request of {name} was not checked here; "
                   "the options and the draft request were")
-        job._update(sagemaker=dict(job.status.get("sagemaker") or {}, training_job_name=name))
+        job.update_status(sagemaker=dict(job.status.get("sagemaker") or {}, training_job_name=name))
         print(f"[sdp_jupyter] SageMaker training job {name} created in {plan.region} "
               f"({spec.nodes} x {plan.instance_type}, {plan.procs_per_node} process(es) per host)")
         job.mirror()
@@ -726,9 +726,9 @@ class SageMakerJob(Job):
     # ---------------------------------------------------------------- following the remote job
     def mirror(self) -> None:
         """Mirror the remote job into the job directory from a background thread until it ends."""
-        if self._run is None and not self.done and self.training_job_name:
-            self._run = SageMakerRun(self)
-            self._run.start()
+        if self.supervisor is None and not self.done and self.training_job_name:
+            self.supervisor = SageMakerRun(self)
+            self.supervisor.start()
 
     def describe(self) -> dict:
         return self._boto().client("sagemaker").describe_training_job(TrainingJobName=self.training_job_name)
@@ -747,8 +747,8 @@ class SageMakerJob(Job):
             # already stopping or ended between our last poll and now: the poller will see it
             if "status" not in str(e).lower():
                 raise JobError(f"job {self.name}: StopTrainingJob failed: {e}", self) from e
-        self._update(stop_requested=time.time())
-        if self._run is None:
+        self.update_status(stop_requested=time.time())
+        if self.supervisor is None:
             self.mirror()
         if wait:
             self.wait()
@@ -878,13 +878,13 @@ class SageMakerRun:
                         return
                 except Exception as e:  # throttling, network: the remote job is not affected
                     self.errors += 1
-                    job._update(sagemaker=dict(job.sagemaker, poll_error=f"{type(e).__name__}: {e}"))
+                    job.update_status(sagemaker=dict(job.sagemaker, poll_error=f"{type(e).__name__}: {e}"))
                 self._stop.wait(self.interval * min(2 ** self.errors, 30))
         finally:
             for f in self._files.values():
                 f.close()
-            if job._run is self:
-                job._run = None
+            if job.supervisor is self:
+                job.supervisor = None
 
     def _file(self, path: Path):
         f = self._files.get(str(path))
@@ -900,7 +900,7 @@ class SageMakerRun:
             f = self._file(host_log_path(self.job.dir, host))
             f.write(text + "\n")
             touched.add(f)
-            self.job._emit(host, text + "\n")
+            self.job.emit_output(host, text + "\n")
             if self._prefix in text:
                 ev = self._parse(text, host, t)
                 if ev is not None:
@@ -929,7 +929,7 @@ class SageMakerRun:
                        for t in desc.get("SecondaryStatusTransitions") or []]
         seen = len(sm.get("transitions") or [])
         for t in transitions[seen:]:
-            job._emit(0, f"[sagemaker] {t['status']}: {t['message'] or ''}\n")
+            job.emit_output(0, f"[sagemaker] {t['status']}: {t['message'] or ''}\n")
         changes = {"status": status, "secondary_status": secondary, "transitions": transitions,
                    "failure_reason": desc.get("FailureReason"), "arn": desc.get("TrainingJobArn"),
                    "billable_seconds": desc.get("BillableTimeInSeconds"), "poll_error": None}
@@ -947,7 +947,7 @@ class SageMakerRun:
                 fields["error"] = desc.get("FailureReason") or "the training job failed (no reason given)"
             elif state == "stopped":
                 fields["error"] = "stopped (StopTrainingJob)"
-        job._update(**fields)
+        job.update_status(**fields)
 
 
 def _ts(value) -> float | None:

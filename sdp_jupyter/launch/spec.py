@@ -19,6 +19,8 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
+from sdp_jupyter.launch.options import Option, SpecError, parse_whole  # noqa: F401  (their home; re-exported)
+
 BACKENDS = ("smddp", "gloo", "nccl")
 TARGETS = ("local", "ssh", "ray", "sagemaker")
 RANKS_OUTPUT = ("0", "all")
@@ -35,48 +37,6 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 _ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _IDENT_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _MODULE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
-
-
-class SpecError(ValueError):
-    """A bad job option. The message names the option and the fix; nothing was launched."""
-
-    def __init__(self, option: str, message: str):
-        self.option = option
-        super().__init__(f"{option}: {message}")
-
-
-@dataclass(frozen=True)
-class Option:
-    """One command-line option of %%sdp_train / sdp-train.
-
-    `field` is the JobSpec field it fills (None for options that only steer the magic, like --wait).
-    `kind`: "value" (one string), "flag" (no value: the field gets `const`, True unless said, e.g.
-    --no-sequence-parallel stores False), "optional" (a value that may be left out: the bare flag
-    stands for `const`, e.g. --shard-optimizer = --shard-optimizer optimizer), "append" (repeatable),
-    "csv" (a,b,c).
-    """
-
-    flag: str
-    field: str | None
-    help: str
-    kind: str = "value"
-    metavar: str | None = None
-    const: Any = True
-
-    def argparse_kwargs(self) -> dict:
-        kw: dict[str, Any] = {"help": self.help}
-        if self.kind == "flag":
-            kw["action"] = "store_true"
-        else:
-            kw["metavar"] = self.metavar or self.flag.lstrip("-").upper().replace("-", "_")
-            kw["default"] = None
-            if self.kind == "append":
-                kw["action"] = "append"
-            elif self.kind == "optional":
-                kw["nargs"] = "?"
-                kw["const"] = self.const
-        kw["dest"] = self.flag.lstrip("-").replace("-", "_")
-        return kw
 
 
 OPTIONS: tuple[Option, ...] = (
@@ -141,23 +101,6 @@ def all_options() -> tuple[Option, ...]:
 def _flag(field_name: str) -> str:
     opt = OPTIONS_BY_FIELD.get(field_name)
     return opt.flag if opt else field_name
-
-
-def parse_whole(field_name: str, value: Any, minimum: int, example: str) -> int:
-    flag = _flag(field_name)
-    if isinstance(value, bool):
-        raise SpecError(flag, f"must be a whole number, got {value!r}. Fix: {flag} {example}")
-    if isinstance(value, int):
-        n = value
-    elif isinstance(value, float) and value.is_integer():
-        n = int(value)
-    elif isinstance(value, str) and re.fullmatch(r"\s*[+-]?\d+\s*", value):
-        n = int(value)
-    else:
-        raise SpecError(flag, f"must be a whole number, got {value!r}. Fix: {flag} {example}")
-    if n < minimum:
-        raise SpecError(flag, f"must be {minimum} or more, got {n}. Fix: {flag} {example}")
-    return n
 
 
 def parse_key_values(field_name: str, items: Any, *, json_values: bool) -> dict:
@@ -228,10 +171,10 @@ class JobSpec:
     ray: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        self.nodes = parse_whole("nodes", self.nodes, 1, "4")
+        self.nodes = parse_whole(_flag("nodes"), self.nodes, 1, "4")
         if self.procs_per_node is not None:
-            self.procs_per_node = parse_whole("procs_per_node", self.procs_per_node, 1, "1")
-        self.max_restarts = parse_whole("max_restarts", self.max_restarts, 0, "2")
+            self.procs_per_node = parse_whole(_flag("procs_per_node"), self.procs_per_node, 1, "1")
+        self.max_restarts = parse_whole(_flag("max_restarts"), self.max_restarts, 0, "2")
         self.backend = self._choice("backend", self.backend, BACKENDS)
         self.target = self._choice("target", self.target, TARGETS)
         self.ranks_output = self._choice("ranks_output", str(self.ranks_output), RANKS_OUTPUT)

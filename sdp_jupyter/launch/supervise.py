@@ -63,7 +63,7 @@ def with_restarts(job, attempt: Callable[[int], tuple], announce: Callable[[str]
             n += 1
             announce(f"[sdp_jupyter] restart {n} of {job.spec.max_restarts} after: {error.splitlines()[0]}\n")
             causes.append(error)
-            job._update(restarts=n, restart_errors=causes)
+            job.update_status(restarts=n, restart_errors=causes)
             continue
         return state, error, codes
 
@@ -75,6 +75,6 @@ def _stop_all_at_exit() -> None:
     for run in runs:
         run.kill_now()
         try:
-            run.job._update(state="stopped", error="the launching process exited", ended=time.time())
+            run.job.update_status(state="stopped", error="the launching process exited", ended=time.time())
         except OSError:
             pass

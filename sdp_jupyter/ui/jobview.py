@@ -236,7 +236,7 @@ class JobView(w.VBox):
 
     def _refresh_loop(self) -> None:
         while not self.job.done:
-            self.job._done.wait(REFRESH_S)
+            self.job.wait(timeout=REFRESH_S)
             self._flush()
             self._redraw()
         self.job.wait()  # a live job's output readers have finished when it is done
