@@ -9,9 +9,7 @@ in sdp_jupyter.launch.worker), and an atexit hook (launch/supervise.py) stops ev
 """
 from __future__ import annotations
 
-import io
 import os
-import pickle
 import queue
 import secrets
 import signal
@@ -22,6 +20,7 @@ from pathlib import Path
 
 from sdp_jupyter.launch import jobdir, ranks, supervise, warm
 from sdp_jupyter.launch.job import Job
+from sdp_jupyter.launch.push import pickle_push
 from sdp_jupyter.launch.spec import JobSpec, SpecError
 from sdp_jupyter.launch.ranks import describe_exit, free_port, gpu_count  # noqa: F401  (re-exported)
 
@@ -70,41 +69,6 @@ class LocalLauncher:
         job.supervisor = run
         run.start()
         return job
-
-
-def pickle_push(names: list, values: dict) -> bytes | None:
-    """Pickle the --push variables, or raise SpecError naming the one that is missing or unpicklable."""
-    if not names:
-        return None
-    missing = [n for n in names if n not in values]
-    if missing:
-        raise SpecError("--push", f"variable {missing[0]!r} is not defined in the notebook; "
-                                  "define it first or remove it from --push")
-    for n in names:
-        try:
-            _dumps(values[n])
-        except Exception as e:
-            raise SpecError("--push", f"variable {n!r} ({type(values[n]).__name__}) cannot be pickled ({e}); "
-                                      "push plain data (arrays, lists, dicts) instead") from None
-    return _dumps({n: values[n] for n in names})
-
-
-class _PushPickler(pickle.Pickler):
-    """Refuses what only the notebook can unpickle: classes and functions defined in __main__ are
-    pickled by reference, and a worker's __main__ is the script, so they would fail there."""
-
-    def reducer_override(self, obj):
-        owner = obj if isinstance(obj, type) or callable(obj) and hasattr(obj, "__qualname__") else type(obj)
-        if getattr(owner, "__module__", None) == "__main__":
-            raise pickle.PicklingError(f"{getattr(owner, '__qualname__', owner)} is defined in the notebook, "
-                                       "so the workers cannot load it; define it in the cell or a module")
-        return NotImplemented
-
-
-def _dumps(value) -> bytes:
-    buffer = io.BytesIO()
-    _PushPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
-    return buffer.getvalue()
 
 
 class LocalRun(supervise.Run):

@@ -23,6 +23,7 @@ from pathlib import Path
 from sdp_jupyter.launch import agent as channel
 from sdp_jupyter.launch import jobdir, remote
 from sdp_jupyter.launch.job import Job
+from sdp_jupyter.launch.push import pickle_push
 from sdp_jupyter.launch.remote import CONNECT_TIMEOUT
 from sdp_jupyter.launch.spec import JobSpec, Option, SpecError
 
@@ -281,8 +282,6 @@ class RayLauncher:
         self.sigterm_grace = sigterm_grace
 
     def start(self, spec: JobSpec, push: dict | None = None) -> Job:
-        from sdp_jupyter.launch.local import pickle_push
-
         address = address_of(spec)
         _import_ray()
         if spec.script is not None and not Path(spec.script).is_file():

@@ -622,7 +622,7 @@ class SageMakerLauncher:
         return make_plan(spec)
 
     def start(self, spec: JobSpec, push: dict | None = None) -> "SageMakerJob":
-        from sdp_jupyter.launch.local import pickle_push
+        from sdp_jupyter.launch.push import pickle_push
 
         plan = self.resolve(spec)
         push_bytes = pickle_push(plan.spec.push, push or {})

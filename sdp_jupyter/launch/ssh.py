@@ -28,6 +28,7 @@ from pathlib import Path
 from sdp_jupyter.launch import agent as channel
 from sdp_jupyter.launch import jobdir, remote
 from sdp_jupyter.launch.job import Job
+from sdp_jupyter.launch.push import pickle_push
 from sdp_jupyter.launch.remote import CONNECT_TIMEOUT
 from sdp_jupyter.launch.spec import JobSpec, Option, SpecError
 
@@ -266,7 +267,5 @@ class SSHLauncher:
         return spec, hosts[:nodes], slots
 
     def start(self, spec: JobSpec, push: dict | None = None) -> Job:
-        from sdp_jupyter.launch.local import pickle_push
-
         spec, hosts, _ = self.resolve(spec)
         return remote.start_job(SSHRun(spec, hosts, self), pickle_push(spec.push, push or {}))
