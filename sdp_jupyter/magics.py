@@ -32,6 +32,15 @@ def _with_options(func):
     return func
 
 
+def _with_setup_options(func):
+    """%sdp_setup's options (one per JobSetup keyword; sdp_jupyter.ui.setup.setup_arguments)."""
+    from sdp_jupyter.ui.setup import setup_arguments
+
+    for flags, kw in reversed(setup_arguments()):
+        func = magic_arguments.argument(*flags, **kw)(func)
+    return magic_arguments.magic_arguments()(func)
+
+
 def parse_line(magic_func, line: str):
     """Parse a magic's line with POSIX quoting (so --args "--lr 0.1" is one value, without quotes)."""
     try:
@@ -237,6 +246,35 @@ class SdpMagics(Magics):
         else:
             print("the next %%sdp_train jobs of this kernel start warm (--cold: fresh interpreters)")
 
+    @line_magic
+    @_with_setup_options
+    def sdp_setup(self, line: str = ""):
+        """Show the job setup form (sdp_jupyter.JobSetup), preset from these options.
+
+        Choose target, instance type and count and hyperparameters; the form shows the scaling hints
+        and the %%sdp_train line of the same job, and its Launch button starts it.
+        """
+        from sdp_jupyter.ui.setup import setup_from_options
+
+        args = parse_line(self.sdp_setup, line)
+        try:
+            return setup_from_options(vars(args))
+        except (ValueError, KeyError, TypeError) as e:
+            raise UsageError(f"{e}\nSee %sdp_setup? for the options.") from None
+
+    @cell_magic
+    def sdp_cell(self, line: str, cell: str):
+        """%%sdp_cell NAME: keep this cell's code under NAME without running it, as the training code
+        of `sdp_jupyter.JobSetup(cell=NAME)` or `%sdp_setup --cell NAME`."""
+        from sdp_jupyter.ui.setup import store_cell
+
+        try:
+            print(store_cell(line.strip(), cell))
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        except SyntaxError as e:
+            raise UsageError(f"syntax error on line {(e.lineno or 1) + 1} of the cell: {e.msg}") from None
+
     def _job(self, name: str | None) -> Job:
         try:
             return launching.get_job(name)
@@ -246,10 +284,6 @@ class SdpMagics(Magics):
 
 def load_ipython_extension(ipython) -> None:
     ipython.register_magics(SdpMagics)
-    # %sdp_setup (the job setup form) and %%sdp_cell (store a cell as a training script for it)
-    from sdp_jupyter.ui.setup import register_magics as register_setup_magics
-
-    register_setup_magics(ipython)
 
 
 def unload_ipython_extension(ipython) -> None:

@@ -164,7 +164,7 @@ def test_magic_line_for_a_script_runs_it(tmp_path):
 
 
 def test_cells_by_name_and_the_magics():
-    setup_mod.sdp_cell_magic("demo_cell", "x = 1\nprint(x)\n")
+    setup_mod.store_cell("demo_cell", "x = 1\nprint(x)\n")
     s = sdp_jupyter.JobSetup(cell="demo_cell", backend="gloo", cpus=64)
     assert s.spec.code == "x = 1\nprint(x)\n"
     empty = sdp_jupyter.JobSetup(backend="gloo", cpus=64)
@@ -172,13 +172,13 @@ def test_cells_by_name_and_the_magics():
     assert empty.attach(cell="demo_cell") is empty and not empty.w_launch.disabled
     assert empty.spec.code == "x = 1\nprint(x)\n"
     with pytest.raises(SyntaxError):
-        setup_mod.sdp_cell_magic("broken", "def f(:\n")
+        setup_mod.store_cell("broken", "def f(:\n")
     with pytest.raises(KeyError, match="%%sdp_cell nope"):
         sdp_jupyter.JobSetup(cell="nope")
-    t = setup_mod.sdp_setup_magic("--cell demo_cell --nodes 3 --per-gpu-batch 8 --batchnorm yes --backend gloo")
+    t = setup_mod.setup_from_line("--cell demo_cell --nodes 3 --per-gpu-batch 8 --batchnorm yes --backend gloo")
     assert t.plan.nodes == 3 and t.plan.batchnorm and "global batch 24" in text(t.w_global)
     with pytest.raises(ValueError, match="usage"):
-        setup_mod.sdp_setup_magic("--nodes many")
+        setup_mod.setup_from_line("--nodes many")
     with pytest.raises(TypeError, match="unknown field"):
         sdp_jupyter.JobSetup(code="pass", node=2)
 
@@ -186,12 +186,20 @@ def test_cells_by_name_and_the_magics():
 def test_magics_register_on_a_real_shell():
     from IPython.core.interactiveshell import InteractiveShell
 
+    from sdp_jupyter.magics import SdpMagics
+
     shell = InteractiveShell.instance()
-    setup_mod.register_magics(shell)
+    shell.register_magics(SdpMagics)
     shell.run_cell("%%sdp_cell shell_cell\nprint('from the shell')\n")
     assert setup_mod.CELLS["shell_cell"] == "print('from the shell')\n"
     res = shell.run_cell("%sdp_setup --cell shell_cell --nodes 2 --backend gloo")
     assert isinstance(res.result, sdp_jupyter.JobSetup) and res.result.plan.nodes == 2
+    # built with magic_arguments: `%sdp_setup?` lists the options, a bad one is a UsageError
+    assert "--per-gpu-batch" in SdpMagics.sdp_setup.__doc__ and "--cell" in SdpMagics.sdp_setup.__doc__
+    res = shell.run_cell("%sdp_setup --nodes many")
+    assert res.error_in_exec is not None and type(res.error_in_exec).__name__ == "UsageError"
+    res = shell.run_cell("%%sdp_cell broken\ndef f(:\n")
+    assert "syntax error on line 2 of the cell" in str(res.error_in_exec)
 
 
 @pytest.mark.slow

@@ -509,58 +509,57 @@ class JobSetup(W.VBox):
 
 
 # --------------------------------------------------------------------------- magics
-def _setup_parser() -> argparse.ArgumentParser:
-    """`%sdp_setup` options: one per JobSetup keyword (``--per-gpu-batch 64``), plus the script."""
-    p = argparse.ArgumentParser(prog="%sdp_setup", add_help=False,
-                                description="Show the job setup form, preset from these options.")
-    p.add_argument("script", nargs="?", help="training script (.py); or use --cell NAME")
-    p.add_argument("--cell", help="a cell stored with %%sdp_cell NAME")
-    p.add_argument("--name", help="job name")
+def setup_arguments() -> list[tuple[tuple, dict]]:
+    """`%sdp_setup`'s options as (flags, argparse keywords): one per JobSetup keyword
+    (``--per-gpu-batch 64``), plus the script and ``--cell``. The magic (magics.py, built with
+    magic_arguments) and `setup_from_line` both take them from here."""
+    rows: list[tuple[tuple, dict]] = [
+        (("script",), {"nargs": "?", "help": "training script (.py); or use --cell NAME"}),
+        (("--cell",), {"help": "a cell stored with %%sdp_cell NAME"}),
+        (("--name",), {"help": "job name"}),
+    ]
     for f in dc_fields(scaling.Plan):
         if f.name == "cpus":
             continue
         flag = "--" + f.name.replace("_", "-")
         if f.name in ("batchnorm", "drop_last"):
-            p.add_argument(flag, dest=f.name, choices=("yes", "no"), help=f"{f.name}: yes or no")
+            rows.append(((flag,), {"dest": f.name, "choices": ("yes", "no"), "help": f"{f.name}: yes or no"}))
         elif f.type in ("int", int):
-            p.add_argument(flag, dest=f.name, type=int)
+            rows.append(((flag,), {"dest": f.name, "type": int}))
         elif "float" in str(f.type):
-            p.add_argument(flag, dest=f.name, type=float)
+            rows.append(((flag,), {"dest": f.name, "type": float}))
         else:
-            p.add_argument(flag, dest=f.name)
-    return p
+            rows.append(((flag,), {"dest": f.name}))
+    return rows
 
 
-def setup_from_line(line: str) -> JobSetup:
-    """Parse a `%sdp_setup` line into a JobSetup. ValueError with the usage on a bad option."""
-    parser = _setup_parser()
-    try:
-        ns = parser.parse_args(shlex.split(line))
-    except SystemExit:
-        raise ValueError(f"bad %sdp_setup options {line!r}; usage: {parser.format_usage().strip()}") from None
-    kwargs = {k: v for k, v in vars(ns).items() if v is not None}
+def setup_from_options(values: dict) -> JobSetup:
+    """A JobSetup from parsed `%sdp_setup` options (argparse dests; None = not given)."""
+    kwargs = {k: v for k, v in values.items() if v is not None}
     for flag in ("batchnorm", "drop_last"):
         if flag in kwargs:
             kwargs[flag] = kwargs[flag] == "yes"
     return JobSetup(**kwargs)
 
 
-def sdp_setup_magic(line: str = "") -> JobSetup:
-    """`%sdp_setup [script.py] [--nodes 2 --per-gpu-batch 64 ...]`: show the job setup form."""
-    return setup_from_line(line)
+def setup_from_line(line: str) -> JobSetup:
+    """Parse a `%sdp_setup` line into a JobSetup. ValueError with the usage on a bad option."""
+    parser = argparse.ArgumentParser(prog="%sdp_setup", add_help=False,
+                                     description="Show the job setup form, preset from these options.")
+    for flags, kw in setup_arguments():
+        parser.add_argument(*flags, **kw)
+    try:
+        ns = parser.parse_args(shlex.split(line))
+    except SystemExit:
+        raise ValueError(f"bad %sdp_setup options {line!r}; usage: {parser.format_usage().strip()}") from None
+    return setup_from_options(vars(ns))
 
 
-def sdp_cell_magic(line: str, cell: str) -> None:
-    """`%%sdp_cell NAME`: store this cell's code under NAME without running it, for JobSetup(cell=NAME)."""
-    name = line.strip()
+def store_cell(name: str, cell: str) -> str:
+    """What `%%sdp_cell NAME` does: check the code compiles, keep it under NAME (for JobSetup(cell=NAME)
+    and `%sdp_setup --cell NAME`); returns the line to show. ValueError for a bad name, SyntaxError."""
     if not name.isidentifier():
-        raise ValueError(f"%%sdp_cell needs a name (letters, digits, _), got {line!r}. Fix: %%sdp_cell train")
+        raise ValueError(f"%%sdp_cell needs a name (letters, digits, _), got {name!r}. Fix: %%sdp_cell train")
     compile(cell, f"<cell {name}>", "exec")  # a syntax error is reported now, with its line
     CELLS[name] = cell
-    print(f"stored cell {name!r} ({len(cell.splitlines())} lines): sdp_jupyter.JobSetup(cell={name!r})")
-
-
-def register_magics(ipython) -> None:
-    """Register %sdp_setup and %%sdp_cell on an IPython shell (for the magics module to call)."""
-    ipython.register_magic_function(sdp_setup_magic, "line", "sdp_setup")
-    ipython.register_magic_function(sdp_cell_magic, "cell", "sdp_cell")
+    return f"stored cell {name!r} ({len(cell.splitlines())} lines): sdp_jupyter.JobSetup(cell={name!r})"
