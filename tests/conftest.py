@@ -10,6 +10,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
+# Shared fixtures (tests/helpers/): the cluster-in-a-box hosts, an sshd on them, a Ray cluster on them.
+# Session-scoped ones start on first use and are shared by every module that asks for them.
+pytest_plugins = ["helpers.cluster", "helpers.sshd", "helpers.raycluster"]
+
 
 def job_processes(root) -> list:
     """Live processes (workers, samplers) whose SDP_JOB_DIR lies under `root`."""

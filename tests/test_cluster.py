@@ -8,8 +8,7 @@ import time
 
 import pytest
 
-from _ranks import assert_all_ok, collect, run_ranks, start_ranks
-from helpers.cluster import cluster4, hosts  # noqa: F401 - fixtures
+from helpers.ranks import assert_all_ok, collect, run_ranks, start_ranks
 from test_engine import check
 
 pytestmark = pytest.mark.slow
@@ -17,7 +16,7 @@ SECRET = "cluster-test-secret-0123456789abcdef"
 
 
 def on_hosts(c, per_host):
-    """wrap(rank) for _ranks: rank r runs on host r // per_host."""
+    """wrap(rank) for helpers.ranks: rank r runs on host r // per_host."""
     return lambda r: c.enter(r // per_host)
 
 

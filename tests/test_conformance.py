@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from _ranks import ROOT
+from helpers.ranks import ROOT
 
 pytest.importorskip("expecttest")  # torch's suite needs it
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _ranks import assert_all_ok, run_ranks
+from helpers.ranks import assert_all_ok, run_ranks
 
 
 @pytest.mark.slow

@@ -16,8 +16,8 @@ import psutil
 import pytest
 
 from sdp_jupyter import _engine
-from _ranks import assert_all_ok, collect, run_ranks, start_ranks
-from engine_workers import rank_data
+from helpers.ranks import assert_all_ok, collect, run_ranks, start_ranks
+from helpers.engine_workers import rank_data
 
 LAYOUTS = [(2, 2), (2, 1), (3, 1), (3, 3), (4, 2), (4, 1), (4, 4)]  # (world, ranks per node)
 SIZES = [0, 1, 7, 1001]

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from _ranks import ROOT, assert_all_ok, run_ranks
+from helpers.ranks import ROOT, assert_all_ok, run_ranks
 
 HELPERS = os.path.join(ROOT, "tests", "helpers")
 ENV = {"PYTHONPATH": HELPERS + os.pathsep + ROOT}

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from _ranks import run_ranks
+from helpers.ranks import run_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -163,7 +163,7 @@ def test_garbage_during_setup_is_dropped_and_setup_goes_on(capfd):
 # ---------------------------------------------------------------- the rendezvous store (scenario 3)
 
 def _store(secret=SECRET, timeout=5.0):
-    from _ranks import free_port
+    from helpers.ranks import free_port
     from sdp_jupyter.comm.store import TCPKeyValueStore
 
     port = free_port()

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from _ranks import ROOT, assert_all_ok, free_port, run_ranks
+from helpers.ranks import ROOT, assert_all_ok, free_port, run_ranks
 
 HELPERS = os.path.join(ROOT, "tests", "helpers")
 ENV = {"PYTHONPATH": HELPERS + os.pathsep + ROOT}

@@ -8,14 +8,11 @@ from __future__ import annotations
 import os
 import pickle
 import signal
-import subprocess
 import sys
 import time
 
 import pytest
 
-from helpers.cluster import cluster4, hosts  # noqa: F401
-from helpers.raycluster import ray_hosts  # noqa: F401
 from helpers.remote_jobs import TRAIN, drive, next_line, tell
 from sdp_jupyter.launch import JobSpec, SpecError, remote
 
@@ -74,7 +71,7 @@ def test_an_unreachable_address_is_named_within_the_connect_deadline():
 
 # ---------------------------------------------------------------------------------- a real cluster
 @pytest.mark.slow
-def test_four_ray_nodes_train_like_the_local_run(ray_hosts, hosts, tmp_path, jobs_dir):  # noqa: F811
+def test_four_ray_nodes_train_like_the_local_run(ray_hosts, hosts, tmp_path, jobs_dir):
     import torch
 
     import sdp_jupyter
@@ -99,7 +96,7 @@ def test_four_ray_nodes_train_like_the_local_run(ray_hosts, hosts, tmp_path, job
 
 
 @pytest.mark.slow
-def test_too_many_nodes_are_refused_listing_the_cluster(ray_hosts, tmp_path):  # noqa: F811
+def test_too_many_nodes_are_refused_listing_the_cluster(ray_hosts, tmp_path):
     d = _drive(ray_hosts, tmp_path, nodes=5)
     err = next_line(d)["spec_error"]
     assert err.startswith("--nodes: 5 node(s) with 1 CPU each asked, and the Ray cluster at")
@@ -108,7 +105,7 @@ def test_too_many_nodes_are_refused_listing_the_cluster(ray_hosts, tmp_path):  #
 
 
 @pytest.mark.slow
-def test_stop_leaves_nothing_on_any_node(ray_hosts, tmp_path):  # noqa: F811
+def test_stop_leaves_nothing_on_any_node(ray_hosts, tmp_path):
     d = _drive(ray_hosts, tmp_path, env={"STEPS": "100000", "STEP_SLEEP": "0.2"})
     assert "running" in next_line(d, timeout=180)
     assert all(_ranks_and_agents(ray_hosts.cluster, h) for h in range(4))
@@ -119,7 +116,7 @@ def test_stop_leaves_nothing_on_any_node(ray_hosts, tmp_path):  # noqa: F811
 
 
 @pytest.mark.slow
-def test_a_lost_node_is_named_within_ten_seconds(ray_hosts, tmp_path):  # noqa: F811
+def test_a_lost_node_is_named_within_ten_seconds(ray_hosts, tmp_path):
     c = ray_hosts.cluster
     d = _drive(ray_hosts, tmp_path, env={"STEPS": "100000", "STEP_SLEEP": "0.2"})
     assert "running" in next_line(d, timeout=180)

@@ -12,9 +12,7 @@ import time
 
 import pytest
 
-from helpers.cluster import cluster4, hosts  # noqa: F401
 from helpers.remote_jobs import TRAIN, drive, next_line, tell
-from helpers.sshd import ssh_hosts  # noqa: F401
 from sdp_jupyter.launch import JobSpec, SpecError, agent, remote
 from sdp_jupyter.launch import ssh as ssh_target
 
@@ -88,7 +86,7 @@ def test_agent_frames_round_trip_and_refuse_garbage():
 
 # ---------------------------------------------------------------------------------- real hosts
 @pytest.mark.slow
-def test_three_hosts_train_like_the_local_run(ssh_hosts, hosts, tmp_path, jobs_dir):  # noqa: F811
+def test_three_hosts_train_like_the_local_run(ssh_hosts, hosts, tmp_path, jobs_dir):
     import torch
 
     import sdp_jupyter
@@ -117,7 +115,7 @@ def test_three_hosts_train_like_the_local_run(ssh_hosts, hosts, tmp_path, jobs_d
 
 
 @pytest.mark.slow
-def test_bad_hosts_are_named_and_nothing_is_launched(ssh_hosts, hosts, tmp_path):  # noqa: F811
+def test_bad_hosts_are_named_and_nothing_is_launched(ssh_hosts, hosts, tmp_path):
     hosts.cut(3)
     t0 = time.monotonic()
     d = _drive(ssh_hosts, tmp_path, ssh={"hosts": ["h1", "h3", "nosuchhost"], "config": str(ssh_hosts.config)})
@@ -141,7 +139,7 @@ def test_bad_hosts_are_named_and_nothing_is_launched(ssh_hosts, hosts, tmp_path)
 
 
 @pytest.mark.slow
-def test_a_cut_link_is_named_and_every_host_is_cleaned(ssh_hosts, hosts, tmp_path):  # noqa: F811
+def test_a_cut_link_is_named_and_every_host_is_cleaned(ssh_hosts, hosts, tmp_path):
     d = _drive(ssh_hosts, tmp_path, env={"STEPS": "100000", "STEP_SLEEP": "0.2"})
     assert "running" in next_line(d)
     hosts.cut(2)
@@ -165,7 +163,7 @@ def test_a_cut_link_is_named_and_every_host_is_cleaned(ssh_hosts, hosts, tmp_pat
 
 
 @pytest.mark.slow
-def test_stop_and_a_killed_notebook_leave_nothing_anywhere(ssh_hosts, hosts, tmp_path):  # noqa: F811
+def test_stop_and_a_killed_notebook_leave_nothing_anywhere(ssh_hosts, hosts, tmp_path):
     d = _drive(ssh_hosts, tmp_path, env={"STEPS": "100000", "STEP_SLEEP": "0.2"})
     assert "running" in next_line(d)
     tell(d, "stop")
@@ -183,7 +181,7 @@ def test_stop_and_a_killed_notebook_leave_nothing_anywhere(ssh_hosts, hosts, tmp
 
 
 @pytest.mark.slow
-def test_a_failed_rank_restarts_the_job_on_every_host(ssh_hosts, hosts, tmp_path):  # noqa: F811
+def test_a_failed_rank_restarts_the_job_on_every_host(ssh_hosts, hosts, tmp_path):
     d = _drive(ssh_hosts, tmp_path, env={"FAIL_FIRST": "1"}, max_restarts=1)
     out = next_line(d)
     assert out["state"] == "succeeded" and out["restarts"] == 1, out

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from _ranks import assert_all_ok, run_ranks
+from helpers.ranks import assert_all_ok, run_ranks
 
 
 def single_process_reference(steps: int, world: int):
@@ -78,7 +78,7 @@ def test_16bit_and_integer_and_bool_tensors():
 # ---- every operation through torch's public API, gloo as the oracle; refusals; torch's error types
 import os as _os  # noqa: E402
 
-from _ranks import ROOT as _ROOT  # noqa: E402
+from helpers.ranks import ROOT as _ROOT  # noqa: E402
 
 _HELPERS_ENV = {"PYTHONPATH": _os.path.join(_ROOT, "tests", "helpers") + _os.pathsep + _ROOT}
 

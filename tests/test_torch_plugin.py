@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from _ranks import assert_all_ok, run_ranks
+from helpers.ranks import assert_all_ok, run_ranks
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""Rank functions for the smddp backend's torch-integration tests (run by tests/_ranks.py with
+"""Rank functions for the smddp backend's torch-integration tests (run by tests/helpers/ranks.py with
 this folder on PYTHONPATH). Each returns plain values the test compares across backends."""
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Other builds of the engine (sanitizers, no intrinsics), each made once per test session into
 build/variants/<name>, next to a copy of the Python package, so a test run can put it first on
-PYTHONPATH (and tests/_ranks.py gives it to the ranks through SDP_TEST_PACKAGE_ROOT)."""
+PYTHONPATH (and tests/helpers/ranks.py gives it to the ranks through SDP_TEST_PACKAGE_ROOT)."""
 from __future__ import annotations
 
 import os

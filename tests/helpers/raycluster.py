@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 
-from helpers.cluster import cluster4  # noqa: F401
 
 RAY = str(Path(sys.executable).with_name("ray"))
 
@@ -118,7 +117,7 @@ class RayHosts:
 
 
 @pytest.fixture(scope="session")
-def ray_hosts(cluster4, tmp_path_factory):  # noqa: F811
+def ray_hosts(cluster4, tmp_path_factory):
     """A Ray head on h0 and workers on h1..h3 of the shared cluster. Skipped without ray."""
     if not os.path.exists(RAY):
         pytest.skip("ray is not installed (pip install 'sdp_jupyter[ray]')")

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 
-from helpers.cluster import cluster4  # noqa: F401  (the shared test hosts)
 
 REPO = Path(__file__).resolve().parent.parent.parent
 SSHD = "/usr/sbin/sshd"
@@ -118,7 +117,7 @@ class SSHHosts:
 
 
 @pytest.fixture(scope="session")
-def ssh_hosts(cluster4, tmp_path_factory):  # noqa: F811
+def ssh_hosts(cluster4, tmp_path_factory):
     """sshd on h1..h3 of the shared cluster; the client config for h0. Skipped without sshd."""
     if not os.path.exists(SSHD) or shutil.which("ssh") is None:
         pytest.skip("openssh-server / openssh-client are not installed (./dev.sh test installs them)")

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 HERE = os.path.dirname(os.path.abspath(__file__))
 # SDP_TEST_PACKAGE_ROOT: where sdp_jupyter comes from for the ranks (a sanitizer or portable build
 # of the engine, see tests/test_native_builds.py); the repository by default.
-ROOT = os.environ.get("SDP_TEST_PACKAGE_ROOT") or os.path.dirname(HERE)
+ROOT = os.environ.get("SDP_TEST_PACKAGE_ROOT") or os.path.dirname(os.path.dirname(HERE))
 
 
 def free_port() -> int:
@@ -59,7 +59,7 @@ def start_ranks(target: str, world: int, per_node: int, args=(), env=None, secre
         if env:
             e.update({k: str(v) for k, v in (env(r) if callable(env) else env).items()})
         log = open(os.path.join(tmp, f"rank-{r}.log"), "w+")
-        p = subprocess.Popen((wrap(r) if wrap else []) + [sys.executable, os.path.join(HERE, "_rank_entry.py"), target,
+        p = subprocess.Popen((wrap(r) if wrap else []) + [sys.executable, os.path.join(HERE, "rank_entry.py"), target,
                               os.path.join(tmp, f"result-{r}.pkl")],
                              stdout=log, stderr=subprocess.STDOUT, env=e, cwd=ROOT, start_new_session=True)
         p.log = log  # type: ignore[attr-defined]

@@ -1,4 +1,4 @@
-"""Entry point of one rank in engine tests: `python tests/_rank_entry.py module:function result.pkl`.
+"""Entry point of one rank in engine tests: `python tests/helpers/rank_entry.py module:function result.pkl`.
 
 Runs the function with the pickled args from SDP_TEST_ARGS (a file), stores its return value or
 the error text in result.pkl, and exits non-zero on error.
@@ -8,7 +8,7 @@ import pickle
 import sys
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tests/helpers: the *_workers modules
 
 target, result_path = sys.argv[1], sys.argv[2]
 module_name, func_name = target.split(":")

@@ -1,4 +1,4 @@
-"""Functions that run inside rank processes for the engine tests (see _ranks.py)."""
+"""Functions that run inside rank processes for the engine tests (see helpers/ranks.py)."""
 from __future__ import annotations
 
 import os
