@@ -116,9 +116,10 @@ class RayHosts:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_hosts(cluster4, tmp_path_factory):
-    """A Ray head on h0 and workers on h1..h3 of the shared cluster. Skipped without ray."""
+    """A Ray head on h0 and workers on h1..h3 of the shared cluster, for one test module (its 2 GB and
+    its background CPU are given back when the module ends). Skipped without ray."""
     if not os.path.exists(RAY):
         pytest.skip("ray is not installed (pip install 'sdp_jupyter[ray]')")
     hosts = RayHosts(cluster4, tmp_path_factory.mktemp("ray"))
