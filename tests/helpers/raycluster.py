@@ -2,8 +2,8 @@
 
 Each node is `ray start ... --block` inside its test host (own address, hostname and /dev/shm; its own
 --temp-dir, since the hosts share a filesystem), with token authentication and a small object store.
-The test's driver runs on h0 too, with the same token. Everything is stopped by PID at the end of the
-session (never `ray stop`, which would end every Ray process on the machine).
+The test's driver runs on h0 too, with the same token. Everything is stopped by PID when the test module ends
+(never `ray stop`, which would end every Ray process on the machine).
 """
 from __future__ import annotations
 
