@@ -303,3 +303,17 @@ def test_summary_and_job_view_say_warm_or_cold_start(jobs_dir):
     assert "cold start (warm start not possible: the pool runs 2 Python threads)" in reopened.summary()
     header = JobView(reopened).header.value
     assert "cold start (warm start not possible: the pool runs 2 Python threads)" in header
+
+
+def test_summary_and_job_view_say_where_a_remote_job_runs(jobs_dir):
+    from sdp_jupyter.ui.jobview import JobView
+
+    job_dir, spec = Job.create_dir(JobSpec(code="x", name="where", nodes=2, target="ssh", ssh={"hosts": ["a", "b"]}))
+    job = Job(spec, job_dir)
+    job.update_status(state="running", target="ssh", hosts=["a", "b"], host_names=["gpu-a", "<b>"])
+    assert "2 node(s) x 1 proc(s) on ssh: gpu-a, <b>, backend" in job.summary()
+    assert "on ssh: gpu-a, &lt;b&gt;" in JobView(Job.open(job_dir)).header.value  # escaped: hosts name themselves
+    local_dir, local_spec = Job.create_dir(JobSpec(code="x", name="here"))
+    local = Job(local_spec, local_dir)
+    local.update_status(state="running", target="local")
+    assert local.where_label is None and " on " not in local.summary().split(" in ")[0]

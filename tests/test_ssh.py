@@ -95,6 +95,7 @@ def test_three_hosts_train_like_the_local_run(ssh_hosts, hosts, tmp_path, jobs_d
     d = _drive(ssh_hosts, tmp_path / "remote", name="ssh-three", ranks_output="all")
     out = next_line(d)
     assert out["state"] == "succeeded", out
+    assert "3 node(s) x 1 proc(s) on ssh: h1, h2, h3, backend smddp" in out["summary"]
     remote = pickle.load(open(os.path.join(out["dir"], "result.pkl"), "rb"))
     moved = {i: hosts.bytes(i)["tx"] - before[i]["tx"] for i in ssh_hosts.nodes}
     names = [n for n, _ in remote["hosts"]]

@@ -335,11 +335,23 @@ class Job:
         label = f"{st['start']} start"
         return f"{label} ({st['start_reason']})" if st.get("start_reason") else label
 
+    @property
+    def where_label(self) -> str | None:
+        """Where a remote job's ranks run: "ssh: gpu1, gpu2" (the hosts' own names, node by node), or
+        "ray: ..."; None for local and SageMaker jobs (their hosts are this machine or algo-N)."""
+        st = self.status
+        target = st.get("target")
+        if target in (None, "local", "sagemaker"):
+            return None
+        names = st.get("host_names") or st.get("hosts") or []
+        return f"{target}: {', '.join(str(n) for n in names)}" if names else str(target)
+
     def summary(self) -> str:
         st = self.status
         start = f", {self.start_label}" if self.start_label else ""
+        where = f" on {self.where_label}" if self.where_label else ""
         line = (f"Job {self.name}: {st.get('state', 'pending')} after {self.elapsed:.1f} s "
-                f"({self.spec.nodes} node(s) x {self.spec.procs_per_node or 1} proc(s), backend "
+                f"({self.spec.nodes} node(s) x {self.spec.procs_per_node or 1} proc(s){where}, backend "
                 f"{self.spec.backend}{start}, restarts {st.get('restarts', 0)}) in {self.dir}")
         if st.get("error"):
             line += "\n" + st["error"]

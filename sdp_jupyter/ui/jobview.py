@@ -223,9 +223,10 @@ class JobView(w.VBox):
         esc = lambda v: html.escape(str(v))  # noqa: E731
         restarts = f" · restarts {esc(st.get('restarts'))}" if st.get("restarts") else ""
         start = f" · <span class='sdp-start'>{esc(job.start_label)}</span>" if job.start_label else ""
+        where = f" · <span class='sdp-where'>on {esc(job.where_label)}</span>" if job.where_label else ""
         self.header.value = (
             f"<b>{esc(job.name)}</b> · <span style='color:{colour}'><b>{esc(state)}</b></span>"
-            f" · {job.elapsed:.1f} s · {esc(spec.nodes)} node(s) × {esc(spec.procs_per_node or 1)} · "
+            f" · {job.elapsed:.1f} s · {esc(spec.nodes)} node(s) × {esc(spec.procs_per_node or 1)}{where} · "
             f"{esc(spec.backend)}{start}{restarts} · <code>{esc(job.dir)}</code>")
         if st.get("error"):
             self.error.value = (f"<pre style='color:{colour};white-space:pre-wrap;margin:0'>"

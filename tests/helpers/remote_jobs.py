@@ -60,7 +60,8 @@ if args.get("env", {}).get("STEP_SLEEP"):
         print(json.dumps({"stopped_in": time.monotonic() - t0}), flush=True)
 job.wait()
 print(json.dumps({"state": job.state, "error": job.error, "dir": str(job.dir), "t": time.time(),
-                  "codes": job.exit_codes, "restarts": job.restarts, "status": job.status}), flush=True)
+                  "codes": job.exit_codes, "restarts": job.restarts, "status": job.status,
+                  "summary": job.summary()}), flush=True)
 '''
 
 
