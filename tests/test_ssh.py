@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from helpers.remote_jobs import TRAIN, drive, next_line, tell
+from helpers.remote_jobs import REPO, TRAIN, drive, next_line, tell
 from sdp_jupyter.launch import JobSpec, SpecError, agent, remote
 from sdp_jupyter.launch import ssh as ssh_target
 
@@ -188,4 +188,21 @@ def test_a_failed_rank_restarts_the_job_on_every_host(ssh_hosts, hosts, tmp_path
     assert out["state"] == "succeeded" and out["restarts"] == 1, out
     log = open(os.path.join(out["dir"], "logs", "rank-2.log")).read()
     assert "fails on purpose in attempt 0" in log and "[sdp_jupyter] restart 1 of 1 after: rank 2 (node 2 on host h3" in log
+    assert ssh_hosts.wait_clean(5) == {}
+
+
+@pytest.mark.slow
+def test_sdp_train_in_a_terminal_runs_on_the_ssh_hosts(ssh_hosts, tmp_path):
+    import sys
+
+    script = tmp_path / "hello.py"
+    script.write_text("import socket, torch.distributed as dist\ndist.init_process_group('smddp')\n"
+                      "print('hello from', socket.gethostname(), 'rank', dist.get_rank(), flush=True)\n")
+    env = dict(os.environ, SDP_JOBS_DIR=str(tmp_path / "jobs"),
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    p = ssh_hosts.cluster.run(0, [sys.executable, "-m", "sdp_jupyter.cli", "--target", "ssh", "--hosts", "h2,h3",
+                                  "--ssh-config", str(ssh_hosts.config), "--ranks-output", "all", str(script)],
+                              env=env, timeout=120, check=False)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert "hello from h2 rank 0" in p.stdout and "hello from h3 rank 1" in p.stdout
     assert ssh_hosts.wait_clean(5) == {}
