@@ -203,7 +203,9 @@ class Communicator:
     def stats(self) -> dict:
         return self._engine.stats()
 
-    # ---- raw submission: the one door every face (numpy, torch) goes through
+    # ---- raw submission, for the numpy face below (the torch process group submits to the engine
+    # itself, to raise torch's DistBackendError instead of SmddpError; the engine's DDP wrapper goes
+    # through torch.distributed)
     def submit(self, coll: int, ptr: int, count: int, dtype: int, op: int = 0, root: int = 0,
                keepalive: Any = None, finish: Callable[[], None] | None = None) -> Work:
         try:
