@@ -52,6 +52,14 @@ def test_ray_options_need_the_ray_target():
     assert "--target ray" in spec.to_magic_line() and "--address 10.0.0.5:6379" in spec.to_magic_line()
 
 
+def test_a_targets_options_may_be_given_by_their_key():
+    import sdp_jupyter
+
+    # address= is ray={"address": ...}: with another target it is refused as a Ray option
+    with pytest.raises(SpecError, match="--address: is an option of --target ray"):
+        sdp_jupyter.launch(code="x", address="10.0.0.5:6379")
+
+
 def test_without_ray_installed_the_error_gives_the_pip_command(monkeypatch):
     from sdp_jupyter.launch import ray as ray_target
 
@@ -113,6 +121,25 @@ def test_stop_leaves_nothing_on_any_node(ray_hosts, tmp_path):
     assert next_line(d)["stopped_in"] < 15
     assert next_line(d)["state"] == "stopped"
     assert _wait_clean(ray_hosts.cluster, 5) == {}
+
+
+@pytest.mark.slow
+def test_a_node_without_sdp_jupyter_is_named_and_nothing_starts(ray_hosts, tmp_path):
+    """h3's Ray node runs with a shadow `sdp_jupyter` first on its path that cannot be imported, as on
+    a node where the package is not installed."""
+    shadow = tmp_path / "shadow" / "sdp_jupyter"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'sdp_jupyter'\", "
+                                        "name='sdp_jupyter')\n")
+    ray_hosts.restart_node(3, env={"PYTHONPATH": str(shadow.parent)})
+    try:
+        d = _drive(ray_hosts, tmp_path)
+        err = next_line(d, timeout=120)["spec_error"]
+        assert err.startswith("--nodes: 1 of 4 host(s) cannot run the job; nothing was started")
+        assert "10.213.0.4: sdp_jupyter is not importable by the Ray workers there. Fix: pip install sdp_jupyter==" in err
+        assert _wait_clean(ray_hosts.cluster, 10) == {}
+    finally:
+        ray_hosts.restart_node(3)
 
 
 @pytest.mark.slow

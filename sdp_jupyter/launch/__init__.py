@@ -48,7 +48,10 @@ def _launch(spec_or_script: JobSpec | str | os.PathLike | None = None, *, push: 
     spec_or_script: a JobSpec, or the path of a .py file; or leave it out and pass code="...".
     fields: JobSpec fields (nodes=4, backend="gloo", hyperparameters={...}, ...) overriding the spec.
     push: values of the variables named in the spec's `push` list, sent to every rank.
+    A target's own options may be given by their key too: `launch(..., target="ray", address="h:6379")`
+    is `ray={"address": "h:6379"}`, `hosts=[...]` is `ssh={"hosts": [...]}`.
     """
+    fields = _target_keywords(fields)
     if isinstance(spec_or_script, JobSpec):
         spec = spec_or_script.replace(**fields) if fields else spec_or_script
     elif spec_or_script is not None:
@@ -62,6 +65,27 @@ def _launch(spec_or_script: JobSpec | str | os.PathLike | None = None, *, push: 
         _JOBS.pop(job.name, None)
         _JOBS[job.name] = job
     return job
+
+
+def _target_keywords(fields: dict) -> dict:
+    """Move keywords that name a key of a dict field (`address` -> ray["address"], `hosts` ->
+    ssh["hosts"], `instance_type` -> sagemaker["instance_type"]) into that field; a key two fields
+    share is left alone (JobSpec then names it as unknown)."""
+    from dataclasses import fields as dc_fields
+
+    from sdp_jupyter.launch.spec import all_options
+
+    known = {f.name for f in dc_fields(JobSpec)}
+    owners: dict[str, set[str]] = {}
+    for opt in all_options():
+        if opt.field and "." in opt.field:
+            top, key = opt.field.split(".", 1)
+            owners.setdefault(key, set()).add(top)
+    out = dict(fields)
+    for key in [k for k in fields if k not in known and len(owners.get(k, ())) == 1]:
+        top = next(iter(owners[key]))
+        out[top] = {**(out.get(top) or {}), key: out.pop(key)}
+    return out
 
 
 class _LaunchModule(types.ModuleType):

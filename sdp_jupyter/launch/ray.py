@@ -179,6 +179,13 @@ class RayLink(remote.Link):
                 self.inbox.put((self.node, {"type": "eof", "why": "the agent ended", "code": ended}))
                 return
 
+    def diagnose(self, code, python: str) -> str:
+        said = " ".join(line for line in self.stderr if line)[-400:]
+        if "No module named" in said and "sdp_jupyter" in said:
+            return (f"sdp_jupyter is not importable by the Ray workers there. Fix: pip install "
+                    f"sdp_jupyter=={channel.version()} into the Python environment the Ray node on {self.host} runs")
+        return super().diagnose(code, python)
+
     def send(self, message: dict) -> bool:
         try:
             self.actor.send.remote(channel.encode(message))
