@@ -148,11 +148,35 @@ class MotoAWS:
     # bodies of every CreateTrainingJob that reached the server, newest last (filled by the patch)
     create_requests: ClassVar[list] = []
 
+    region_name: ClassVar[str] = REGION
+
     def client(self, service: str):
+        """A client of the local server (so a MotoAWS serves where a boto3 Session is expected)."""
         import boto3
 
         return boto3.client(service, region_name=REGION, endpoint_url=self.endpoint,
                             aws_access_key_id="testing", aws_secret_access_key="testing")
+
+    def make_bucket(self, bucket: str):
+        """Create `bucket` unless it exists; return an S3 client."""
+        s3 = self.client("s3")
+        with contextlib.suppress(s3.exceptions.BucketAlreadyOwnedByYou, s3.exceptions.BucketAlreadyExists):
+            s3.create_bucket(Bucket=bucket, CreateBucketConfiguration={"LocationConstraint": REGION})
+        return s3
+
+    def serve_folder(self, uri: str, folder) -> int:
+        """Upload every file under the local `folder` to the s3:// prefix `uri` (its bucket made
+        when missing); return the number of files."""
+        from pathlib import Path
+
+        bucket, _, prefix = uri[len("s3://"):].partition("/")
+        s3 = self.make_bucket(bucket)
+        root = Path(folder)
+        files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+        for path in files:
+            rel = path.name if path == root else path.relative_to(root).as_posix()
+            s3.upload_file(str(path), bucket, f"{prefix.rstrip('/')}/{rel}".lstrip("/"))
+        return len(files)
 
     # ---------------------------------------------------------------- playing SageMaker
     def _job(self, name: str):
@@ -363,6 +387,9 @@ class SageMakerStandIn:
     def __init__(self, aws: MotoAWS, workdir):
         self.aws = aws
         self.workdir = workdir
+        # per job (Environment SDP_JOB_NAME): {"workdir": where its /opt/ml trees go,
+        # "pythonpath": prepended on every host (the image's packages)}; see `expect`
+        self.jobs: dict[str, dict] = {}
         self.seen = len(MotoAWS.create_requests)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="sagemaker-stand-in", daemon=True)
@@ -375,6 +402,14 @@ class SageMakerStandIn:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=30)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def expect(self, job_name: str, workdir=None, pythonpath: str | None = None) -> None:
+        """Where the hosts of the next job named `job_name` (its SDP_JOB_NAME) run, and what they import."""
+        self.jobs[job_name] = {"workdir": workdir, "pythonpath": pythonpath}
 
     def _loop(self) -> None:
         while not self._stop.wait(0.2):
@@ -391,9 +426,13 @@ class SageMakerStandIn:
         import tarfile
 
         name = request["TrainingJobName"]
+        options = self.jobs.pop((request.get("Environment") or {}).get("SDP_JOB_NAME"), None) or {}
         self.aws.set_status(name, "InProgress", "Downloading", message="Downloading the training image")
-        containers = LocalContainers(self.aws, request, self.workdir)
+        containers = LocalContainers(self.aws, request, options.get("workdir") or self.workdir)
         containers.prepare()
+        if options.get("pythonpath"):
+            for env in containers.envs:
+                env["PYTHONPATH"] = options["pythonpath"]
         self.aws.set_status(name, "InProgress", "Training",
                             message="Training image download completed. Training in progress.")
         containers.start()
@@ -401,13 +440,14 @@ class SageMakerStandIn:
                    for h, p in enumerate(containers.procs)]
         for r in readers:
             r.start()
-        codes = []
+        codes, failed = [], []  # failed: hosts (0-based) in the order their algorithm failed
         try:
-            while any(p.poll() is None for p in containers.procs):
+            while True:
+                failed += [h for h, p in enumerate(containers.procs) if p.poll() not in (None, 0) and h not in failed]
+                if failed or all(p.poll() is not None for p in containers.procs):
+                    break  # SageMaker ends the job when one host's algorithm fails
                 if self._stop.is_set() or self.aws.status(name) in ("Stopping", "Stopped"):
                     break
-                if any(p.poll() not in (None, 0) for p in containers.procs):
-                    break  # SageMaker ends the job when one host's algorithm fails
                 time.sleep(0.2)
         finally:
             containers.kill()
@@ -432,23 +472,42 @@ class SageMakerStandIn:
             self.aws.set_status(name, "Completed")
             return
         reason = "AlgorithmError: the training script failed"
-        for env in containers.envs:
-            failure = env.get("SM_OUTPUT_FAILURE")
-            if failure and os.path.exists(failure):
-                with open(failure) as f:
-                    reason = f"AlgorithmError: {f.read().strip()}"
-                break
+        # the first failure: the earliest failure file (a host's peers fail after it, e.g. gloo's
+        # "connection closed"), else the host whose algorithm was seen failing first
+        order = failed + [h for h in range(containers.hosts) if h not in failed]
+        written = [(os.path.getmtime(f), order.index(h), f) for h, f in
+                   ((h, env.get("SM_OUTPUT_FAILURE")) for h, env in enumerate(containers.envs))
+                   if f and os.path.exists(f)]
+        if written:
+            with open(min(written)[2]) as f:
+                reason = f"AlgorithmError: {f.read().strip()}"
         self.aws.set_status(name, "Failed", failure_reason=reason)
 
     def _pipe(self, name: str, host: int, proc) -> None:
         for line in proc.stdout:
-            self.aws.put_log_lines(name, host, [line.rstrip("\n")])
+            if line.strip():  # CloudWatch Logs takes no empty events
+                self.aws.put_log_lines(name, host, [line.rstrip("\n")])
 
 
 @contextlib.contextmanager
-def moto_aws(tmp_dir: str):
-    """Start moto on a free 127.0.0.1 port, point this process's environment at it (fake
-    credentials, AWS_ENDPOINT_URL), create the bucket; undo all of it on exit."""
+def pointed_at(env: dict):
+    """Point this process's environment at the stand-in (`MotoAWS.env`) for the block, then restore it."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextlib.contextmanager
+def moto_aws(tmp_dir: str, set_environ: bool = True):
+    """Start moto on a free 127.0.0.1 port, create the bucket and, with `set_environ`, point this
+    process's environment at it (fake credentials, AWS_ENDPOINT_URL); undo all of it on exit."""
     import logging
 
     from moto.server import ThreadedMotoServer
@@ -459,21 +518,14 @@ def moto_aws(tmp_dir: str):
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     endpoint = f"http://127.0.0.1:{port}"
-    env = aws_environment(endpoint, tmp_dir)
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
     try:
-        aws = MotoAWS(endpoint=endpoint, env=env, server=server)
+        aws = MotoAWS(endpoint=endpoint, env=aws_environment(endpoint, tmp_dir), server=server)
         MotoAWS.create_requests.clear()
         aws.client("s3").create_bucket(Bucket=BUCKET,
                                        CreateBucketConfiguration={"LocationConstraint": REGION})
-        yield aws
+        with pointed_at(aws.env) if set_environ else contextlib.nullcontext():
+            yield aws
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
         server.stop()
         from moto.backends import get_backend
 
@@ -500,25 +552,50 @@ class LocalSageMaker:
 
     def close(self) -> None:
         """Stop the stand-in and the server, restore the environment; raise if the stand-in failed."""
+        global _running
+        with _running_lock:
+            if _running is self:
+                _running = None
         self.stand_in.stop()
         self._context.__exit__(None, None, None)
         if self.stand_in.errors:
             raise RuntimeError("the SageMaker stand-in failed: " + "; ".join(self.stand_in.errors))
 
 
-def start(workdir: str | None = None) -> LocalSageMaker:
-    """Start moto and the SageMaker stand-in in this process (the environment then points at it)."""
+# moto's backends are per process, so one stand-in per process plays SageMaker for every server
+_running: LocalSageMaker | None = None
+_running_lock = threading.RLock()
+
+
+def start(workdir: str | None = None, set_environ: bool = True) -> LocalSageMaker:
+    """Start moto and the SageMaker stand-in in this process; with `set_environ` (default) the
+    process's environment then points at it. One at a time: close() the running one first."""
     import tempfile
 
-    workdir = workdir or tempfile.mkdtemp(prefix="sdp-sagemaker-standin-")
-    context = moto_aws(workdir)
-    aws = context.__enter__()
-    try:
-        stand_in = SageMakerStandIn(aws, workdir).start()
-    except BaseException:
-        context.__exit__(None, None, None)
-        raise
-    return LocalSageMaker(aws=aws, stand_in=stand_in, workdir=workdir, _context=context)
+    global _running
+    with _running_lock:
+        if _running is not None:
+            raise RuntimeError(f"a SageMaker stand-in already runs in this process at {_running.endpoint}; "
+                               "close() it first")
+        workdir = workdir or tempfile.mkdtemp(prefix="sdp-sagemaker-standin-")
+        context = moto_aws(workdir, set_environ=set_environ)
+        aws = context.__enter__()
+        try:
+            stand_in = SageMakerStandIn(aws, workdir).start()
+        except BaseException:
+            context.__exit__(None, None, None)
+            raise
+        _running = LocalSageMaker(aws=aws, stand_in=stand_in, workdir=workdir, _context=context)
+        return _running
+
+
+def shared() -> LocalSageMaker:
+    """The stand-in running in this process, else a new one that leaves the environment alone
+    (what a rehearsal uses; it lives as long as the process)."""
+    with _running_lock:
+        if _running is not None and _running.stand_in.alive:
+            return _running
+        return start(set_environ=False)
 
 
 def aws_credentials_found() -> bool:
