@@ -69,7 +69,7 @@ def spec(tmp_path, name, **kw) -> JobSpec:
                "inputs": ["train=s3://my-real-bucket/data/train"]}
     options.update(kw.pop("sagemaker", {}))
     return JobSpec(code=kw.pop("code", CELL), name=name, target="sagemaker", nodes=2, procs_per_node=1,
-                   backend="gloo", jobs_dir=str(tmp_path / "jobs"), sagemaker=options, **kw)
+                   backend=kw.pop("backend", "gloo"), jobs_dir=str(tmp_path / "jobs"), sagemaker=options, **kw)
 
 
 def test_two_host_rehearsal_from_the_magic_brings_the_result_back(tmp_path, data, monkeypatch, capsys):
@@ -177,3 +177,27 @@ def test_rehearse_data_needs_rehearse(tmp_path, data):
                                                     "rehearse_data": [f"s3://b/p={data}"]}))
     assert "--rehearse" in {o.flag for o in sm.SAGEMAKER_OPTIONS}
     assert sagemaker_rehearse.NOT_CHECKED
+
+
+SMDDP_CELL = r'''
+import os
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("smddp")
+t = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(t)
+{"sum": t.item(), "backend": dist.get_backend(), "provider": os.environ.get("SDP_SMDDP_PROVIDER")}
+'''
+
+
+def test_smddp_job_rehearses_with_smddp_played_by_gloo(tmp_path):
+    """A job written for SageMaker's smddp (p4d) rehearses here: the entry finds an smdistributed in
+    the rehearsal's image packages, which registers "smddp" on gloo."""
+    s = spec(tmp_path, "smddp-rehearsal", code=SMDDP_CELL, backend="smddp",
+             sagemaker={"instance_type": "ml.p4d.24xlarge", "inputs": []})
+    job = launch(s)
+    assert job.wait(180) == "succeeded", (job.error, job.logs(0), job.logs(1))
+    assert job.request["ResourceConfig"]["InstanceType"] == "ml.p4d.24xlarge"
+    assert job.request["Environment"]["SDP_BACKEND"] == "smddp"
+    assert job.result() == {"sum": 3.0, "backend": "smddp", "provider": "smdistributed"}
