@@ -9,6 +9,8 @@ channel and an entry point that does not exist are each one clear error before a
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 
 pytest.importorskip("sagemaker.train")
@@ -201,3 +203,21 @@ def test_smddp_job_rehearses_with_smddp_played_by_gloo(tmp_path):
     assert job.request["ResourceConfig"]["InstanceType"] == "ml.p4d.24xlarge"
     assert job.request["Environment"]["SDP_BACKEND"] == "smddp"
     assert job.result() == {"sum": 3.0, "backend": "smddp", "provider": "smdistributed"}
+
+
+def test_stand_in_started_twice_is_the_same_one(tmp_path, monkeypatch):
+    """Notebook 04's first cell run twice gets the running stand-in back; its environment is undone
+    on close()."""
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    running = sagemaker_standin._running
+    if running is not None:
+        running.close()
+    first = sagemaker_standin.start(str(tmp_path))
+    try:
+        assert sagemaker_standin.start() is first and sagemaker_standin.shared() is first
+        assert os.environ["AWS_ENDPOINT_URL"] == first.endpoint
+        with pytest.raises(RuntimeError, match="already runs"):
+            sagemaker_standin.start(set_environ=False)
+    finally:
+        first.close()
+    assert "AWS_ENDPOINT_URL" not in os.environ and sagemaker_standin._running is None

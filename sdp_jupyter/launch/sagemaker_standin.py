@@ -569,11 +569,15 @@ _running_lock = threading.RLock()
 
 def start(workdir: str | None = None, set_environ: bool = True) -> LocalSageMaker:
     """Start moto and the SageMaker stand-in in this process; with `set_environ` (default) the
-    process's environment then points at it. One at a time: close() the running one first."""
+    process's environment then points at it. One at a time: the one already running is returned
+    when it serves the same way (a notebook cell run twice), else close() it first."""
     import tempfile
 
     global _running
     with _running_lock:
+        if _running is not None and _running.stand_in.alive and \
+                (os.environ.get("AWS_ENDPOINT_URL") == _running.endpoint) == set_environ:
+            return _running
         if _running is not None:
             raise RuntimeError(f"a SageMaker stand-in already runs in this process at {_running.endpoint}; "
                                "close() it first")
