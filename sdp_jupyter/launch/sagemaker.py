@@ -22,6 +22,9 @@ The returned `SageMakerJob` is a `Job` whose directory mirrors the remote job: s
 DescribeTrainingJob, logs/algo-<N>.log follows host N's CloudWatch stream, metrics/ holds the
 step events parsed from the log lines and the hosts' CloudWatch metrics (normalised per GPU), so
 the job view, the dashboard and a reopened job read it like a local one. Stop calls StopTrainingJob.
+
+With ``--rehearse`` (sagemaker_rehearse) the same plan, source directory and request go to the local
+AWS stand-in (sagemaker_standin) instead, which runs the job's hosts on this machine.
 """
 from __future__ import annotations
 
