@@ -151,7 +151,7 @@ def test_a_failing_rank_becomes_the_failure_reason(aws, tmp_path):
     assert rc != 0
     assert "ZeroDivisionError: division by zero in rank 1" in out
     failure = Path(env["SM_OUTPUT_FAILURE"])
-    assert failure.read_text() == ("rank 1 of job in-container-fail failed: "
+    assert failure.read_text() == ("rank 1 (algo-2) of job in-container-fail failed: "
                                    "ZeroDivisionError: division by zero in rank 1")
 
 

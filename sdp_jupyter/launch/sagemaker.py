@@ -22,6 +22,9 @@ The returned `SageMakerJob` is a `Job` whose directory mirrors the remote job: s
 DescribeTrainingJob, logs/algo-<N>.log follows host N's CloudWatch stream, metrics/ holds the
 step events parsed from the log lines and the hosts' CloudWatch metrics (normalised per GPU), so
 the job view, the dashboard and a reopened job read it like a local one. Stop calls StopTrainingJob.
+
+With ``--rehearse`` (sagemaker_rehearse) the same plan, source directory and request go to the local
+AWS stand-in (sagemaker_standin) instead, which runs the job's hosts on this machine.
 """
 from __future__ import annotations
 
@@ -89,6 +92,11 @@ SAGEMAKER_OPTIONS: tuple[Option, ...] = (
     Option("--volume-size", "sagemaker.volume_size", "GB of storage per instance (default 30)", metavar="GB"),
     Option("--keep-alive", "sagemaker.keep_alive", "seconds to keep the instances warm for the next job "
            "(warm pool, 0-21600; not with --spot)", metavar="SECONDS"),
+    Option("--rehearse", "sagemaker.rehearse", "rehearse the job here instead of on AWS: the same request and "
+           "source directory, checked, then run as SageMaker runs it on --nodes local hosts (free; needs "
+           "sdp_jupyter[rehearse])", kind="flag"),
+    Option("--rehearse-data", "sagemaker.rehearse_data", "with --rehearse: serve an input channel's s3:// prefix "
+           "from a local folder (repeatable)", kind="append", metavar="S3_URI=FOLDER"),
 )
 
 #: CreateTrainingJob field -> the option that sets it (named in validation errors).
@@ -180,6 +188,8 @@ class SageMakerOptions:
     max_run: int | None = None
     volume_size: int | None = None
     keep_alive: int | None = None
+    rehearse: bool = False
+    rehearse_data: dict = dataclasses.field(default_factory=dict)  # s3:// prefix -> local folder
     poll_interval: float = dataclasses.field(
         default_factory=lambda: env_float("SDP_SAGEMAKER_POLL_INTERVAL", DEFAULT_POLL_INTERVAL, min=0.01))
 
@@ -195,11 +205,13 @@ class SageMakerOptions:
         opts.max_run = _int_option("max_run", opts.max_run, 1, "3600")
         opts.volume_size = _int_option("volume_size", opts.volume_size, 1, "100")
         opts.keep_alive = _int_option("keep_alive", opts.keep_alive, 0, "1800")
-        if not isinstance(opts.spot, bool):
-            try:
-                opts.spot = parse_bool(opts.spot, "--spot")
-            except ValueError:
-                raise SpecError("--spot", f"is a flag (true/false), got {opts.spot!r}") from None
+        for key in ("spot", "rehearse"):
+            value = getattr(opts, key)
+            if not isinstance(value, bool):
+                try:
+                    setattr(opts, key, parse_bool(value, _OPTION_KEYS[key]))
+                except ValueError:
+                    raise SpecError(_OPTION_KEYS[key], f"is a flag (true/false), got {value!r}") from None
         for key in ("instance_type", "role", "region", "bucket", "output_path", "image_uri", "framework_version"):
             value = getattr(opts, key)
             if value is not None and (not isinstance(value, str) or not value.strip()):
@@ -210,6 +222,10 @@ class SageMakerOptions:
         if opts.output_path is not None and not opts.output_path.startswith("s3://"):
             raise SpecError("--output-path", f"must be an S3 URI like s3://my-bucket/prefix, got {opts.output_path!r}")
         opts.inputs = _parse_inputs(opts.inputs)
+        opts.rehearse_data = _parse_rehearse_data(opts.rehearse_data)
+        if opts.rehearse_data and not opts.rehearse:
+            raise SpecError("--rehearse-data", "serves data to a rehearsal only. Fix: add --rehearse, or drop "
+                                               "--rehearse-data")
         if opts.max_wait is not None and not opts.spot:
             raise SpecError("--max-wait", "applies to managed spot training only. Fix: add --spot, or drop --max-wait")
         if opts.spot and opts.keep_alive:
@@ -244,6 +260,24 @@ def _parse_inputs(items) -> dict:
             raise SpecError("--input", f"channel {name!r}: {uri!r} is neither an s3:// URI nor a local path "
                                        "that exists. Fix: --input train=s3://my-bucket/data/train")
         out[name] = uri
+    return out
+
+
+def _parse_rehearse_data(items) -> dict:
+    if not items:
+        return {}
+    pairs = list(items.items()) if isinstance(items, dict) else [
+        str(item).partition("=")[::2] for item in (items if isinstance(items, (list, tuple)) else [items])]
+    out = {}
+    for uri, folder in pairs:
+        uri, folder = str(uri).strip().rstrip("/"), str(folder).strip()
+        if not uri.startswith("s3://") or len(uri) <= len("s3://") or not folder:
+            raise SpecError("--rehearse-data", f"expected S3_URI=FOLDER, got {uri}={folder}. "
+                                               "Fix: --rehearse-data s3://my-bucket/data/train=./data")
+        if not os.path.exists(folder):
+            raise SpecError("--rehearse-data", f"{uri}: the local folder {folder!r} does not exist "
+                                               f"(working directory {os.getcwd()})")
+        out[uri] = os.path.abspath(folder)
     return out
 
 
@@ -628,7 +662,17 @@ class SageMakerLauncher:
         push_bytes = pickle_push(plan.spec.push, push or {})
         for note in plan.warnings:
             print(f"[sdp_jupyter] note: {note}")
-        sm_session = resolve_aws(plan, self.session)
+        if plan.opts.rehearse:
+            from sdp_jupyter.launch.sagemaker_rehearse import rehearse
+
+            return rehearse(self, plan, push_bytes)
+        return self.submit(plan, push_bytes)
+
+    def submit(self, plan: Plan, push_bytes: bytes | None, session=None, *, extra: dict | None = None,
+               prepare=None) -> "SageMakerJob":
+        """Create the job directory and the training job of a checked plan. `extra`: more facts for
+        status.json's `sagemaker`; `prepare(job)`: called once the directory exists, before the request."""
+        sm_session = resolve_aws(plan, session if session is not None else self.session)
         job_dir, spec = SageMakerJob.create_dir(plan.spec, push_bytes)
         plan.spec = spec
         source = build_source_dir(job_dir, plan)
@@ -638,7 +682,9 @@ class SageMakerLauncher:
                     sagemaker={"region": plan.region, "instance_type": plan.instance_type,
                                "image_uri": plan.image_uri, "role": plan.role, "output_path": plan.output_path,
                                "checkpoint_uri": plan.checkpoint_uri, "spot": plan.opts.spot,
-                               "poll_interval": plan.opts.poll_interval})
+                               "poll_interval": plan.opts.poll_interval, **(extra or {})})
+        if prepare is not None:
+            prepare(job)
         gate = _RequestGate(job_dir / REQUEST_FILE).install(sm_session.boto_session)
         try:
             trainer = build_trainer(plan, source, sm_session)
@@ -720,7 +766,16 @@ class SageMakerJob(Job):
         """The CreateTrainingJob request as it was sent."""
         return jobdir.read_json(self.dir / REQUEST_FILE)
 
+    @property
+    def rehearsal(self) -> dict | None:
+        """What a rehearsal (--rehearse) checked and ran; None for a job on AWS."""
+        return self.sagemaker.get("rehearsal")
+
     def _boto(self):
+        if self.rehearsal:  # the local stand-in that played AWS, never AWS itself
+            from sdp_jupyter.launch.sagemaker_standin import MotoAWS
+
+            return MotoAWS(endpoint=self.rehearsal["endpoint"], env={})
         return boto_session(self.sagemaker.get("region"))
 
     # ---------------------------------------------------------------- following the remote job
@@ -820,6 +875,10 @@ class SageMakerJob(Job):
         extra = (f"\nSageMaker: {sm.get('training_job_name')} in {sm.get('region')}, "
                  f"{self.spec.nodes} x {sm.get('instance_type')}, status {sm.get('status', '?')}"
                  f"/{sm.get('secondary_status', '?')}")
+        if self.rehearsal:
+            from sdp_jupyter.launch.sagemaker_rehearse import describe
+
+            extra += "\n" + describe(self.rehearsal)
         return line + extra
 
 

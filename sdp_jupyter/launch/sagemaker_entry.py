@@ -20,7 +20,7 @@ and this file then, in each rank:
 4. echoes every line `sdp_jupyter.report()` writes as a ``[sdp-metrics] {json}`` stdout line,
    which CloudWatch Logs keeps and the notebook parses (sdp_jupyter.monitor.cloudwatch);
 5. on an exception, writes its last line to SM_OUTPUT_FAILURE, so the job's FailureReason names
-   the script's error instead of "torchrun exited with 1".
+   the rank, its host and the script's error instead of "torchrun exited with 1".
 """
 from __future__ import annotations
 
@@ -129,9 +129,10 @@ def _write_failure(exc: BaseException, env=os.environ) -> None:
         return
     last = traceback.format_exception_only(type(exc), exc)[-1].strip()
     rank = env.get("RANK", "?")
+    host = f" ({env['SM_CURRENT_HOST']})" if env.get("SM_CURRENT_HOST") else ""
     try:
         with open(path, "w") as f:
-            f.write(f"rank {rank} of job {env.get('SDP_JOB_NAME', '?')} failed: {last}")
+            f.write(f"rank {rank}{host} of job {env.get('SDP_JOB_NAME', '?')} failed: {last}")
     except OSError:
         pass
 
