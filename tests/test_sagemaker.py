@@ -1,4 +1,4 @@
-"""`--target sagemaker` against a local moto server (tests/moto_fixtures.py), never AWS.
+"""`--target sagemaker` against a local moto server (tests/helpers/moto.py), never AWS.
 
 What is checked: the CreateTrainingJob request as it reached the server for an smddp, a spot and a
 gloo job (plus the driver files the SDK uploads next to it); validation against botocore's service
@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from moto_fixtures import BUCKET, MotoAWS, REGION, ROLE, aws  # noqa: F401  (aws is a fixture)
+from helpers.moto import BUCKET, REGION, ROLE, MotoAWS
 
 pytest.importorskip("sagemaker.train")
 pytest.importorskip("moto.server")

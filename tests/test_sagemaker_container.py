@@ -1,6 +1,6 @@
 """The source directory a SageMaker job uploads, run here the way the training container runs it.
 
-A job is launched against moto (tests/moto_fixtures.py); the `code` and `sm_drivers` channels are
+A job is launched against moto (tests/helpers/moto.py); the `code` and `sm_drivers` channels are
 downloaded from moto's S3 exactly as uploaded, the container environment of every host is computed
 by SageMaker's own `sm_drivers/scripts/environment.py` (`set_env`) from the job's resource config,
 channels and hyperparameters, and SageMaker's own `sm_drivers/distributed_drivers/torchrun_driver.py`
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from moto_fixtures import BUCKET, ROLE, LocalContainers, MotoAWS, aws  # noqa: F401  (aws is a fixture)
+from helpers.moto import BUCKET, ROLE, LocalContainers, MotoAWS
 
 pytest.importorskip("sagemaker.train")
 pytest.importorskip("torch")

@@ -307,7 +307,7 @@ def test_the_notebook_runs_headless(tmp_path):
 
 @pytest.mark.slow
 def test_launch_on_sagemaker_sends_the_same_hyperparameters():
-    """Target SageMaker against the local moto control plane (tests/moto_fixtures.py): Launch sends
+    """Target SageMaker against the local moto control plane (tests/helpers/moto.py): Launch sends
     CreateTrainingJob with the form's instance type, count and hyperparameters; the job follows the
     service's status to 'succeeded'."""
     pytest.importorskip("sagemaker.train")
@@ -315,7 +315,7 @@ def test_launch_on_sagemaker_sends_the_same_hyperparameters():
     import logging
     import tempfile
 
-    from moto_fixtures import BUCKET, MotoAWS, ROLE, moto_aws
+    from helpers.moto import BUCKET, ROLE, MotoAWS, moto_aws
 
     logging.getLogger("werkzeug").setLevel(logging.CRITICAL)
     with tempfile.TemporaryDirectory() as tmp, moto_aws(tmp) as aws:
