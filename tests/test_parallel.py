@@ -140,7 +140,11 @@ SCENARIOS = {
 # "terminate called without an active exception" (a std::thread destroyed while joinable, or two
 # concurrent shutdowns of one engine; shutdown() is now serialised, which may be the fix). Not
 # reproduced alone. Non-strict, so a pass shows as XPASS; see the round's closing note.
-_KNOWN_FLAKY = {"tp2-dp2-smddp": "rank aborted once with std::terminate under load (closing note)"}
+# tp2-dp2-smddp hung until the secret timeout whenever a dp group's late ranks missed the one-node secret
+# file (fixed: secret.release_local_secret; test_torch_backend's subgroup test catches it). It also
+# aborted once with std::terminate under load (before Engine::shutdown was serialised): non-strict until
+# a full run or two show it clean.
+_KNOWN_FLAKY = {"tp2-dp2-smddp": "aborted once with std::terminate under load (closing note)"}
 
 
 @pytest.mark.slow

@@ -88,6 +88,16 @@ def _run_workers(target, world, *args, env=None, timeout=150):
                      env={**_HELPERS_ENV, **(env or {})}, timeout=timeout)
 
 
+def test_one_node_secret_file_outlives_a_subgroups_set_up():
+    """Without SDP_JOB_SECRET, smddp subgroups created before any whole-job group (tp x dp's dp
+    groups) all get the job's secret: the file rank 0 wrote is not removed once the first subgroup is
+    connected (it was, and the other subgroup's late ranks waited for it until the timeout)."""
+    results = run_ranks("backend_workers:subgroups_before_any_whole_group", 4, 4, args=(3.0,),
+                        env={**_HELPERS_ENV, "SDP_TIMEOUT": "30"}, timeout=120, secret=lambda r: None)
+    vals = assert_all_ok(results)
+    assert vals == [[2.0] * 3, [4.0] * 3, [2.0] * 3, [4.0] * 3]
+
+
 def test_gather_scatter_all_to_all_coalesced_and_object_collectives_match_gloo():
     smddp = assert_all_ok(_run_workers("ops", 2, "smddp"))
     gloo = assert_all_ok(_run_workers("ops", 2, "gloo"))

@@ -21,7 +21,7 @@ import numpy as np
 
 from sdp_jupyter import _engine
 from sdp_jupyter._env import env_float, env_int
-from sdp_jupyter.comm.secret import (SecretError, check_secret, is_loopback, job_secret, remove_local_secret,
+from sdp_jupyter.comm.secret import (SecretError, check_secret, is_loopback, job_secret, release_local_secret,
                                      uses_local_file)
 
 EngineError = _engine.EngineError
@@ -166,8 +166,8 @@ class Communicator:
 
     def _finish_setup(self) -> None:
         """Every rank says it is connected; then rank 0 stops serving the store (nobody needs it
-        any more, and a store that is closed can be reached by nobody) and removes the one-node
-        secret file."""
+        any more, and a store that is closed can be reached by nobody) and lets the one-node secret
+        file go (secret.release_local_secret: now, or at exit when this group is not the whole job)."""
         file_secret = uses_local_file()
         if not (self._close_store or file_secret):
             return  # the caller owns the store (and may set up more groups through it)
@@ -178,7 +178,7 @@ class Communicator:
             if self._close_store and hasattr(self._store, "close_server"):
                 self._store.close_server()
             if file_secret:
-                remove_local_secret()
+                release_local_secret(self.world_size)
         if self._close_store and hasattr(self._store, "close") and self.rank != 0:
             self._store.close()
             self._close_store = False

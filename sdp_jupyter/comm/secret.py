@@ -126,6 +126,28 @@ def remove_local_secret() -> None:
         pass
 
 
+_removal_at_exit = False
+
+
+def release_local_secret(group_size: int) -> None:
+    """Called when a group set up with the one-node file secret is connected. The file is the job's,
+    not the group's (the process's RANK 0 publishes it once; every smddp group of the job reads it),
+    so it goes as soon as a group spanning the whole job is connected (every rank has read it); after
+    a subgroup only at the publisher's exit, since ranks outside that subgroup may still need it
+    (tp x dp jobs create their dp groups first, and a file removed after one of them left the other
+    group's ranks waiting for it)."""
+    global _removal_at_exit
+    if env_int("RANK", 0, min=0) != 0:
+        return
+    if group_size >= env_int("WORLD_SIZE", 1, min=1):
+        remove_local_secret()
+    elif not _removal_at_exit:
+        import atexit
+
+        _removal_at_exit = True
+        atexit.register(remove_local_secret)
+
+
 _cached: dict[str, bytes] = {}
 
 

@@ -156,3 +156,18 @@ def timeout_error():
         return {"dist_backend_error": isinstance(exc, dist.DistBackendError),
                 "smddp_error": isinstance(exc, sdp_jupyter.torch.SmddpError), "message": str(exc)}
     return {"dist_backend_error": False, "message": "no error"}
+
+
+def subgroups_before_any_whole_group(delay_odd: float):
+    """A tp x dp job's shape: the default group is gloo and the first smddp groups are the dp
+    subgroups {0, 2} and {1, 3}, with no SDP_JOB_SECRET (the one-node secret file). The odd ranks
+    come late, after {0, 2} is connected, so the file must outlive that subgroup's set-up."""
+    rank, world = _init("gloo")
+    if rank % 2:
+        time.sleep(delay_odd)
+    groups = [dist.new_group([r for r in range(world) if r % 2 == parity], backend="smddp") for parity in (0, 1)]
+    mine = groups[rank % 2]
+    t = torch.full((3,), float(rank))
+    dist.all_reduce(t, group=mine)
+    dist.barrier()  # on the default (gloo) group: rank 0 serves the store until everyone is done
+    return t.tolist()
