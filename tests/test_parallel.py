@@ -130,16 +130,15 @@ SCENARIOS = {
     # engine, the mesh on gloo
     "tp2-dp2-smddp": (ParallelConfig(tp=2), 4, "smddp"),
     "dp2-fsdp2": (ParallelConfig(sharding="full", checkpointing="selective"), 2),
+    # FSDP2 with the dp dimension of the mesh on our engine (all-gather, reduce-scatter)
+    "dp2-fsdp2-smddp": (ParallelConfig(sharding="full"), 2, "smddp"),
+    "dp2-zero1-smddp": (ParallelConfig(sharding="optimizer"), 2, "smddp"),
     # the notebook's layout, with offloading: one 4-process run covers tp x pp x offload
     "tp2-pp2-1f1b-offload": (ParallelConfig(tp=2, pp=2, microbatches=4, checkpointing="layer",
                                             offload_activations=True), 4),
 }
 
 
-# Known bug: once in the full suite on a loaded machine a rank of the smddp tp x dp run aborted with
-# "terminate called without an active exception" (a std::thread destroyed while joinable, or two
-# concurrent shutdowns of one engine; shutdown() is now serialised, which may be the fix). Not
-# reproduced alone. Non-strict, so a pass shows as XPASS; see the round's closing note.
 # tp2-dp2-smddp hung until the secret timeout whenever a dp group's late ranks missed the one-node secret
 # file (fixed: secret.release_local_secret; test_torch_backend's subgroup test catches it). It also
 # aborted once with std::terminate under load (before Engine::shutdown was serialised): non-strict until

@@ -51,15 +51,18 @@ __all__ = ["ParallelConfig", "Hybrid", "setup", "apply_tensor_parallel", "apply_
            "average_gradients", "build_mesh"]
 
 
-def build_mesh(config: ParallelConfig, world_size: int, device_type: str = "cpu"):
-    """A DeviceMesh ``(pp, dp, tp)``: tp innermost (consecutive ranks share a node), pp outermost."""
+def build_mesh(config: ParallelConfig, world_size: int, device_type: str = "cpu", dp_backend: str | None = None):
+    """A DeviceMesh ``(pp, dp, tp)``: tp innermost (consecutive ranks share a node), pp outermost.
+    ``dp_backend`` puts the dp dimension's groups on another backend than the default group's
+    (``"smddp"``: FSDP2's and ZeRO's all-gathers and reduce-scatters on our engine)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     tp, pp = config.tp, config.pp
     if world_size % (tp * pp):
         raise ValueError(f"world size {world_size} is not divisible by tp*pp = {tp * pp}")
+    override = {"dp": dp_backend} if dp_backend else None
     return init_device_mesh(device_type, (pp, world_size // (tp * pp), tp),
-                            mesh_dim_names=("pp", "dp", "tp"))
+                            mesh_dim_names=("pp", "dp", "tp"), backend_override=override)
 
 
 # ------------------------------------------------------------------------------ tensor parallelism
@@ -507,9 +510,10 @@ def setup(config: ParallelConfig | None = None, backend: str | None = None) -> H
     mesh from ``config`` or the environment.
 
     Backend: ``backend``, else ``SDP_BACKEND`` (the job's ``--backend``), else nccl with GPUs and
-    gloo without. Tensor and pipeline parallelism need point-to-point and gather/scatter
-    collectives our engine does not have, so with ``smddp`` the mesh runs on gloo/nccl and only the
-    data-parallel gradient average goes through the smddp engine (its own groups)."""
+    gloo without. Tensor and pipeline parallelism need point-to-point collectives our engine does
+    not have, so with ``smddp`` the default group runs on gloo/nccl and the data-parallel dimension
+    on the engine: the gradient average (its own groups), or, with ``--shard-optimizer`` on CPU, the
+    dp dimension of the mesh itself, so FSDP2's and ZeRO's all-gathers and reduce-scatters run there."""
     config = config or ParallelConfig.from_env()
     cuda = torch.cuda.is_available()
     wanted = backend or os.environ.get("SDP_BACKEND") or ("nccl" if cuda else "gloo")
@@ -520,9 +524,16 @@ def setup(config: ParallelConfig | None = None, backend: str | None = None) -> H
     if cuda:
         torch.cuda.set_device(device)
     _check_layout(config)
-    mesh = build_mesh(config, dist.get_world_size(), device.type)
+    world = dist.get_world_size()
+    dp = world // (config.tp * config.pp) if world % (config.tp * config.pp) == 0 else 1
+    sharded_on_smddp = wanted == "smddp" and dp > 1 and config.sharding != "none" and not cuda
+    if sharded_on_smddp:
+        import sdp_jupyter.torch  # noqa: F401  registers the "smddp" backend
+    mesh = build_mesh(config, world, device.type, dp_backend="smddp" if sharded_on_smddp else None)
     hp = Hybrid(config, mesh, device)
-    if wanted == "smddp" and hp.dp > 1 and config.sharding == "none":
+    if sharded_on_smddp:
+        hp.dp_group = mesh["dp"].get_group()  # FSDP2 / ZeRO run their collectives on the engine
+    elif wanted == "smddp" and hp.dp > 1 and config.sharding == "none":
         hp.dp_group = _smddp_dp_group(mesh)
     return hp
 
