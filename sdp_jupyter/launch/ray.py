@@ -247,7 +247,8 @@ class RayRun(remote.RemoteRun):
             raise SpecError("--nodes", f"the Ray cluster at {self.address} could not place {spec.nodes} bundle(s) "
                                        f"of {bundle} on distinct nodes within {PLACEMENT_TIMEOUT} s (busy with other "
                                        f"work?); it has {_describe_nodes(alive)}") from None
-        by_id = {n["NodeID"]: n["NodeManagerAddress"] for n in alive}
+        # asked again now: a node that joined since `alive` was read (a restarted one) may hold a bundle
+        by_id = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
         placed = placement_group_table(self.pg).get("bundles_to_node_id", {})
         self.hosts = [by_id.get(placed.get(i), f"ray-node-{i}") for i in range(spec.nodes)]
         actor_cls = ray.remote(AgentActor)
