@@ -100,7 +100,7 @@ class RemoteRun(supervise.Run):
         self.secret = secrets.token_hex(32)
         self.job: Job | None = None
         self.push_bytes: bytes | None = None
-        self._logs: dict[int, object] = {}
+        self._files: dict = {}  # path -> open append handle (logs and metrics), closed when the job ends
         supervise.Run.__init__(self, f"sdp-{spec.target}-{spec.name}")
 
     # ---------------------------------------------------------------- before the job exists
@@ -184,8 +184,8 @@ class RemoteRun(supervise.Run):
             state, error = "failed", f"the launcher failed: {type(e).__name__}: {e}"
         finally:
             self.close_all()
-            for log in self._logs.values():
-                log.close()
+            for f in self._files.values():
+                f.close()
             self._write_agent_logs()
             supervise.unregister(self)
             job.update_status(state=state, error=error, exit_codes=codes, ended=time.time())
@@ -303,19 +303,22 @@ class RemoteRun(supervise.Run):
         return True
 
     def _out(self, rank: int, text: str) -> None:
-        log = self._logs.get(rank)
-        if log is None:
-            log = self._logs[rank] = jobdir.open_private(jobdir.log_path(self.job.dir, rank), "a")
-        log.write(text)
-        log.flush()
+        self._append(jobdir.log_path(self.job.dir, rank), text)
         self.job.emit_output(rank, text)
+
+    def _append(self, path, text: str) -> None:
+        """Append to a mirrored file, keeping it open for the job (frames come many per second)."""
+        f = self._files.get(path)
+        if f is None:
+            f = self._files[path] = jobdir.open_private(path, "a")
+        f.write(text)
+        f.flush()
 
     def _metrics(self, message: dict) -> None:
         name = str(message.get("file", ""))
         if not channel.METRICS_FILE.match(name):  # never a path: only the names the agent may send
             return
-        with jobdir.open_private(self.job.dir / jobdir.METRICS / name, "a") as f:
-            f.write(str(message.get("lines", "")))
+        self._append(self.job.dir / jobdir.METRICS / name, str(message.get("lines", "")))
 
     def _failure_message(self, rank: int, code: int) -> str:
         node, local_rank = divmod(rank, self.spec.procs_per_node)
