@@ -105,14 +105,34 @@ def test_gather_scatter_all_to_all_coalesced_and_object_collectives_match_gloo()
     assert smddp[1]["all_to_all_single"] == [2.0, 3.0, 102.0, 103.0]
 
 
-def test_operations_not_done_yet_name_themselves_and_the_way_around():
-    vals = assert_all_ok(_run_workers("refusals", 2))
-    for v in vals:
-        for key in ("send", "recv", "recv_any"):
-            assert v[key].startswith("SmddpUnsupportedError") and "gloo" in v[key], v[key]
-        assert "sparse" in v["sparse"] and "to_dense" in v["sparse"]
-        assert "uneven splits" in v["uneven"]
-        assert not any("No backend type associated" in m for m in v.values())
+@pytest.mark.parametrize("world,per_node", [(3, 3), (3, 1)])
+def test_messages_and_uneven_all_to_all_and_sparse_match_gloo(world, per_node):
+    """send/recv with tags, any source, batch_isend_irecv, uneven all_to_all, sparse all_reduce:
+    every value equal to gloo's, on one node and one rank per node."""
+    env = {**_HELPERS_ENV, "SDP_TIMEOUT": "60"}
+    smddp = assert_all_ok(run_ranks("backend_workers:messages", world, per_node, args=("smddp",), env=env, timeout=120))
+    gloo = assert_all_ok(run_ranks("backend_workers:messages", world, per_node, args=("gloo",), env=env, timeout=120))
+    for r, v in enumerate(smddp):
+        assert v.pop("all_to_all_sizes") == [[10.0 * d + r] * (d + 1) for d in range(world)]
+    assert smddp == gloo
+    assert smddp[0]["any_source"] == [(1, [1, 2, 7]), (2, [2, 4, 7])]
+    assert smddp[1]["ring"] == [[0.0] * 4, [100.0] * 2]
+    assert smddp[0]["sparse"] == [2.0 * world + 1] + [1.0] * (world - 1)
+    assert smddp[2]["uneven_all_to_all"][:1] == [[2.0, 2.0]]
+
+
+def test_message_failures_name_the_peer_and_the_sizes_and_say_timed_out():
+    res = _run_workers("message_failures", 2, env={"SDP_TIMEOUT": "20"}, timeout=90)
+    for r in res:
+        assert r.ok, r.error + r.output[-2000:]
+    v0, v1 = res[0].value, res[1].value
+    assert "4 bytes" not in v1["mismatch"] and "16 bytes" in v1["mismatch"] and "20 bytes" in v1["mismatch"], v1
+    assert "rank 0" in v1["mismatch"], v1["mismatch"]
+    for v in (v0, v1):
+        assert " Timed out " in v["timeout"] and v["timeout_is_dist_backend_error"], v
+        assert "monitored_barrier" in v["monitored_barrier"], v  # torch reserves it for gloo
+    assert "rank 1" in v0["peer_left"] and "closed its connection" in v0["peer_left"], v0["peer_left"]
+    assert v0["peer_left_s"] < 10, v0
 
 
 def test_timeout_is_torchs_dist_backend_error_and_says_timed_out():

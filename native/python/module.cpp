@@ -8,6 +8,7 @@
 
 #include "sdp/engine.h"
 #include "sdp/hmac.h"
+#include "sdp/mailbox.h"
 #include "sdp/reduce.h"
 
 namespace py = pybind11;
@@ -98,4 +99,28 @@ PYBIND11_MODULE(_engine, m) {
       .def_property_readonly("local_size", &Engine::local_size)
       .def_property_readonly("is_leader", &Engine::is_leader)
       .def_property_readonly("port", &Engine::listen_port);
+
+  py::class_<Mailbox>(m, "Mailbox", "Point-to-point messages between the ranks of a group (mailbox.h).")
+      .def(py::init([](int rank, int world_size, py::bytes secret, std::string bind_addr, double timeout) {
+             return new Mailbox(rank, world_size, std::string(secret), std::move(bind_addr), timeout);
+           }),
+           py::arg("rank"), py::arg("world_size"), py::arg("secret"), py::arg("bind_addr") = "127.0.0.1",
+           py::arg("timeout") = 300.0)
+      .def("listen", &Mailbox::listen, py::call_guard<py::gil_scoped_release>())
+      .def("set_peers", &Mailbox::set_peers)
+      .def(
+          "isend",
+          [](Mailbox& mb, int dst, int64_t tag, uintptr_t ptr, size_t nbytes) {
+            return mb.isend(dst, tag, reinterpret_cast<const void*>(ptr), nbytes);
+          },
+          py::arg("dst"), py::arg("tag"), py::arg("ptr"), py::arg("nbytes"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "irecv",
+          [](Mailbox& mb, int src, int64_t tag, uintptr_t ptr, size_t nbytes) {
+            return mb.irecv(src, tag, reinterpret_cast<void*>(ptr), nbytes);
+          },
+          py::arg("src"), py::arg("tag"), py::arg("ptr"), py::arg("nbytes"), py::call_guard<py::gil_scoped_release>())
+      .def("wait", &Mailbox::wait, py::arg("handle"), py::arg("timeout") = 0.0, py::call_guard<py::gil_scoped_release>())
+      .def("test", &Mailbox::test)
+      .def("shutdown", &Mailbox::shutdown, py::call_guard<py::gil_scoped_release>());
 }

@@ -255,7 +255,7 @@ int ServerHandshake::step(const std::string& secret, PeerIdentity* who, std::str
   Digest got;
   std::memcpy(got.data(), proof_.mac, 32);
   if (!digest_equal(expect, got)) { *why = "failed the job-secret challenge"; return -1; }
-  if (proof_.role != uint8_t(Role::NODE) && proof_.role != uint8_t(Role::LOCAL)) { *why = "claimed an unknown role"; return -1; }
+  if (proof_.role != uint8_t(Role::NODE) && proof_.role != uint8_t(Role::LOCAL) && proof_.role != uint8_t(Role::P2P)) { *why = "claimed an unknown role"; return -1; }
   ServerProof sp{};
   sp.magic = kHelloMagic;
   Digest m = server_mac(secret, hello_.nonce, proof_.nonce);

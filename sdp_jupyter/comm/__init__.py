@@ -65,35 +65,43 @@ def bind_address() -> str:
 
 
 class Work:
-    """Handle of an asynchronous collective. `wait()` re-raises the engine's error."""
+    """Handle of an asynchronous collective or message. `wait()` re-raises the engine's error;
+    for a receive it returns the sender's rank (`source`)."""
 
     def __init__(self, comm: "Communicator", handle: int, keepalive: Any = None,
-                 finish: Callable[[], None] | None = None):
+                 finish: Callable[[], None] | None = None, message: bool = False):
         self._comm = comm
         self._handle = handle
         self._keepalive = keepalive
         self._finish = finish
+        self._waiter = comm._mailbox if message else comm._engine
         self._done = False
         self._lock = threading.Lock()
+        self.source: int | None = None
 
-    def wait(self, timeout: float | None = None) -> None:
+    def wait(self, timeout: float | None = None) -> int | None:
         with self._lock:
             if self._done:
-                return
+                return self.source
             try:
-                self._comm._engine.wait(self._handle, float(timeout or 0.0))
+                got = self._waiter.wait(self._handle, float(timeout or 0.0))
             except EngineError as exc:
+                self._done = True  # a message that failed or timed out is withdrawn
+                self._keepalive = None
                 raise SmddpError(str(exc)) from None
+            if self._waiter is self._comm._mailbox:
+                self.source = got
             if self._finish is not None:
                 self._finish()
             self._done = True
             self._keepalive = None
+            return self.source
 
     def is_completed(self) -> bool:
         if self._done:
             return True
         try:
-            return self._comm._engine.test(self._handle)
+            return self._waiter.test(self._handle)
         except EngineError as exc:
             raise SmddpError(str(exc)) from None
 
@@ -127,15 +135,28 @@ class Communicator:
         secret = check_secret(secret, "the job secret") if secret is not None else job_secret(self.timeout)
         self._secret = secret
 
-        # Who lives where: every rank publishes its node key; nodes are numbered by first rank.
-        self._put(f"node-of/{rank}", node.encode())
-        keys = [self._take(f"node-of/{r}").decode() for r in range(world_size)]
+        addr = bind_addr or bind_address()
+        # Point-to-point messages (send/recv, gather, scatter, all_to_all) go through the
+        # mailbox: its listener is up before anyone learns its address.
+        self._mailbox = _engine.Mailbox(rank, world_size, secret, addr, self.timeout)
+        self.messages = 0  # point-to-point operations posted (sends and receives)
+        try:
+            p2p_port = self._mailbox.listen()
+        except EngineError as exc:
+            self._mailbox.shutdown()
+            raise SmddpError(str(exc)) from None
+
+        # Who lives where: every rank publishes its node key (and its mailbox); nodes are
+        # numbered by first rank.
+        self._put(f"node-of/{rank}", json.dumps({"node": node, "addr": addr, "port": p2p_port}).encode())
+        ranks = [json.loads(self._take(f"node-of/{r}")) for r in range(world_size)]
+        keys = [str(d["node"]) for d in ranks]
         order: dict[str, int] = {}
         for k in keys:
             order.setdefault(k, len(order))
         self.node_of_rank = [order[k] for k in keys]
+        self._mailbox.set_peers([str(d["addr"]) for d in ranks], [int(d["port"]) for d in ranks])
 
-        addr = bind_addr or bind_address()
         self._engine = _engine.Engine(rank, self.node_of_rank, secret, addr, self.timeout, chunk, spin)
         try:
             port, _ = self._engine.prepare()
@@ -146,6 +167,7 @@ class Communicator:
             self._finish_setup()
         except EngineError as exc:
             self._engine.shutdown()
+            self._mailbox.shutdown()
             raise SmddpError(str(exc)) from None
 
     # ---- the rendezvous: every value is signed with the job secret, so a store that is not
@@ -201,7 +223,9 @@ class Communicator:
         return self._engine.local_size
 
     def stats(self) -> dict:
-        return self._engine.stats()
+        """The engine's counters (collectives, bytes, busy_s) and `messages`, the point-to-point
+        operations posted."""
+        return {**self._engine.stats(), "messages": self.messages}
 
     # ---- raw submission, for the numpy face below (the torch process group submits to the engine
     # itself, to raise torch's DistBackendError instead of SmddpError; the engine's DDP wrapper goes
@@ -289,6 +313,40 @@ class Communicator:
         return self._done(self.submit(COLL_REDUCE_SCATTER, tmp.ctypes.data, n, code, self._op(op), 0,
                                       (tmp, o), take), async_op)
 
+    def send(self, arr, dst: int, tag: int = 0, async_op: bool = False):
+        """Sends arr to rank dst; matched by the receive on dst with this rank (or any) and tag."""
+        a = self._message_buffer(arr)
+        self._check_peer(dst, "destination")
+        return self._done(self._message(self._mailbox.isend, dst, tag, a), async_op)
+
+    def recv(self, arr, src: int | None = None, tag: int = 0, async_op: bool = False):
+        """Receives into arr from rank src (None: any rank); returns the sender's rank, or with
+        async_op the Work whose wait() returns it."""
+        a = self._message_buffer(arr, writable=True)
+        if src is not None:
+            self._check_peer(src, "source")
+        work = self._message(self._mailbox.irecv, -1 if src is None else src, tag, a)
+        return work if async_op else work.wait()
+
+    def _message(self, post, peer: int, tag: int, a: np.ndarray) -> Work:
+        try:
+            h = post(peer, tag, a.ctypes.data, a.nbytes)
+        except EngineError as exc:
+            raise SmddpError(str(exc)) from None
+        self.messages += 1
+        return Work(self, h, a, message=True)
+
+    @staticmethod
+    def _message_buffer(arr, writable: bool = False) -> np.ndarray:
+        a = arr if isinstance(arr, np.ndarray) else np.asarray(memoryview(arr))
+        if not a.flags.c_contiguous or (writable and not a.flags.writeable):
+            raise ValueError("messages need a C-contiguous" + (", writable" if writable else "") + " array")
+        return a
+
+    def _check_peer(self, r: int, what: str) -> None:
+        if not 0 <= r < self.world_size:
+            raise ValueError(f"{what} rank {r} is not a rank of this group of {self.world_size}")
+
     def barrier(self, async_op: bool = False):
         token = np.zeros(1, dtype=np.uint8)
         return self._done(self.submit(COLL_ALLREDUCE, token.ctypes.data, 1, DTYPES["uint8"], OPS["max"], 0, token),
@@ -300,6 +358,7 @@ class Communicator:
 
     def close(self) -> None:
         self._engine.shutdown()
+        self._mailbox.shutdown()
         if self._close_store and hasattr(self._store, "close"):
             self._store.close()
 

@@ -15,6 +15,7 @@ import datetime
 import os
 import queue
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -54,10 +55,6 @@ class SmddpUnsupportedError(NotImplementedError):
 
 def _unsupported(op: str, instead: str):
     raise SmddpUnsupportedError(f"smddp does not implement {op} yet; {instead}")
-
-
-_P2P_INSTEAD = ("for point-to-point traffic create a gloo group next to it, e.g. "
-                "`dist.new_group(backend=\"gloo\")`, and pass it as group=")
 
 
 def _op_code(op, dtype) -> int:
@@ -116,6 +113,8 @@ class SmddpWork(dist._Work):
     it) and the buffers the engine writes into, until the collective is done.
     """
 
+    _via = "_engine"  # whose handles these are: the engine's (collectives) or the mailbox's (messages)
+
     def __init__(self, pg: "ProcessGroupSMDDP", handles, result, keep=None, finish=()):
         super().__init__()
         self._handles = handles
@@ -128,16 +127,14 @@ class SmddpWork(dist._Work):
         self._future: torch.futures.Future | None = None
         self._pg = pg
 
-    def _complete(self) -> None:
+    def _complete(self, timeout_s: float = 0.0) -> None:
         with self._lock:
             if self._done:
                 if self._error is not None:
                     raise self._error
                 return
             try:
-                wait = self._pg._engine.wait
-                for h in self._handles:
-                    wait(h, 0.0)
+                self._wait_handles(timeout_s)
                 for f in self._finish:
                     f()
             except (EngineError, SmddpError) as exc:
@@ -147,15 +144,23 @@ class SmddpWork(dist._Work):
                 self._done = True
                 self._keep = None
 
+    def _wait_handles(self, timeout_s: float) -> None:
+        # a collective runs to its end or to the group's deadline (SDP_TIMEOUT): the engine
+        # cannot withdraw one that other ranks take part in
+        wait = self._pg._engine.wait
+        for h in self._handles:
+            wait(h, 0.0)
+
     def wait(self, timeout=None) -> bool:
-        self._complete()
+        seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout or 0.0)
+        self._complete(seconds if seconds > 0 else 0.0)
         return True
 
     def is_completed(self) -> bool:
         if self._done:
             return True
         try:
-            test = self._pg._engine.test
+            test = getattr(self._pg, self._via).test
             return all(test(h) for h in self._handles)
         except (EngineError, SmddpError) as exc:
             raise _backend_error(exc) from None
@@ -190,6 +195,41 @@ class SmddpWork(dist._Work):
         return self._result
 
 
+class SmddpMessageWork(SmddpWork):
+    """Work of point-to-point messages (and the collectives built on them): the mailbox's
+    handles. A receive from any source knows its sender once done (`_source_rank()`)."""
+
+    _via = "_mailbox"
+    _source = -1
+
+    def _wait_handles(self, timeout_s: float) -> None:
+        # wait(timeout) bounds a message (0: the group's timeout); one that times out is withdrawn
+        wait = self._pg._mailbox.wait
+        handles = list(self._handles)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while handles:
+                left = max(deadline - time.monotonic(), 1e-3) if timeout_s else 0.0
+                self._source = wait(handles[0], left)
+                handles.pop(0)
+        except (EngineError, SmddpError):
+            for h in handles[1:]:  # withdraw the others before their buffers go
+                try:
+                    wait(h, 1e-3)
+                except (EngineError, SmddpError):
+                    pass
+            raise
+
+    def _source_rank(self) -> int:
+        self._complete()
+        return self._source
+
+
+# Collectives built on messages use this tag; messages between two ranks keep their order, so
+# successive collectives never take each other's pieces.
+_COLL_TAG = -(1 << 62)
+
+
 class ProcessGroupSMDDP(dist.ProcessGroup):
     """A torch.distributed process group whose collectives run in the native engine."""
 
@@ -206,6 +246,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         except SmddpError as exc:
             raise _backend_error(exc) from None
         self._engine = self.comm._engine
+        self._mailbox = self.comm._mailbox
         _register_name_carrier(self, rank, world_size)
         self._completer: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._complete_futures, name="smddp-futures", daemon=True)
@@ -236,9 +277,6 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
             raise _backend_error(exc) from None
 
     def _allreduce_tensor(self, t: torch.Tensor, op):
-        if t.is_sparse:
-            _unsupported("all_reduce of sparse tensors", "reduce `t.to_dense()` (or use gloo, which "
-                         "all-gathers the indices and values)")
         buf, finish = _staged(t)
         h = self._submit(COLL_ALLREDUCE, buf.data_ptr(), buf.numel(), _dtype_code(t), _op_code(op, t.dtype), 0)
         return h, buf, finish
@@ -259,6 +297,8 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
     # ---- collectives
     def allreduce(self, tensors, opts=None):
         op = opts.reduceOp if opts is not None else ReduceOp.SUM
+        if any(t.is_sparse for t in tensors):
+            return self._sparse_allreduce(tensors, op)
         if len(tensors) == 1:  # the common case, without the list plumbing
             h, buf, finish = self._allreduce_tensor(tensors[0], op)
             return SmddpWork(self, [h], tensors, buf, (finish,))
@@ -266,6 +306,36 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
 
     def allreduce_coalesced(self, tensors, opts=None):
         return self.allreduce(tensors, opts)
+
+    def _sparse_allreduce(self, tensors, op):
+        # As gloo does it: every rank's indices and values are all-gathered and summed, so the
+        # result is the same sparse tensor on every rank. Done before returning (blocking).
+        if _op_code(op, torch.float32) != OPS["sum"]:
+            _unsupported(f"all_reduce of sparse tensors with {op}", "use ReduceOp.SUM, or reduce `t.to_dense()`")
+        for t in tensors:
+            if not t.is_sparse:
+                raise ValueError("all_reduce of several tensors needs them all sparse or all dense")
+            c = t.detach().cpu().coalesce()
+            idx, vals = c.indices(), c.values()
+            counts = torch.empty(self._world, dtype=torch.int64)
+            self._wait_now(self._gather_flat(counts, torch.tensor([idx.shape[1]])))
+            top = int(counts.max())
+            pad_i = torch.zeros((idx.shape[0], top), dtype=idx.dtype)
+            pad_i[:, :idx.shape[1]] = idx
+            pad_v = torch.zeros((top,) + tuple(vals.shape[1:]), dtype=vals.dtype)
+            pad_v[:vals.shape[0]] = vals
+            all_i = torch.empty((self._world,) + tuple(pad_i.shape), dtype=idx.dtype)
+            all_v = torch.empty((self._world,) + tuple(pad_v.shape), dtype=vals.dtype)
+            self._wait_now(self._gather_flat(all_i, pad_i) + self._gather_flat(all_v, pad_v))
+            keep = [slice(0, int(n)) for n in counts]
+            total = torch.sparse_coo_tensor(torch.cat([all_i[r][:, k] for r, k in enumerate(keep)], dim=1),
+                                            torch.cat([all_v[r][k] for r, k in enumerate(keep)]),
+                                            c.shape).coalesce()
+            t.copy_(total.to(t.device))
+        return SmddpWork(self, [], tensors)
+
+    def _wait_now(self, handles) -> None:
+        SmddpWork(self, handles, None).wait()
 
     def broadcast(self, tensors, opts=None):
         root = opts.rootRank if opts is not None else 0
@@ -355,73 +425,106 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
                     o.copy_(piece.view_as(o))
         return SmddpWork(self, handles, output_lists, flat, [cut])
 
-    def gather(self, output_lists, input_tensors, opts=None):
-        # emulated: an all-gather whose result only the root keeps
-        root = opts.rootRank if opts is not None else 0
-        inp = input_tensors[0].detach().cpu()
-        flat = torch.empty((self._world,) + tuple(inp.shape), dtype=inp.dtype)
-        handles = self._gather_flat(flat, inp)
+    # ---- point-to-point messages (the mailbox), and the collectives that are messages
+    def _post(self, post, peer: int, tag: int, buf: torch.Tensor) -> int:
+        try:
+            h = post(peer, tag, buf.data_ptr(), buf.numel() * buf.element_size())
+        except (EngineError, SmddpError) as exc:
+            raise _backend_error(exc) from None
+        self.comm.messages += 1
+        return h
 
-        def keep():
-            if self._rank == root:
-                for r, o in enumerate(output_lists[0]):
-                    o.copy_(flat[r])
-        return SmddpWork(self, handles, output_lists, flat, [keep])
+    def _send_buffer(self, t: torch.Tensor) -> torch.Tensor:
+        if t.is_sparse:
+            _unsupported("send/recv of sparse tensors", "send t.indices() and t.values() as two messages")
+        t = t.detach()
+        return t if t.device.type == "cpu" and t.is_contiguous() else t.to("cpu").contiguous()
+
+    def _messages(self, sends, recvs, result, also=()):
+        """One work for several messages: sends (peer, tensor) and receives (peer, tensor), the
+        receives written back into their tensors when done."""
+        handles, keep, finish = [], [], list(also)
+        for peer, t in sends:
+            buf = self._send_buffer(t)
+            handles.append(self._post(self._mailbox.isend, peer, _COLL_TAG, buf))
+            keep.append(buf)
+        for peer, t in recvs:
+            buf, fin = _staged(t)
+            handles.append(self._post(self._mailbox.irecv, peer, _COLL_TAG, buf))
+            keep.append(buf)
+            finish.append(fin)
+        return SmddpMessageWork(self, handles, result, keep, finish)
+
+    def send(self, tensors, dst, tag=0):
+        buf = self._send_buffer(tensors[0])
+        return SmddpMessageWork(self, [self._post(self._mailbox.isend, dst, tag, buf)], tensors, buf)
+
+    def recv(self, tensors, src, tag=0):
+        buf, finish = _staged(tensors[0])
+        return SmddpMessageWork(self, [self._post(self._mailbox.irecv, src, tag, buf)], tensors, buf, (finish,))
+
+    def recv_anysource(self, tensors, tag=0):
+        return self.recv(tensors, -1, tag)
+
+    def gather(self, output_lists, input_tensors, opts=None):
+        root = opts.rootRank if opts is not None else 0
+        inp = input_tensors[0]
+        if self._rank != root:
+            return self._messages([(root, inp)], [], output_lists)
+        outs = output_lists[0]
+        if len(outs) != self._world:
+            raise ValueError(f"gather on the root needs {self._world} output tensors, got {len(outs)}")
+        mine = outs[root]
+        return self._messages([], [(r, o) for r, o in enumerate(outs) if r != root], output_lists,
+                              [lambda: mine.copy_(inp)])
 
     def scatter(self, output_tensors, input_lists, opts=None):
-        # emulated: the root broadcasts all pieces at once and every rank keeps its own
         root = opts.rootRank if opts is not None else 0
         out = output_tensors[0]
-        flat = torch.empty((self._world,) + tuple(out.shape), dtype=out.dtype)
-        if self._rank == root:
-            for r, piece in enumerate(input_lists[0]):
-                flat[r].copy_(piece)
-        h = self._submit(COLL_BROADCAST, flat.data_ptr(), flat.numel(), _dtype_code(flat), 0, root)
-        return SmddpWork(self, [h], output_tensors, flat, [lambda: out.copy_(flat[self._rank])])
+        if self._rank != root:
+            return self._messages([], [(root, out)], output_tensors)
+        pieces = input_lists[0]
+        if len(pieces) != self._world:
+            raise ValueError(f"scatter on the root needs {self._world} input tensors, got {len(pieces)}")
+        out.copy_(pieces[root])
+        return self._messages([(r, p) for r, p in enumerate(pieces) if r != root], [], output_tensors)
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        # every rank sends piece r of its input to rank r and receives piece r of its output from
+        # rank r; the pieces are rows of dim 0, even or as the split sizes say
         w = self._world
-        if (output_split_sizes and len(set(output_split_sizes)) > 1) or \
-                (input_split_sizes and len(set(input_split_sizes)) > 1):
-            _unsupported("all_to_all_single with uneven splits",
-                         "pad the pieces to equal size, or use a gloo group for this call")
-        if input.numel() % w or output.numel() != input.numel():
-            raise ValueError(f"all_to_all_single needs input and output of equal size divisible by the "
-                             f"world size {w}; got {input.numel()} and {output.numel()} elements")
-        # emulated: an all-gather of every rank's whole input; rank r keeps piece r of each
-        inp = input.detach().reshape(-1).cpu()
-        flat = torch.empty((w, inp.numel()), dtype=inp.dtype)
-        handles = self._gather_flat(flat, inp)
-        n = inp.numel() // w
+        rows_in, rows_out = (input.shape[0] if input.dim() else 0), (output.shape[0] if output.dim() else 0)
 
-        def take():
-            output.view(-1).copy_(flat[:, self._rank * n:(self._rank + 1) * n].reshape(-1))
-        return SmddpWork(self, handles, [output], flat, [take])
+        def splits(given, rows, what):
+            if given:
+                if len(given) != w or sum(given) != rows:
+                    raise ValueError(f"all_to_all_single: {what}_split_sizes {list(given)} must have {w} entries "
+                                     f"summing to the first dimension {rows}")
+                return list(given)
+            if rows % w:
+                raise ValueError(f"all_to_all_single: the {what} tensor's first dimension {rows} is not divisible by "
+                                 f"the world size {w} (or pass {what}_split_sizes)")
+            return [rows // w] * w
+        s_in, s_out = splits(input_split_sizes, rows_in, "input"), splits(output_split_sizes, rows_out, "output")
+        src = input.detach()
+        if src.data_ptr() == output.data_ptr() and src.numel():
+            src = src.clone()
+        ins, outs = src.split(s_in), output.split(s_out)
+        me = self._rank
+        return self._messages([(r, ins[r]) for r in range(w) if r != me], [(r, outs[r]) for r in range(w) if r != me],
+                              [output], [lambda: outs[me].copy_(ins[me])])
 
     all_to_all_single = alltoall_base
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
-        sizes = {t.numel() for t in list(output_tensors) + list(input_tensors)}
-        if len(sizes) > 1:
-            _unsupported("all_to_all with tensors of different sizes",
-                         "pad them to one size, or use a gloo group for this call")
-        inp = torch.stack([t.detach().reshape(-1).cpu() for t in input_tensors])
-        flat = torch.empty((self._world,) + tuple(inp.shape), dtype=inp.dtype)
-        handles = self._gather_flat(flat, inp)
-
-        def take():
-            for r, o in enumerate(output_tensors):
-                o.copy_(flat[r, self._rank].view_as(o))
-        return SmddpWork(self, handles, output_tensors, flat, [take])
-
-    def send(self, tensors, dst, tag=0):
-        _unsupported("send/isend (and batch_isend_irecv)", _P2P_INSTEAD)
-
-    def recv(self, tensors, src, tag=0):
-        _unsupported("recv/irecv (and batch_isend_irecv)", _P2P_INSTEAD)
-
-    def recv_anysource(self, tensors, tag=0):
-        _unsupported("recv from any source", _P2P_INSTEAD)
+        w, me = self._world, self._rank
+        if len(output_tensors) != w or len(input_tensors) != w:
+            raise ValueError(f"all_to_all needs {w} input and {w} output tensors")
+        ins = [t.detach().clone() if t.data_ptr() == o.data_ptr() else t
+               for t, o in zip(input_tensors, output_tensors)]
+        return self._messages([(r, ins[r]) for r in range(w) if r != me],
+                              [(r, output_tensors[r]) for r in range(w) if r != me], output_tensors,
+                              [lambda: output_tensors[me].copy_(ins[me])])
 
     def monitored_barrier(self, opts=None, wait_all_ranks=False):
         _unsupported("monitored_barrier (torch reserves it for gloo)", "use dist.barrier(), which has a "

@@ -2,6 +2,7 @@
 this folder on PYTHONPATH). Each returns plain values the test compares across backends."""
 from __future__ import annotations
 
+import datetime
 import os
 import time
 
@@ -55,22 +56,99 @@ def ops(backend: str):
     return out
 
 
-def refusals():
-    """Operations smddp does not do yet: each names itself and the way around."""
-    rank, world = _init("smddp")
-    out = {}
-    t = torch.zeros(2)
-    for name, call in [("send", lambda: dist.send(t, 1 - rank)), ("recv", lambda: dist.recv(t, 1 - rank)),
-                       ("recv_any", lambda: dist.recv(t)),
-                       ("sparse", lambda: dist.all_reduce(torch.eye(2).to_sparse())),
-                       ("uneven", lambda: dist.all_to_all_single(torch.empty(3), torch.ones(3), [1, 2], [2, 1]))]:
-        try:
-            call()
-            out[name] = "no error"
-        except Exception as exc:  # noqa: BLE001 - the test reads the message
-            out[name] = f"{type(exc).__name__}: {exc}"
+def messages(backend: str):
+    """Point-to-point traffic and what rides on it, through torch's public API: values only (the
+    test compares them with gloo's)."""
+    rank, world = _init(backend)
+    out: dict = {}
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+    # send/recv in a ring, with two tags sent in one order and received in the other
+    a, b = torch.full((4,), float(rank)), torch.full((2,), 100.0 + rank)
+    ra, rb = torch.empty(4), torch.empty(2)
+    reqs = [dist.isend(a, nxt, tag=1), dist.isend(b, nxt, tag=2)]
+    dist.recv(rb, prv, tag=2)
+    dist.recv(ra, prv, tag=1)
+    for r in reqs:
+        r.wait()
+    out["ring"] = [ra.tolist(), rb.tolist()]
+    # any source: rank 0 takes one message from every other rank, in whatever order they come
+    if rank == 0:
+        got = {}
+        for _ in range(world - 1):
+            t = torch.empty(3, dtype=torch.int64)
+            src = dist.recv(t, tag=7)
+            got[src] = t.tolist()
+        out["any_source"] = sorted(got.items())
+    else:
+        dist.send(torch.tensor([rank, rank * 2, 7]), 0, tag=7)
+    # batch_isend_irecv: both neighbours at once, fp16
+    send_h = torch.arange(6, dtype=torch.float16).reshape(3, 2) + rank
+    recv_h = torch.empty(3, 2, dtype=torch.float16)
+    ops = [dist.P2POp(dist.isend, send_h, nxt), dist.P2POp(dist.irecv, recv_h, prv)]
+    for r in dist.batch_isend_irecv(ops):
+        r.wait()
+    out["batch"] = recv_h.tolist()
+    # uneven all_to_all_single: rank r sends r+1 rows to everyone
+    ins = [r + 1 for r in range(world)]
+    inp = torch.cat([torch.full((rank + 1, 2), float(10 * rank + d)) for d in range(world)])
+    o = torch.empty(sum(ins), 2)
+    dist.all_to_all_single(o, inp, output_split_sizes=ins, input_split_sizes=[rank + 1] * world)
+    out["uneven_all_to_all"] = o.tolist()
+    if backend == "smddp":  # gloo refuses all_to_all with tensors of different sizes
+        outs = [torch.empty(r + 1) for r in range(world)]
+        dist.all_to_all(outs, [torch.full((rank + 1,), float(rank * 10 + d)) for d in range(world)])
+        out["all_to_all_sizes"] = [t.tolist() for t in outs]
+    # sparse all_reduce (as gloo does it)
+    sp = torch.sparse_coo_tensor(torch.tensor([[rank, 0]]), torch.tensor([1.0, 2.0]), (world,))
+    dist.all_reduce(sp)
+    out["sparse"] = sp.to_dense().tolist()
+    objs = [None] * world
+    dist.all_gather_object(objs, {"r": rank})
+    out["objects"] = objs
     dist.barrier()
     dist.destroy_process_group()
+    return out
+
+
+def message_failures():
+    """What a failing message says: a size mismatch, a receive that times out, a peer that left."""
+    rank, world = _init("smddp")
+    out = {}
+    if rank == 0:
+        dist.send(torch.zeros(5), 1, tag=3)
+    else:
+        try:
+            dist.recv(torch.zeros(4), 0, tag=3)
+            out["mismatch"] = "no error"
+        except Exception as exc:  # noqa: BLE001 - the test reads the message
+            out["mismatch"] = f"{type(exc).__name__}: {exc}"
+    try:
+        w = dist.irecv(torch.zeros(1), 1 - rank, tag=99)
+        w.wait(datetime.timedelta(seconds=1))
+        out["timeout"] = "no error"
+    except Exception as exc:  # noqa: BLE001
+        out["timeout"] = f"{type(exc).__name__}: {exc}"
+        out["timeout_is_dist_backend_error"] = isinstance(exc, dist.DistBackendError)
+    try:
+        dist.monitored_barrier()
+        out["monitored_barrier"] = "no error"
+    except Exception as exc:  # noqa: BLE001
+        out["monitored_barrier"] = f"{type(exc).__name__}: {exc}"
+    # rank 1 leaves (after one message, so its connection to rank 0 exists); rank 0's next
+    # receive from it fails naming it, well before the timeout
+    if rank == 1:
+        dist.send(torch.ones(1), 0, tag=4)
+        dist.barrier()
+        return out
+    dist.recv(torch.zeros(1), 1, tag=4)
+    dist.barrier()
+    t0 = time.monotonic()
+    try:
+        dist.recv(torch.zeros(1), 1, tag=5)
+        out["peer_left"] = "no error"
+    except Exception as exc:  # noqa: BLE001
+        out["peer_left"] = f"{type(exc).__name__}: {exc}"
+    out["peer_left_s"] = time.monotonic() - t0
     return out
 
 

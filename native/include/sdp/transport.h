@@ -17,7 +17,7 @@ namespace sdp {
 constexpr uint32_t kHelloMagic = 0x48504453;  // "SDPH"
 constexpr uint32_t kProtocolVersion = 1;
 
-enum class Role : uint8_t { NODE = 1, LOCAL = 2 };
+enum class Role : uint8_t { NODE = 1, LOCAL = 2, P2P = 3 };  // P2P: a mailbox connection (mailbox.h)
 
 #pragma pack(push, 1)
 // The handshake's messages (server greeting, client proof, server proof).

@@ -1,0 +1,484 @@
+// Point-to-point messages: see mailbox.h.
+#include "sdp/mailbox.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+#include "sdp/common.h"
+#include "sdp/group.h"
+#include "sdp/transport.h"
+
+namespace sdp {
+
+struct Mailbox::Op {
+  bool send = false;
+  int peer = -1;  // destination, or source (-1: any)
+  int64_t tag = 0;
+  char* data = nullptr;
+  size_t nbytes = 0;
+  bool finished = false;
+  std::string error;
+  int source = -1;
+};
+
+struct Mailbox::In {  // the connection rank `src` opened to send to this rank
+  int fd = -1;
+  bool closed = false;
+  std::string closed_why;
+  MessageHeader hdr{};
+  size_t hdr_got = 0;
+  std::shared_ptr<Op> cur;    // the receive the message in flight goes to (null: kept or dropped)
+  std::vector<char> spill;    // a message nobody waits for yet
+  bool keep = false;          // spill goes to unexpected_ when complete (else it is dropped)
+  size_t got = 0;
+};
+
+struct Mailbox::Out {  // this rank's connection to rank `dst`
+  int fd = -1;
+  bool broken = false;
+  std::string broken_why;
+  std::deque<std::shared_ptr<Op>> q;
+  MessageHeader hdr{};
+  size_t sent = 0;  // bytes of the front message sent, header included
+};
+
+namespace {
+std::string tag_text(int64_t tag) { return "tag " + std::to_string(tag); }
+}  // namespace
+
+Mailbox::Mailbox(int rank, int world_size, std::string secret, std::string bind_addr, double timeout_s)
+    : rank_(rank), world_(world_size), secret_(std::move(secret)), bind_addr_(std::move(bind_addr)), timeout_s_(timeout_s) {
+  if (world_size < 1 || rank < 0 || rank >= world_size) throw Error("mailbox: rank outside the group");
+  for (int r = 0; r < world_; ++r) {
+    in_.push_back(std::make_unique<In>());
+    out_.push_back(std::make_unique<Out>());
+  }
+}
+
+Mailbox::~Mailbox() { shutdown(); }
+
+std::string Mailbox::who(int r) const {
+  std::string s = "rank " + std::to_string(r);
+  if (r >= 0 && r < int(addrs_.size())) s += " (" + addrs_[size_t(r)] + ")";
+  return s;
+}
+
+int Mailbox::listen() {
+  int port = 0;
+  listen_fd_ = listen_on(bind_addr_, &port);
+  if (::pipe2(wake_, O_CLOEXEC | O_NONBLOCK) != 0) throw Error(std::string("mailbox: pipe: ") + std::strerror(errno));
+  io_ = std::thread([this] { io_loop(); });
+  acceptor_ = std::thread([this] { accept_loop(); });
+  return port;
+}
+
+void Mailbox::set_peers(std::vector<std::string> addrs, std::vector<int> ports) {
+  if (int(addrs.size()) != world_ || int(ports.size()) != world_) throw Error("mailbox: need one address per rank");
+  std::lock_guard<std::mutex> g(mu_);
+  addrs_ = std::move(addrs);
+  ports_ = std::move(ports);
+}
+
+void Mailbox::wake() {
+  char b = 1;
+  if (wake_[1] >= 0) (void)!::write(wake_[1], &b, 1);
+}
+
+void Mailbox::accept_loop() {
+  // The listener stays open for the group's life (a message may come from anyone at any
+  // time); only an authenticated rank of this job gets further than the handshake, and each
+  // source rank gets one connection.
+  serve_handshakes(
+      listen_fd_, secret_, rank_, [this] { return stop_.load(); },
+      [this](const PeerIdentity& id, int fd) {
+        std::lock_guard<std::mutex> g(mu_);
+        bool ok = id.role == Role::P2P && id.rank < uint32_t(world_) && int(id.rank) != rank_ &&
+                  in_[id.rank]->fd < 0 && !in_[id.rank]->closed;
+        if (!ok) {
+          log_warning("rank " + std::to_string(rank_) + " dropped a message connection claiming to be rank " +
+                      std::to_string(id.rank) + " that it did not expect");
+          ::close(fd);
+          return;
+        }
+        set_nonblocking(fd);
+        set_bulk_buffers(fd);
+        set_link_liveness(fd, timeout_s_);
+        in_[id.rank]->fd = fd;
+        wake();
+      });
+}
+
+uint64_t Mailbox::isend(int dst, int64_t tag, const void* data, size_t nbytes) {
+  if (dst < 0 || dst >= world_) throw Error("send: destination rank " + std::to_string(dst) + " is outside the group");
+  auto op = std::make_shared<Op>();
+  op->send = true;
+  op->peer = dst;
+  op->tag = tag;
+  op->data = static_cast<char*>(const_cast<void*>(data));
+  op->nbytes = nbytes;
+  if (dst == rank_) {  // to itself: delivered at once
+    std::lock_guard<std::mutex> g(mu_);
+    if (shut_) throw Error("send: the process group was shut down");
+    uint64_t h = next_++;
+    ops_[h] = op;
+    deliver(op, rank_, op->data, nbytes);
+    op->finished = true;
+    return h;
+  }
+  Out& o = *out_[size_t(dst)];
+  {
+    std::lock_guard<std::mutex> c(connect_mu_);
+    bool need = false;
+    std::string addr;
+    int port = 0;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      if (shut_) throw Error("send: the process group was shut down");
+      if (o.broken) throw Error("send to " + who(dst) + " failed: " + o.broken_why);
+      if (addrs_.empty()) throw Error("send: the group's addresses are not known yet");
+      need = o.fd < 0;
+      addr = addrs_[size_t(dst)];
+      port = ports_[size_t(dst)];
+    }
+    if (need) {
+      // In the caller's thread: the other side's acceptor answers without its I/O thread, so
+      // two ranks opening connections to each other never wait on one another.
+      PeerIdentity me{Role::P2P, 0, 0, uint32_t(rank_)};
+      int fd;
+      try {
+        fd = connect_to(addr, port, secret_, me, now_s() + timeout_s_);
+      } catch (const Error& e) {
+        std::lock_guard<std::mutex> g(mu_);
+        o.broken = true;
+        o.broken_why = std::string("cannot reach it: ") + e.what();
+        throw Error("send to " + who(dst) + " failed: " + o.broken_why);
+      }
+      set_nonblocking(fd);
+      set_bulk_buffers(fd);
+      set_link_liveness(fd, timeout_s_);
+      std::lock_guard<std::mutex> g(mu_);
+      o.fd = fd;
+    }
+  }
+  std::lock_guard<std::mutex> g(mu_);
+  if (shut_) throw Error("send: the process group was shut down");
+  uint64_t h = next_++;
+  ops_[h] = op;
+  o.q.push_back(op);
+  wake();
+  return h;
+}
+
+uint64_t Mailbox::irecv(int src, int64_t tag, void* data, size_t nbytes) {
+  if (src < -1 || src >= world_) throw Error("recv: source rank " + std::to_string(src) + " is outside the group");
+  auto op = std::make_shared<Op>();
+  op->peer = src;
+  op->tag = tag;
+  op->data = static_cast<char*>(data);
+  op->nbytes = nbytes;
+  std::lock_guard<std::mutex> g(mu_);
+  if (shut_) throw Error("recv: the process group was shut down");
+  uint64_t h = next_++;
+  ops_[h] = op;
+  for (auto it = unexpected_.begin(); it != unexpected_.end(); ++it) {
+    if ((src == -1 || it->src == src) && it->tag == tag) {
+      Unexpected m = std::move(*it);
+      unexpected_.erase(it);
+      deliver(op, m.src, m.data.data(), m.data.size());
+      return h;
+    }
+  }
+  if (src >= 0 && src != rank_ && in_[size_t(src)]->closed) {
+    fail_op(op, who(src) + " " + in_[size_t(src)]->closed_why);
+    return h;
+  }
+  posted_.push_back(op);
+  return h;
+}
+
+void Mailbox::deliver(const std::shared_ptr<Op>& op, int src, const char* data, size_t n) {
+  // A whole message for a receive, or a message to this rank itself (mu_ held).
+  if (!op->send) {
+    if (n != op->nbytes) {
+      fail_op(op, "recv of " + std::to_string(op->nbytes) + " bytes got a message of " + std::to_string(n) +
+                      " bytes from " + who(src) + " (" + tag_text(op->tag) + "): the two sides disagree on the size");
+      return;
+    }
+    if (n) std::memcpy(op->data, data, n);
+    op->source = src;
+    op->finished = true;
+    cv_.notify_all();
+    return;
+  }
+  // Sending to itself: the oldest receive that fits, else kept.
+  for (auto it = posted_.begin(); it != posted_.end(); ++it) {
+    auto& r = *it;
+    if ((r->peer == -1 || r->peer == src) && r->tag == op->tag) {
+      auto rr = r;
+      posted_.erase(it);
+      deliver(rr, src, data, n);
+      return;
+    }
+  }
+  unexpected_.push_back({src, op->tag, std::vector<char>(data, data + n)});
+}
+
+void Mailbox::fail_op(const std::shared_ptr<Op>& op, const std::string& why) {
+  if (op->finished) return;
+  op->error = why;
+  op->finished = true;
+  cv_.notify_all();
+}
+
+void Mailbox::peer_closed_in(int src, const std::string& why) {
+  In& c = *in_[size_t(src)];
+  if (c.fd >= 0) ::close(c.fd);
+  c.fd = -1;
+  c.closed = true;
+  c.closed_why = why;
+  if (c.cur) fail_op(c.cur, who(src) + " " + why + " in the middle of a message");
+  c.cur.reset();
+  for (auto it = posted_.begin(); it != posted_.end();) {
+    if ((*it)->peer == src) {
+      fail_op(*it, who(src) + " " + why);
+      it = posted_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+void Mailbox::peer_closed_out(int dst, const std::string& why) {
+  Out& o = *out_[size_t(dst)];
+  if (o.fd >= 0) ::close(o.fd);
+  o.fd = -1;
+  o.broken = true;
+  o.broken_why = why;
+  for (auto& op : o.q) fail_op(op, "send to " + who(dst) + " failed: " + why);
+  o.q.clear();
+}
+
+void Mailbox::io_loop() {
+  std::vector<pollfd> pfds;
+  std::vector<int> who_in, who_out;
+  std::vector<char> drain(1 << 16);
+  while (!stop_) {
+    pfds.clear();
+    who_in.clear();
+    who_out.clear();
+    pfds.push_back({wake_[0], POLLIN, 0});
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      for (int r = 0; r < world_; ++r) {
+        if (in_[size_t(r)]->fd >= 0) {
+          pfds.push_back({in_[size_t(r)]->fd, POLLIN, 0});
+          who_in.push_back(r);
+        }
+      }
+      for (int r = 0; r < world_; ++r) {
+        if (out_[size_t(r)]->fd >= 0 && !out_[size_t(r)]->q.empty()) {
+          pfds.push_back({out_[size_t(r)]->fd, POLLOUT, 0});
+          who_out.push_back(r);
+        }
+      }
+    }
+    int n = ::poll(pfds.data(), nfds_t(pfds.size()), 200);
+    if (n < 0 && errno != EINTR) break;
+    if (pfds[0].revents & POLLIN)
+      while (::read(wake_[0], drain.data(), drain.size()) > 0) {}
+    std::lock_guard<std::mutex> g(mu_);
+    size_t k = 1;
+    for (int src : who_in) {
+      short ev = pfds[k++].revents;
+      if (!ev) continue;
+      In& c = *in_[size_t(src)];
+      // Read everything that has arrived: headers, then payloads straight into the matched
+      // receive's buffer (or kept for a later receive).
+      while (c.fd >= 0) {
+        if (c.hdr_got < sizeof(MessageHeader)) {
+          ssize_t r = ::recv(c.fd, reinterpret_cast<char*>(&c.hdr) + c.hdr_got, sizeof(MessageHeader) - c.hdr_got, 0);
+          if (r == 0) { peer_closed_in(src, c.hdr_got ? "closed its connection in the middle of a message" : "closed its connection (it left the group or died)"); break; }
+          if (r < 0) {
+            if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) break;
+            peer_closed_in(src, std::string("lost its connection (") + std::strerror(errno) + ")");
+            break;
+          }
+          c.hdr_got += size_t(r);
+          if (c.hdr_got < sizeof(MessageHeader)) continue;
+          if (c.hdr.magic != kMessageMagic || c.hdr.src_rank != uint32_t(src)) {
+            peer_closed_in(src, "sent a malformed message header");
+            break;
+          }
+          c.got = 0;
+          c.cur.reset();
+          c.keep = false;
+          for (auto it = posted_.begin(); it != posted_.end(); ++it) {
+            if (((*it)->peer == -1 || (*it)->peer == src) && (*it)->tag == c.hdr.tag) {
+              c.cur = *it;
+              posted_.erase(it);
+              break;
+            }
+          }
+          bool mismatch = c.cur && c.cur->nbytes != c.hdr.nbytes;
+          if (mismatch) {  // the receive fails naming both sizes; the message is consumed
+            auto op = c.cur;
+            c.cur.reset();
+            deliver(op, src, nullptr, size_t(c.hdr.nbytes));
+          }
+          if (!c.cur) {
+            c.keep = !mismatch;
+            c.spill.assign(size_t(c.hdr.nbytes), 0);
+          }
+        }
+        size_t total = size_t(c.hdr.nbytes);
+        if (c.got < total) {
+          char* dst = c.cur ? c.cur->data : c.spill.data();
+          ssize_t r = ::recv(c.fd, dst + c.got, total - c.got, 0);
+          if (r == 0) { peer_closed_in(src, "closed its connection in the middle of a message"); break; }
+          if (r < 0) {
+            if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) break;
+            peer_closed_in(src, std::string("lost its connection (") + std::strerror(errno) + ")");
+            break;
+          }
+          c.got += size_t(r);
+          if (c.got < total) continue;
+        }
+        // The message is complete.
+        if (c.cur) {
+          c.cur->source = src;
+          c.cur->finished = true;
+          c.cur.reset();
+          cv_.notify_all();
+        } else if (c.keep) {
+          unexpected_.push_back({src, c.hdr.tag, std::move(c.spill)});
+          c.spill.clear();
+        }
+        c.hdr_got = 0;
+        c.got = 0;
+        c.keep = false;
+      }
+    }
+    for (int dst : who_out) {
+      short ev = pfds[k++].revents;
+      if (!ev) continue;
+      Out& o = *out_[size_t(dst)];
+      if (ev & (POLLERR | POLLHUP) && !(ev & POLLOUT)) {
+        peer_closed_out(dst, "its connection closed");
+        continue;
+      }
+      while (o.fd >= 0 && !o.q.empty()) {
+        auto& op = o.q.front();
+        if (o.sent == 0) o.hdr = MessageHeader{kMessageMagic, uint32_t(rank_), op->tag, op->nbytes};
+        size_t total = sizeof(MessageHeader) + op->nbytes;
+        const char* p;
+        size_t len;
+        if (o.sent < sizeof(MessageHeader)) {
+          p = reinterpret_cast<const char*>(&o.hdr) + o.sent;
+          len = sizeof(MessageHeader) - o.sent;
+        } else {
+          p = op->data + (o.sent - sizeof(MessageHeader));
+          len = total - o.sent;
+        }
+        if (len) {
+          ssize_t r = ::send(o.fd, p, len, MSG_NOSIGNAL);
+          if (r < 0) {
+            if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) break;
+            peer_closed_out(dst, std::string("the connection broke (") + std::strerror(errno) + ")");
+            break;
+          }
+          o.sent += size_t(r);
+        }
+        if (o.sent == total) {
+          op->source = rank_;
+          op->finished = true;
+          o.q.pop_front();
+          o.sent = 0;
+          cv_.notify_all();
+        }
+      }
+    }
+  }
+}
+
+int Mailbox::wait(uint64_t handle, double timeout_s) {
+  std::unique_lock<std::mutex> lk(mu_);
+  auto it = ops_.find(handle);
+  if (it == ops_.end()) throw Error("wait: unknown or already finished message handle");
+  auto op = it->second;
+  double t = timeout_s > 0 ? timeout_s : timeout_s_;
+  double deadline = now_s() + t;
+  while (!op->finished && !shut_) {
+    double left = deadline - now_s();
+    if (left <= 0) break;
+    cv_.wait_for(lk, std::chrono::duration<double>(std::min(left, 0.5)));
+  }
+  ops_.erase(handle);
+  std::string what = op->send ? "send to " + who(op->peer) : (op->peer < 0 ? std::string("recv from any rank") : "recv from " + who(op->peer));
+  what += " (" + tag_text(op->tag) + ", " + std::to_string(op->nbytes) + " bytes)";
+  if (!op->finished) {
+    // Withdraw it, so nothing writes into (or reads from) the caller's buffer any more.
+    auto pit = std::find(posted_.begin(), posted_.end(), op);
+    if (pit != posted_.end()) posted_.erase(pit);
+    if (shut_) throw Error(what + " failed: the process group was shut down");
+    if (op->send) {
+      Out& o = *out_[size_t(op->peer)];
+      auto qit = std::find(o.q.begin(), o.q.end(), op);
+      if (qit == o.q.begin() && o.sent > 0) {
+        peer_closed_out(op->peer, "a send timed out half-way, so the connection was closed");
+      } else if (qit != o.q.end()) {
+        o.q.erase(qit);
+      }
+    } else {
+      for (auto& c : in_) {
+        if (c->cur == op) {  // half received: the rest of the message is dropped
+          c->cur.reset();
+          c->keep = false;
+          c->spill.assign(size_t(c->hdr.nbytes), 0);
+        }
+      }
+    }
+    op->finished = true;
+    throw Error(what + ": Timed out after " + fmt_seconds(t) + " s on rank " + std::to_string(rank_));
+  }
+  if (!op->error.empty()) throw Error(what + " failed on rank " + std::to_string(rank_) + ": " + op->error);
+  return op->source;
+}
+
+bool Mailbox::test(uint64_t handle) {
+  std::lock_guard<std::mutex> g(mu_);
+  auto it = ops_.find(handle);
+  if (it == ops_.end()) return true;
+  return it->second->finished;
+}
+
+void Mailbox::shutdown() {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    if (shut_) return;
+    shut_ = true;
+    for (auto& [h, op] : ops_) fail_op(op, "the process group was shut down");
+    posted_.clear();
+  }
+  stop_ = true;
+  wake();
+  if (acceptor_.joinable()) acceptor_.join();
+  if (io_.joinable()) io_.join();
+  std::lock_guard<std::mutex> g(mu_);
+  for (auto& c : in_)
+    if (c->fd >= 0) { ::close(c->fd); c->fd = -1; }
+  for (auto& o : out_) {
+    if (o->fd >= 0) { ::close(o->fd); o->fd = -1; }
+    o->q.clear();
+  }
+  if (listen_fd_ >= 0) { ::close(listen_fd_); listen_fd_ = -1; }
+  for (int& f : wake_)
+    if (f >= 0) { ::close(f); f = -1; }
+}
+
+}  // namespace sdp
