@@ -68,7 +68,8 @@ CASES = [("all_reduce", 1001, "float32", "sum", 0), ("all_reduce", 7, "float16",
          ("all_reduce", 1001, "int32", "max", 0), ("all_reduce", 5000, "float64", "product", 0),
          ("reduce", 1001, "float32", "sum", 1), ("broadcast", 1001, "int64", None, 1),
          ("all_gather", 33, "float32", None, 0), ("reduce_scatter", 17, "float32", "sum", 0),
-         ("all_reduce", 3_000_000, "float32", "sum", 0), ("barrier", 0, "float32", None, 0)]
+         ("all_reduce", 3_000_000, "float32", "sum", 0), ("ring", 1_000_000, "float64", None, 0),
+         ("barrier", 0, "float32", None, 0)]
 
 
 @pytest.mark.parametrize("n_hosts,per_host", [(2, 1), (2, 2), (4, 1), (3, 2)])

@@ -1,5 +1,6 @@
 """PyTorch's own distributed suite for the operations smddp added (gather, scatter and the object
-collective on it, all_gather_coalesced) and torch's timeout contract, run by `python -m
+collective on it, all_gather_coalesced, send/recv, any-source receives, batch_isend_irecv, sparse
+all_reduce) and torch's timeout contract, run by `python -m
 sdp_jupyter.conformance` with gloo as the reference. The suite tests all_to_all only for MPI;
 tests/test_torch_backend.py checks ours against gloo. The full table is a command, not a CI job."""
 from __future__ import annotations
@@ -16,7 +17,9 @@ from helpers.ranks import ROOT
 pytest.importorskip("expecttest")  # torch's suite needs it
 
 CI_TESTS = ("test_gather$", "test_scatter$", "test_scatter_object_list$",
-            "test_all_gather_coalesced_simple$", "test_barrier_timeout_global$")
+            "test_all_gather_coalesced_simple$", "test_barrier_timeout_global$",
+            "test_send_recv$", "test_send_recv_any_source$", "test_batch_isend_irecv_gloo$",
+            "test_sparse_all_reduce_sum$")
 
 
 def test_selection_anchors_and_excludes():

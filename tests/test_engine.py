@@ -38,6 +38,8 @@ def reference(kind, n, dtype, op, root, world):
         return [xs[root]] * world
     if kind in ("all_gather", "all_gather_list"):
         return [np.concatenate(xs)] * world
+    if kind == "ring":
+        return [xs[(r - 1) % world] for r in range(world)]
     if kind == "reduce_scatter":
         big = [rank_data(r, n * world, dtype) for r in range(world)]
         acc = big[0].astype(np.float32 if dtype == "float16" else big[0].dtype)
@@ -123,6 +125,7 @@ def test_every_collective_matches_numpy(world, per_node):
         cases.append(("broadcast", n, "float32", "sum", world - 1))
         cases.append(("all_gather", n, "int64", "sum", 0))
         cases.append(("reduce_scatter", n, "float32", "sum", 0))
+        cases.append(("ring", n, "int8", None, 0))
     for op in ("avg", "max", "min", "product"):
         cases.append(("all_reduce", 513, "float32", op, 0))
         cases.append(("all_reduce", 513, "float16", op, 0))

@@ -356,7 +356,17 @@ void Mailbox::io_loop() {
           c.cur.reset();
           cv_.notify_all();
         } else if (c.keep) {
-          unexpected_.push_back({src, c.hdr.tag, std::move(c.spill)});
+          // A receive may have been posted while this message was arriving: it takes it now.
+          auto it = std::find_if(posted_.begin(), posted_.end(), [&](const std::shared_ptr<Op>& r) {
+            return (r->peer == -1 || r->peer == src) && r->tag == c.hdr.tag;
+          });
+          if (it != posted_.end()) {
+            auto op = *it;
+            posted_.erase(it);
+            deliver(op, src, c.spill.data(), c.spill.size());
+          } else {
+            unexpected_.push_back({src, c.hdr.tag, std::move(c.spill)});
+          }
           c.spill.clear();
         }
         c.hdr_got = 0;

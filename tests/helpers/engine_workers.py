@@ -50,6 +50,13 @@ def collectives(cases):
                 o = np.zeros(n, dtype=big.dtype)
                 c.reduce_scatter(o, big, op=op)
                 out.append(o)
+            elif kind == "ring":  # a message to the next rank, one from the previous (tagged by n)
+                o = np.zeros_like(x)
+                w = c.send(x, (c.rank + 1) % c.world_size, tag=n, async_op=True)
+                src = c.recv(o, (c.rank - 1) % c.world_size, tag=n)
+                w.wait()
+                assert src == (c.rank - 1) % c.world_size
+                out.append(o)
             elif kind == "barrier":
                 c.barrier()
                 out.append(None)
