@@ -27,6 +27,10 @@ def test_notebook_runs(path: Path, tmp_path, monkeypatch):
     assert wait_no_processes(jobs) == [], "a job process outlived the notebook's kernel"
     if path.name == "01_quickstart.ipynb":
         check_quickstart(nb, jobs)
+    if path.name == "05_model_parallel.ipynb":  # tp x pp with --backend smddp: no gloo group at all
+        logs = (jobs / "gpt_tp2_pp2" / "logs")
+        said = [(logs / f"rank-{r}.log").read_text() for r in range(4)]
+        assert all("process groups on: smddp\n" in s for s in said), said[0][-2000:]
 
 
 def check_quickstart(nb, jobs: Path):

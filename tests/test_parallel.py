@@ -68,7 +68,8 @@ def _worker(rank, world, port, config, outdir, backend=None):
 
     from sdp_jupyter import parallel
 
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if backend != "smddp":  # with smddp, setup() makes the default group (on the engine)
+        dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         hp = parallel.setup(config, backend=backend)
         stage = hp.parallelize(fresh_model())
@@ -86,8 +87,9 @@ def _worker(rank, world, port, config, outdir, backend=None):
             dist.all_reduce(loss, group=hp.mesh["dp"].get_group())
             loss = (loss / hp.dp).item()
         dp_backend = dist.get_backend(hp.dp_group) if hp.dp_group is not None else None
+        groups = {dist.get_backend(g) for g in dist.distributed_c10d._world.pg_map}
         torch.save({"loss": loss, "grads": grads, "params": params, "describe": hp.describe(),
-                    "dp_backend": dp_backend,
+                    "dp_backend": dp_backend, "group_backends": groups,
                     "offload": vars(hp.offload_stats)}, os.path.join(outdir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -126,8 +128,7 @@ SCENARIOS = {
     "pp2-interleaved-2-chunks": (ParallelConfig(pp=2, microbatches=4, schedule="interleaved",
                                                 virtual_stages=2), 2),
     "dp2-zero1": (ParallelConfig(sharding="optimizer"), 2),
-    # tp=2 with sequence parallelism x plain data parallelism: the gradient average runs on our
-    # engine, the mesh on gloo
+    # tp=2 with sequence parallelism x plain data parallelism, every group on our engine
     "tp2-dp2-smddp": (ParallelConfig(tp=2), 4, "smddp"),
     "dp2-fsdp2": (ParallelConfig(sharding="full", checkpointing="selective"), 2),
     # FSDP2 with the dp dimension of the mesh on our engine (all-gather, reduce-scatter)
@@ -136,6 +137,8 @@ SCENARIOS = {
     # the notebook's layout, with offloading: one 4-process run covers tp x pp x offload
     "tp2-pp2-1f1b-offload": (ParallelConfig(tp=2, pp=2, microbatches=4, checkpointing="layer",
                                             offload_activations=True), 4),
+    # the notebook's layout on our engine: tp's collectives and the pipeline's messages on smddp
+    "tp2-pp2-1f1b-smddp": (ParallelConfig(tp=2, pp=2, microbatches=4), 4, "smddp"),
 }
 
 
@@ -154,7 +157,9 @@ def test_hybrid_step_equals_single_process(name):
     results = run(config, world, *backend)
     check_against_reference(results)
     if backend == ["smddp"]:
-        assert {r["dp_backend"] for r in results} == {"smddp"}
+        assert {r["dp_backend"] for r in results if r["dp_backend"]} <= {"smddp"}
+        # no hidden gloo: every group of the job (default, tp, pp, dp) is on the engine
+        assert all(r["group_backends"] == {"smddp"} for r in results), [r["group_backends"] for r in results]
     if config.offload_activations:
         # save_on_cpu cannot copy a DTensor; our hook offloads its local shard and rebuilds it.
         # With per-layer checkpointing the blocks save only their inputs; the sequence-parallel
@@ -244,7 +249,8 @@ def _layout_worker(rank, world, port, outdir):
 
     from sdp_jupyter import parallel
 
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if backend != "smddp":  # with smddp, setup() makes the default group (on the engine)
+        dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         parallel.setup(ParallelConfig(tp=2))  # 2 one-process nodes: tp would cross them
     except ValueError as e:

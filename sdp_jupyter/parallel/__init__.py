@@ -510,29 +510,31 @@ def setup(config: ParallelConfig | None = None, backend: str | None = None) -> H
     mesh from ``config`` or the environment.
 
     Backend: ``backend``, else ``SDP_BACKEND`` (the job's ``--backend``), else nccl with GPUs and
-    gloo without. Tensor and pipeline parallelism need point-to-point collectives our engine does
-    not have, so with ``smddp`` the default group runs on gloo/nccl and the data-parallel dimension
-    on the engine: the gradient average (its own groups), or, with ``--shard-optimizer`` on CPU, the
-    dp dimension of the mesh itself, so FSDP2's and ZeRO's all-gathers and reduce-scatters run there."""
+    gloo without. With ``smddp`` on CPU every dimension runs on the engine: tensor parallelism's
+    all-reduces and all-gathers, the pipeline's sends and receives (the engine's mailbox), FSDP2's
+    and ZeRO's all-gathers and reduce-scatters and the gradient average; no gloo group is made.
+    With GPUs (or a default group the script already made on another backend) the mesh stays on
+    that backend and only the data-parallel dimension goes to the engine."""
     config = config or ParallelConfig.from_env()
     cuda = torch.cuda.is_available()
     wanted = backend or os.environ.get("SDP_BACKEND") or ("nccl" if cuda else "gloo")
-    mesh_backend = ("nccl" if cuda else "gloo") if wanted == "smddp" else wanted
+    if wanted == "smddp":
+        import sdp_jupyter.torch  # noqa: F401  registers the "smddp" backend
     if not dist.is_initialized():
-        dist.init_process_group(mesh_backend)
+        dist.init_process_group("nccl" if wanted == "smddp" and cuda else wanted)
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
     _check_layout(config)
     world = dist.get_world_size()
     dp = world // (config.tp * config.pp) if world % (config.tp * config.pp) == 0 else 1
-    sharded_on_smddp = wanted == "smddp" and dp > 1 and config.sharding != "none" and not cuda
-    if sharded_on_smddp:
-        import sdp_jupyter.torch  # noqa: F401  registers the "smddp" backend
+    whole_on_engine = dist.get_backend() == "smddp"
+    sharded_on_smddp = (wanted == "smddp" and not whole_on_engine and dp > 1 and config.sharding != "none"
+                        and not cuda)
     mesh = build_mesh(config, world, device.type, dp_backend="smddp" if sharded_on_smddp else None)
     hp = Hybrid(config, mesh, device)
-    if sharded_on_smddp:
-        hp.dp_group = mesh["dp"].get_group()  # FSDP2 / ZeRO run their collectives on the engine
+    if whole_on_engine or sharded_on_smddp:
+        hp.dp_group = mesh["dp"].get_group()  # the mesh's own dp group is on the engine
     elif wanted == "smddp" and hp.dp > 1 and config.sharding == "none":
         hp.dp_group = _smddp_dp_group(mesh)
     return hp
