@@ -35,7 +35,8 @@ sys.path.insert(0, HELPERS)
 
 @pytest.mark.xfail(strict=False, reason="known bug: in the full suite on a loaded 2-core machine, rank 0 of the smddp "
                    "run once stayed alive for 180 s after Trainer.train() returned (not reproduced alone: "
-                   "4 runs passed); see the closing note of this round")
+                   "4 runs passed, 4 more under load in the next round); a hang now prints every "
+                   "thread's stack into the rank's output (helpers.ranks.run_ranks)")
 def test_trainer_on_smddp_matches_gloo(tmp_path):
     pytest.importorskip("transformers")
     runs = {}

@@ -142,16 +142,8 @@ SCENARIOS = {
 }
 
 
-# tp2-dp2-smddp hung until the secret timeout whenever a dp group's late ranks missed the one-node secret
-# file (fixed: secret.release_local_secret; test_torch_backend's subgroup test catches it). It also
-# aborted once with std::terminate under load (before Engine::shutdown was serialised): non-strict until
-# a full run or two show it clean.
-_KNOWN_FLAKY = {"tp2-dp2-smddp": "aborted once with std::terminate under load (closing note)"}
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=False, reason=_KNOWN_FLAKY[n]))
-                                  if n in _KNOWN_FLAKY else n for n in SCENARIOS])
+@pytest.mark.parametrize("name", list(SCENARIOS))
 def test_hybrid_step_equals_single_process(name):
     config, world, *backend = SCENARIOS[name]
     results = run(config, world, *backend)

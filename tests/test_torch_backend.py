@@ -141,3 +141,21 @@ def test_timeout_is_torchs_dist_backend_error_and_says_timed_out():
     assert res[0].ok, res[0].error + res[0].output[-2000:]
     assert v["dist_backend_error"] and v["smddp_error"], v
     assert " Timed out " in v["message"], v["message"]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (the engine stages CUDA tensors through host memory)"))])
+def test_ddp_step_message_and_all_gather_on_device_tensors(device):
+    vals = assert_all_ok(_run_workers("device_ops", 2, device, timeout=180))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    x = torch.arange(16 * 8, dtype=torch.float32).reshape(16, 8) / 100
+    model(x).square().sum().backward()
+    # DDP averages: the mean of the 2 ranks' half-batch gradients is half the whole batch's
+    expect = [(p.grad / 2).tolist() for p in model.parameters()]
+    for v in vals:
+        for got, want in zip(v["grads"], expect):
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-5)
+        assert v["gather"] == [[0.0, 0.0], [1.0, 1.0]]
+        assert v["devices"] == [f"{device}:0" if device == "cuda" else "cpu"]
+    assert vals[1]["msg"] == [10.0] * 3

@@ -249,3 +249,28 @@ def subgroups_before_any_whole_group(delay_odd: float):
     dist.all_reduce(t, group=mine)
     dist.barrier()  # on the default (gloo) group: rank 0 serves the store until everyone is done
     return t.tolist()
+
+
+def device_ops(device: str):
+    """smddp on tensors of `device` (CUDA ones are staged through pinned host memory): a DDP step, a
+    message and an all_gather, every result back on that device. Compared by the test with one process."""
+    rank, world = _init("smddp")
+    dev = torch.device(device)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4).to(dev)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    x = torch.arange(16 * 8, dtype=torch.float32, device=dev).reshape(16, 8) / 100
+    rows = 16 // world
+    ddp(x[rank * rows:(rank + 1) * rows]).square().sum().backward()
+    grads = [p.grad.cpu().tolist() for p in model.parameters()]
+    t = torch.full((3,), float(rank), device=dev)
+    if rank == 0:
+        dist.send(t + 10, 1)
+    elif rank == 1:
+        dist.recv(t, 0)
+    g = [torch.empty(2, device=dev) for _ in range(world)]
+    dist.all_gather(g, torch.full((2,), float(rank), device=dev))
+    out = {"grads": grads, "msg": t.cpu().tolist(), "gather": [v.cpu().tolist() for v in g],
+           "devices": sorted({str(v.device) for v in g + [t]})}
+    dist.destroy_process_group()
+    return out

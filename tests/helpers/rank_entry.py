@@ -14,6 +14,10 @@ target, result_path = sys.argv[1], sys.argv[2]
 module_name, func_name = target.split(":")
 with open(os.environ["SDP_TEST_ARGS"], "rb") as f:
     args = pickle.load(f)
+if os.environ.get("SDP_TEST_DUMP_AFTER"):  # see helpers.ranks.run_ranks
+    import faulthandler
+
+    faulthandler.dump_traceback_later(float(os.environ["SDP_TEST_DUMP_AFTER"]), exit=False)
 try:
     module = __import__(module_name)
     value = getattr(module, func_name)(*args)

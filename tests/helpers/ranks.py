@@ -97,7 +97,11 @@ def collect(procs, tmp, timeout: float = 120.0) -> list[RankResult]:
 
 def run_ranks(target: str, world: int, per_node: int, args=(), env=None, timeout: float = 120.0, secret=None,
               wrap=None, master_addr: str = "127.0.0.1"):
-    procs, tmp = start_ranks(target, world, per_node, args, env, secret, wrap=wrap, master_addr=master_addr)
+    # a rank still running 10 s before the deadline prints every thread's stack into its log (the
+    # failure message shows it): a hang seen once in a full run is then not a mystery
+    dump = {"SDP_TEST_DUMP_AFTER": str(max(5.0, timeout - 10.0))}
+    env_for = (lambda r: {**env(r), **dump}) if callable(env) else {**(env or {}), **dump}
+    procs, tmp = start_ranks(target, world, per_node, args, env_for, secret, wrap=wrap, master_addr=master_addr)
     return collect(procs, tmp, timeout)
 
 
