@@ -241,8 +241,7 @@ def _layout_worker(rank, world, port, outdir):
 
     from sdp_jupyter import parallel
 
-    if backend != "smddp":  # with smddp, setup() makes the default group (on the engine)
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         parallel.setup(ParallelConfig(tp=2))  # 2 one-process nodes: tp would cross them
     except ValueError as e:
