@@ -125,7 +125,7 @@ def main() -> None:
     ap = bench_parser(__doc__)
     ap.add_argument("--case", default="fsdp2", help=argparse.SUPPRESS)
     ap.add_argument("--quick", action="store_true", help="fewer steps")
-    ap.add_argument("--ranks", default="2,4", help="FSDP2 world sizes")
+    ap.add_argument("--ranks", default="2,4", help='FSDP2 world sizes ("": the hybrid case only)')
     ap.add_argument("--fsdp-hidden", type=int, default=1024)
     ap.add_argument("--fsdp-layers", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=3)
@@ -143,7 +143,7 @@ def main() -> None:
     common = ["--warmup", str(a.warmup), "--steps", str(a.steps)]
     runs = [("fsdp2", int(w), int(w), "1 node",
              ["--case", "fsdp2", "--fsdp-hidden", str(a.fsdp_hidden), "--fsdp-layers", str(a.fsdp_layers)])
-            for w in a.ranks.split(",")]
+            for w in a.ranks.split(",") if w]
     runs.append(("hybrid tp2 x pp2", 4, 2, "2 nodes x 2", ["--case", "hybrid"]))
     rows = []
     for name, world, per_node, layout, args in runs:
