@@ -10,6 +10,17 @@ import sys
 import tempfile
 
 
+def bench_parser(doc: str):
+    """The parser every smddp-vs-gloo benchmark starts from: its docstring as help, the hidden
+    --worker flag (a rank) and --backend (the backend a rank runs)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--backend", default="smddp")
+    return ap
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -52,12 +63,41 @@ def run_ranks(script: str, world: int, per_node: int, args: list[str], timeout: 
     return results
 
 
-def backend_runs(script: str, ranks: list[int], args: list[str], backends=("smddp", "gloo")):
-    """For each world size in `ranks` and each layout (all ranks on one node; one rank per node):
-    (world, layout, {backend: its ranks' results}), the backends run in turn with `--backend B ARGS`."""
+def one_rank_per_node(world: int) -> list[tuple[str, int]]:
+    """Layouts (name, ranks per node): all ranks on one node; one rank per node."""
+    return [("1 node", world), ("1 rank/node", 1)]
+
+
+def two_nodes(world: int) -> list[tuple[str, int]]:
+    """Layouts (name, ranks per node): all ranks on one node; two nodes of world/2 ranks each."""
+    return [("1 node", world), ("2 nodes", max(1, world // 2))]
+
+
+def backend_runs(script: str, ranks: list[int], args: list[str], backends=("smddp", "gloo"),
+                 layouts=one_rank_per_node):
+    """For each world size in `ranks` and each layout `layouts(world)` gives: (world, layout,
+    {backend: its ranks' results}), the backends run in turn with `--backend B ARGS`."""
     for world in ranks:
-        for layout, per_node in (("1 node", world), ("1 rank/node", 1)):
+        for layout, per_node in layouts(world):
             yield world, layout, {b: run_ranks(script, world, per_node, ["--backend", b, *args]) for b in backends}
+
+
+def median_time(fn, budget: float, agree) -> float:
+    """fn's median time in seconds after a warm-up; the iteration count (3..100, about `budget`
+    seconds) comes from agree(first time), which must give every rank the same number."""
+    import time
+
+    fn()  # warm-up: connections, first touch
+    t0 = time.perf_counter()
+    fn()
+    iters = int(min(100, max(3, budget / max(agree(time.perf_counter() - t0), 1e-6))))
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return times[len(times) // 2]
 
 
 def slowest(results: list[dict], i: int, key: str) -> float:

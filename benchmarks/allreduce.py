@@ -9,7 +9,6 @@ everything to benchmarks/results/allreduce.json.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -58,9 +57,9 @@ def worker(backend: str, sizes: list[int], dtypes: list[str], budget: float) -> 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--backend", default="smddp")
+    from _spawn import bench_parser
+
+    ap = bench_parser(__doc__)
     ap.add_argument("--quick", action="store_true", help="a few sizes, 2 ranks, fp32/fp16")
     ap.add_argument("--ranks", default=None, help="comma list of world sizes (default 2,4; quick: 2)")
     ap.add_argument("--dtypes", default=None, help="comma list (default float32,float16,bfloat16)")

@@ -9,32 +9,18 @@ buffer (world_size blocks). Writes benchmarks/results/gather_scatter.json.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 
-def _time(fn, budget: float, agree) -> float:
-    fn()  # warm-up
-    t0 = time.perf_counter()
-    fn()
-    iters = int(min(100, max(3, budget / max(agree(time.perf_counter() - t0), 1e-6))))
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    times.sort()
-    return times[len(times) // 2]
-
-
 def worker(backend: str, sizes: list[int], budget: float) -> None:
     import numpy as np
+
+    from _spawn import median_time as _time
 
     out = []
     if backend == "smddp":
@@ -79,9 +65,9 @@ def worker(backend: str, sizes: list[int], budget: float) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--backend", default="smddp")
+    from _spawn import bench_parser
+
+    ap = bench_parser(__doc__)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--ranks", default=None, help="comma list of world sizes (default 2,4; quick: 2)")
     ap.add_argument("--sizes", default=None, help="comma list of bytes (default 64 MiB; quick: 1 MiB,64 MiB)")
