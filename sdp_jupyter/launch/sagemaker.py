@@ -5,7 +5,9 @@ SageMaker Python SDK v3 (`sagemaker.train.ModelTrainer`):
 
 - SourceCode: a source directory built in the job directory (``sagemaker_source/``) with the cell
   as script.py, our container entry point (sagemaker_entry.py as sdp_entry.py), spec.json, the
-  pushed variables, a requirements file and a copy of the pure-Python sdp_jupyter package;
+  pushed variables, a requirements file and sdp_jupyter: a copy of its pure-Python package, or,
+  when our engine serves --backend smddp (``--engine``, see choose_engine), a source package the
+  entry installs, compiling the engine;
 - Torchrun distribution with `procs_per_node` processes per host (default: the instance's GPUs);
 - Compute (instance type and count, volume, keep-alive, managed spot), StoppingCondition,
   InputData channels (``--input NAME=s3://...`` -> SM_CHANNEL_NAME), MetricDefinitions for the
@@ -29,9 +31,12 @@ AWS stand-in (sagemaker_standin) instead, which runs the job's hosts on this mac
 from __future__ import annotations
 
 import dataclasses
+import gzip
+import io
 import json
 import math
 import os
+import secrets
 import shutil
 import tarfile
 import threading
@@ -51,6 +56,7 @@ OPERATION = "CreateTrainingJob"
 SOURCE_DIR = "sagemaker_source"     # in the job directory: what goes up as the code channel
 REQUEST_FILE = "sagemaker_request.json"
 ENTRY_SCRIPT = "sdp_entry.py"
+SECRET_FILE = "job_secret"  # in the source directory with our engine: the entry's SDP_JOB_SECRET
 CONTAINER_CHECKPOINT_DIR = "/opt/ml/checkpoints"
 RESERVED_CHANNELS = ("code", "sm_drivers")  # the SDK's own channels
 NAME_SUFFIX = len("-20261121233324")        # the SDK appends -%Y%m%d%H%M%S to the base name
@@ -92,6 +98,10 @@ SAGEMAKER_OPTIONS: tuple[Option, ...] = (
     Option("--volume-size", "sagemaker.volume_size", "GB of storage per instance (default 30)", metavar="GB"),
     Option("--keep-alive", "sagemaker.keep_alive", "seconds to keep the instances warm for the next job "
            "(warm pool, 0-21600; not with --spot)", metavar="SECONDS"),
+    Option("--engine", "sagemaker.engine", "who provides --backend smddp: auto (default: SageMaker's smdistributed "
+           "library on the types it supports, sdp_jupyter's engine elsewhere), sdp (ours, built in the container "
+           "at start; needs a C++ compiler in the image) or aws (SageMaker's; refused on types it does not "
+           "support)", metavar="auto|sdp|aws"),
     Option("--rehearse", "sagemaker.rehearse", "rehearse the job here instead of on AWS: the same request and "
            "source directory, checked, then run as SageMaker runs it on --nodes local hosts (free; needs "
            "sdp_jupyter[rehearse])", kind="flag"),
@@ -188,6 +198,7 @@ class SageMakerOptions:
     max_run: int | None = None
     volume_size: int | None = None
     keep_alive: int | None = None
+    engine: str = "auto"
     rehearse: bool = False
     rehearse_data: dict = dataclasses.field(default_factory=dict)  # s3:// prefix -> local folder
     poll_interval: float = dataclasses.field(
@@ -221,6 +232,12 @@ class SageMakerOptions:
                                         "for a prefix use --output-path s3://bucket/prefix")
         if opts.output_path is not None and not opts.output_path.startswith("s3://"):
             raise SpecError("--output-path", f"must be an S3 URI like s3://my-bucket/prefix, got {opts.output_path!r}")
+        from sdp_jupyter.instances import ENGINES
+
+        if opts.engine is None:
+            opts.engine = "auto"
+        if opts.engine not in ENGINES:
+            raise SpecError("--engine", f"must be one of {', '.join(ENGINES)}, got {opts.engine!r}")
         opts.inputs = _parse_inputs(opts.inputs)
         opts.rehearse_data = _parse_rehearse_data(opts.rehearse_data)
         if opts.rehearse_data and not opts.rehearse:
@@ -312,11 +329,33 @@ def check_smddp_instance(instance_type: str) -> str | None:
                           for n, lvl in supported.items())
         raise SpecError("--instance-type", f"SageMaker's smddp library does not run on {instance_type}; it "
                                            f"supports {names}. Fix: --instance-type ml.p4d.24xlarge, or "
-                                           "--backend nccl for other GPU types")
+                                           "--engine sdp (sdp_jupyter's engine, on any type), or --backend "
+                                           "nccl for other GPU types")
     if supported[instance_type] == instances.SMDDP_ALLREDUCE_ONLY:
         return (f"{instance_type}: SageMaker's smddp supports AllReduce only on this type and is no longer "
                 "developed for it; ml.p4d.24xlarge / ml.p4de.24xlarge are fully supported")
     return None
+
+
+def choose_engine(instance_type: str, backend: str, engine: str = "auto") -> tuple[str | None, str | None]:
+    """Who provides `backend` smddp on `instance_type`: ("aws" | "sdp", a note or None); (None, None)
+    for the other backends. `engine` "aws" is refused (SpecError) where SageMaker's library does not
+    run; "auto" picks it where it runs and our engine elsewhere."""
+    from sdp_jupyter import instances
+
+    if backend != "smddp":
+        if engine != instances.ENGINE_AUTO:
+            raise SpecError("--engine", f"chooses who provides --backend smddp, and this job uses --backend "
+                                        f"{backend}. Fix: drop --engine, or --backend smddp")
+        return None, None
+    supported = instance_type in smddp_instance_types()
+    if engine == instances.ENGINE_AWS or (engine == instances.ENGINE_AUTO and supported):
+        return instances.ENGINE_AWS, check_smddp_instance(instance_type)
+    if engine == instances.ENGINE_AUTO:
+        return instances.ENGINE_SDP, (f"{instance_type}: SageMaker's smddp library does not run on this type, so "
+                                      "the job uses sdp_jupyter's engine (shipped as a source package and "
+                                      "built in the container when the job starts; --engine aws to refuse)")
+    return instances.ENGINE_SDP, None
 
 
 def host_counts(instance_type: str, region: str | None = None) -> dict:
@@ -358,6 +397,7 @@ class Plan:
     region: str | None = None
     role: str | None = None
     output_root: str | None = None  # s3://bucket[/prefix]
+    engine: str | None = None  # who provides --backend smddp: "aws" | "sdp" (None for gloo/nccl)
 
     @property
     def output_path(self) -> str | None:
@@ -415,8 +455,8 @@ def base_job_name(name: str) -> str:
     return name.replace("_", "-").replace(".", "-")
 
 
-def _default_framework_version(backend: str) -> str:
-    if backend == "smddp":
+def _default_framework_version(backend: str, engine: str | None = None) -> str:
+    if backend == "smddp" and engine != "sdp":
         return SMDDP_FRAMEWORK_VERSION
     from sagemaker.core import image_uris
 
@@ -435,10 +475,11 @@ def make_plan(spec: JobSpec) -> Plan:
                                   f"{MAX_NAME} including the {NAME_SUFFIX}-character '-YYYYmmddHHMMSS' suffix the "
                                   f"SDK adds, so use at most {MAX_NAME - NAME_SUFFIX}")
     instance_type = opts.instance_type or DEFAULT_INSTANCE_TYPES[spec.backend]
-    if spec.backend == "smddp":
-        note = check_smddp_instance(instance_type)
-        if note:
-            warnings.append(note)
+    engine, note = choose_engine(instance_type, spec.backend, opts.engine)
+    if note:
+        warnings.append(note)
+    if engine == "sdp" and source_tree() is None:
+        raise _no_sources()
     counts = host_counts(instance_type, opts.region)
     gpus = counts.get("gpus") or 0
     if spec.backend == "nccl" and "gpus" in counts and not gpus:
@@ -450,8 +491,8 @@ def make_plan(spec: JobSpec) -> Plan:
                                             f"Fix: --procs-per-node {gpus}")
     framework_version = None
     if not opts.image_uri:
-        framework_version = opts.framework_version or _default_framework_version(spec.backend)
-        if spec.backend == "smddp" and framework_version != SMDDP_FRAMEWORK_VERSION:
+        framework_version = opts.framework_version or _default_framework_version(spec.backend, engine)
+        if engine == "aws" and framework_version != SMDDP_FRAMEWORK_VERSION:
             warnings.append(f"--framework-version {framework_version}: SageMaker's smddp library is known to "
                             f"be in the PyTorch {SMDDP_FRAMEWORK_VERSION} training image; if this image lacks it "
                             "the job fails at init_process_group('smddp')")
@@ -468,6 +509,9 @@ def make_plan(spec: JobSpec) -> Plan:
         warnings.append(f"--checkpoint-dir {spec.checkpoint_dir} is a local path; on SageMaker "
                         f"SDP_CHECKPOINT_DIR is {CONTAINER_CHECKPOINT_DIR} (synced to S3)")
     environment = dict(spec.env)
+    environment.update(spec.parallel_env())  # --tp, --pp, ...: the workers' SDP_TP, SDP_PP, ... as locally
+    if engine:
+        environment["SDP_ENGINE"] = engine
     environment.update({
         "SDP_BACKEND": spec.backend,
         "SDP_JOB_NAME": base,
@@ -479,7 +523,7 @@ def make_plan(spec: JobSpec) -> Plan:
                 instance_type=instance_type, procs_per_node=procs, framework_version=framework_version,
                 image_uri=opts.image_uri, max_run=max_run, max_wait=max_wait,
                 volume_size=opts.volume_size or 30, environment=environment, warnings=warnings,
-                region=opts.region, role=opts.role,
+                region=opts.region, role=opts.role, engine=engine,
                 output_root=(opts.output_path.rstrip("/") if opts.output_path
                              else f"s3://{opts.bucket}" if opts.bucket else None))
     validate_request(plan.draft_request(), partial=True, when="checked before any AWS call")
@@ -532,6 +576,8 @@ def resolve_aws(plan: Plan, session=None):
         except ValueError as e:
             raise SpecError("--framework-version", f"no PyTorch training image for {plan.framework_version} on "
                                                    f"{plan.instance_type} in {plan.region}: {e}") from None
+    if plan.engine == "sdp":  # named by the entry when the image cannot build the engine
+        plan.environment["SDP_IMAGE_URI"] = plan.image_uri
     validate_request(plan.draft_request(), partial=True, when="checked before any AWS call")
     return sm_session
 
@@ -540,10 +586,74 @@ def resolve_aws(plan: Plan, session=None):
 # Source directory
 # ------------------------------------------------------------------------------------------------
 _PACKAGE_FILES = (".py", ".json", ".txt", ".md")
+_NATIVE_FILES = (".h", ".hpp", ".cpp", ".cc")
+#: what a source package of sdp_jupyter holds besides sdp_jupyter/ and native/ (pyproject names README.md)
+_SDIST_TOP = ("pyproject.toml", "setup.py", "README.md")
+
+
+def source_tree() -> Path | None:
+    """The checkout this sdp_jupyter runs from (pyproject.toml, setup.py, native/ next to the
+    package), or None for an installed wheel, which carries no C++ sources."""
+    root = Path(sdp_jupyter.__file__).resolve().parent.parent
+    if all((root / name).is_file() for name in _SDIST_TOP[:2]) and (root / "native").is_dir():
+        return root
+    return None
+
+
+def _no_sources() -> SpecError:
+    return SpecError("--engine", f"sdp ships sdp_jupyter's C++ sources with the job, and this sdp_jupyter "
+                                 f"({Path(sdp_jupyter.__file__).parent}) is installed without them. Fix: install "
+                                 "it from a checkout (pip install -e .), or --engine aws on ml.p4d.24xlarge / "
+                                 "ml.p4de.24xlarge")
+
+
+def _package_files(package: Path):
+    for path in sorted(package.rglob("*")):
+        rel = path.relative_to(package)
+        if path.is_file() and path.suffix in _PACKAGE_FILES and "__pycache__" not in rel.parts:
+            yield path, rel
+
+
+def build_sdist(dest_dir: Path) -> Path:
+    """sdp_jupyter as a source package (``sdp_jupyter-<version>.tar.gz`` in `dest_dir`): pyproject.toml,
+    setup.py, native/ and the package's Python and data files, what `pip install` needs to build the
+    engine. Written here rather than by `python -m build`: no build tool, no egg-info left in the
+    checkout, and it takes a fraction of a second."""
+    root = source_tree()
+    if root is None:
+        raise _no_sources()
+    version = getattr(sdp_jupyter, "__version__", None) or "0.1.0"
+    base = f"sdp_jupyter-{version}"
+    target = Path(dest_dir) / f"{base}.tar.gz"
+    files = [(root / name, name) for name in _SDIST_TOP if (root / name).is_file()]
+    files += [(p, p.relative_to(root).as_posix()) for p in sorted((root / "native").rglob("*"))
+              if p.is_file() and p.suffix in _NATIVE_FILES]
+    package = Path(sdp_jupyter.__file__).resolve().parent
+    files += [(p, f"sdp_jupyter/{rel.as_posix()}") for p, rel in _package_files(package)]
+    pkg_info = f"Metadata-Version: 2.1\nName: sdp_jupyter\nVersion: {version}\n".encode()
+    # the same sources give the same bytes (no time stamps but the files'), so a host that installed
+    # this package already (a rehearsal's reused image) knows it by its digest
+    with open(target, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as gz, \
+            tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        info = tarfile.TarInfo(f"{base}/PKG-INFO")
+        info.size, info.mode = len(pkg_info), 0o644
+        info.mtime = max(int(p.stat().st_mtime) for p, _ in files)
+        tar.addfile(info, io.BytesIO(pkg_info))
+        for path, arcname in files:
+            tar.add(str(path), arcname=f"{base}/{arcname}", recursive=False, filter=_plain_member)
+    return target
+
+
+def _plain_member(info: tarfile.TarInfo) -> tarfile.TarInfo:
+    info.uid = info.gid = 0
+    info.uname = info.gname = ""
+    return info
 
 
 def build_source_dir(job_dir: Path, plan: Plan) -> Path:
-    """The code channel: script.py, sdp_entry.py, spec.json, push.pkl, requirements.txt, sdp_jupyter/."""
+    """The code channel: script.py, sdp_entry.py, spec.json, push.pkl, requirements.txt, and
+    sdp_jupyter: its pure-Python files as sdp_jupyter/ (SageMaker's smddp, gloo, nccl), or with our
+    engine (plan.engine "sdp") a source package the entry installs, compiling the engine."""
     src = job_dir / SOURCE_DIR
     if src.exists():
         shutil.rmtree(src)
@@ -556,13 +666,17 @@ def build_source_dir(job_dir: Path, plan: Plan) -> Path:
     (src / "requirements.txt").write_text(
         "# Installed by SageMaker before the job starts (pip install -r requirements.txt).\n"
         "# sdp_jupyter's worker side needs nothing beyond the PyTorch training image.\n")
-    package = Path(sdp_jupyter.__file__).resolve().parent
-    for path in sorted(package.rglob("*")):
-        rel = path.relative_to(package)
-        if path.is_file() and path.suffix in _PACKAGE_FILES and "__pycache__" not in rel.parts:
-            dest = src / "sdp_jupyter" / rel
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(path, dest)
+    if plan.engine == "sdp":
+        build_sdist(src)
+        # our engine authenticates the job's ranks with a secret: one per job, in the code channel
+        # (the bucket's readers could read the code too), never in the request's Environment, which
+        # DescribeTrainingJob shows (docs/security.md)
+        jobdir.write_private(src / SECRET_FILE, secrets.token_hex(32).encode())
+        return src
+    for path, rel in _package_files(Path(sdp_jupyter.__file__).resolve().parent):
+        dest = src / "sdp_jupyter" / rel
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(path, dest)
     return src
 
 
@@ -682,7 +796,8 @@ class SageMakerLauncher:
                     sagemaker={"region": plan.region, "instance_type": plan.instance_type,
                                "image_uri": plan.image_uri, "role": plan.role, "output_path": plan.output_path,
                                "checkpoint_uri": plan.checkpoint_uri, "spot": plan.opts.spot,
-                               "poll_interval": plan.opts.poll_interval, **(extra or {})})
+                               "poll_interval": plan.opts.poll_interval, "engine": plan.engine,
+                               **(extra or {})})
         if prepare is not None:
             prepare(job)
         gate = _RequestGate(job_dir / REQUEST_FILE).install(sm_session.boto_session)
@@ -734,6 +849,24 @@ def job_state(status: str | None, secondary: str | None) -> str:
 
 def host_log_path(job_dir: Path, host: int) -> Path:
     return Path(job_dir) / jobdir.LOGS / f"algo-{host + 1}.log"
+
+
+#: the line the container entry prints once the smddp backend is loaded (sagemaker_entry.load_smddp)
+ENGINE_LINE = "[sdp_jupyter] smddp engine: "
+
+
+def engine_line(sm: dict) -> str | None:
+    """'smddp engine: ...' for a job's status.json `sagemaker` facts: the engine the hosts reported
+    (their log line), else the one planned; None for gloo/nccl jobs."""
+    from sdp_jupyter.instances import ENGINE_NAMES
+
+    planned = sm.get("engine")
+    if not planned:
+        return None
+    ran = sm.get("engine_ran")
+    if ran:
+        return f"smddp engine: {ran} (reported by the hosts)"
+    return f"smddp engine: {ENGINE_NAMES.get(planned, planned)} (planned; the hosts have not reported yet)"
 
 
 class SageMakerJob(Job):
@@ -875,6 +1008,9 @@ class SageMakerJob(Job):
         extra = (f"\nSageMaker: {sm.get('training_job_name')} in {sm.get('region')}, "
                  f"{self.spec.nodes} x {sm.get('instance_type')}, status {sm.get('status', '?')}"
                  f"/{sm.get('secondary_status', '?')}")
+        engine = engine_line(sm)
+        if engine:
+            extra += f"\n{engine}"
         if self.rehearsal:
             from sdp_jupyter.launch.sagemaker_rehearse import describe
 
@@ -960,6 +1096,9 @@ class SageMakerRun:
             f.write(text + "\n")
             touched.add(f)
             self.job.emit_output(host, text + "\n")
+            if ENGINE_LINE in text and not self.job.sagemaker.get("engine_ran"):
+                ran = text.split(ENGINE_LINE, 1)[1].strip()
+                self.job.update_status(sagemaker=dict(self.job.sagemaker, engine_ran=ran))
             if self._prefix in text:
                 ev = self._parse(text, host, t)
                 if ev is not None:

@@ -2,7 +2,8 @@
 
 The source directory a SageMaker job gets (see SageMakerLauncher) holds this file as
 ``sdp_entry.py``, the cell as ``script.py``, ``spec.json``, ``push.pkl`` when variables were
-pushed, ``requirements.txt`` and a copy of the pure-Python part of the sdp_jupyter package.
+pushed, ``requirements.txt`` and sdp_jupyter: a copy of its pure-Python part, or with our engine
+(SDP_ENGINE=sdp) the source package ``sdp_jupyter-<version>.tar.gz`` and the job's ``job_secret``.
 SageMaker's Torchrun driver starts, on every host,
 
     torchrun --nnodes=N --nproc_per_node=P [--master_addr=algo-1 --master_port=7777 --node_rank=i] \
@@ -13,8 +14,11 @@ and this file then, in each rank:
 1. fills the sdp_jupyter variables from SageMaker's (SDP_JOB_DIR under SM_OUTPUT_DATA_DIR, so it
    is uploaded with the job's output; SDP_CHECKPOINT_DIR=/opt/ml/checkpoints, which SageMaker
    syncs with the job's checkpoint S3 URI and restores after a spot interruption; SDP_NUM_NODES);
-2. with backend smddp, imports SageMaker's own `smdistributed.dataparallel` when the image has
-   it, which registers the "smddp" torch.distributed backend (our engine is not built there);
+2. with backend smddp and SDP_ENGINE=aws, imports SageMaker's own `smdistributed.dataparallel`,
+   which registers the "smddp" torch.distributed backend; with SDP_ENGINE=sdp (our engine), first
+   pip-installs the shipped source package ``sdp_jupyter-<version>.tar.gz`` into the image's Python,
+   compiling the engine, once per host (the host's other ranks wait on a lock), then imports
+   `sdp_jupyter.torch`; either way it prints which engine serves smddp (ENGINE_LINE);
 3. runs script.py as ``__main__`` exactly as the local worker does (same argv: --args, then the
    hyperparameters as --KEY VALUE; pushed variables; rank 0's last expression -> result.pkl);
 4. echoes every line `sdp_jupyter.report()` writes as a ``[sdp-metrics] {json}`` stdout line,
@@ -24,14 +28,26 @@ and this file then, in each rank:
 """
 from __future__ import annotations
 
+import glob
+import hashlib
 import json
 import os
 import pickle
+import shutil
+import subprocess
 import sys
+import tempfile
 import threading
+import time
 import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+#: printed once per host when smddp is loaded; the notebook side reads it (sagemaker.ENGINE_LINE)
+ENGINE_LINE = "[sdp_jupyter] smddp engine: "
+
+
+class EngineInstallError(RuntimeError):
+    """Our engine could not be installed in this image; the message names the image and the fix."""
 
 
 def fill_environment(env=os.environ) -> dict:
@@ -55,10 +71,96 @@ def fill_environment(env=os.environ) -> dict:
     return values
 
 
-def load_smddp(env=os.environ) -> str | None:
-    """Make init_process_group("smddp") work in this image; return who provides it."""
+def _compiler(env=os.environ) -> str | None:
+    for name in (env.get("CXX"), "c++", "g++", "clang++"):
+        if name and shutil.which(name.split()[0]):
+            return name
+    return None
+
+
+def _pip_install(sdist: str, env=os.environ) -> str:
+    import importlib.util
+
+    image = env.get("SDP_IMAGE_URI") or "this training image"
+    if _compiler(env) is None:
+        raise EngineInstallError(
+            f"the training image {image} has no C++ compiler (looked for $CXX, c++, g++, clang++), and "
+            "--engine sdp builds sdp_jupyter's engine in the container when the job starts. Fix: --image-uri "
+            "an image with g++ (the AWS PyTorch training images have one; in your own Dockerfile: apt-get "
+            "install -y g++), or --engine aws on an instance type SageMaker's smddp library supports "
+            "(ml.p4d.24xlarge, ml.p4de.24xlarge)")
+    cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--no-input", "--disable-pip-version-check"]
+    if all(importlib.util.find_spec(m) is not None for m in ("setuptools", "pybind11")):
+        cmd.append("--no-build-isolation")  # the image's own build tools: no download needed
+    t0 = time.monotonic()
+    done = subprocess.run(cmd + [sdist], capture_output=True, text=True)
+    if done.returncode != 0:
+        output = (done.stdout + done.stderr).strip()
+        print(output, file=sys.stderr, flush=True)
+        last = output.splitlines()[-1] if output else "no output"
+        raise EngineInstallError(
+            f"installing sdp_jupyter from {os.path.basename(sdist)} in the training image {image} failed (pip "
+            f"exit {done.returncode}: {last}). Fix: an image with pip, a C++17 compiler and Python headers, or "
+            "network access for pip's build tools (setuptools, pybind11); or --engine aws")
+    return f"built from {os.path.basename(sdist)} in {time.monotonic() - t0:.0f} s"
+
+
+def install_engine(here: str = HERE, env=os.environ) -> str | None:
+    """With SDP_ENGINE=sdp: install the shipped source package into this Python (compiling the
+    engine) unless this host did already; return what was done, None when not our engine."""
+    if env.get("SDP_BACKEND") != "smddp" or env.get("SDP_ENGINE") != "sdp":
+        return None
+    secret = os.path.join(here, "job_secret")  # the launcher's per-job secret (sagemaker.SECRET_FILE)
+    if not env.get("SDP_JOB_SECRET") and os.path.isfile(secret):
+        with open(secret) as f:
+            env["SDP_JOB_SECRET"] = f.read().strip()
+    sdists = sorted(glob.glob(os.path.join(here, "sdp_jupyter-*.tar.gz")))
+    if not sdists:
+        raise EngineInstallError(f"--engine sdp: the source directory {here} holds no sdp_jupyter-*.tar.gz "
+                                 "(the launcher ships one); resubmit the job")
+    with open(sdists[-1], "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()[:16]
+    # One install per Python environment: the ranks of a host (and a rehearsal's hosts, which share
+    # one image) take turns on a lock; the first installs, the others find the mark it leaves.
+    state = sys.prefix if os.access(sys.prefix, os.W_OK) else tempfile.gettempdir()
+    mark = os.path.join(state, f".sdp_jupyter-{digest}")
+    failed = f"{mark}-{env.get('TRAINING_JOB_NAME', 'job')}.failed"
+    import fcntl
+
+    with open(mark + ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.path.exists(mark + ".ok"):
+            with open(mark + ".ok") as f:
+                return f.read().strip() + " (already installed on this host)"
+        if os.path.exists(failed):
+            with open(failed) as f:
+                raise EngineInstallError(f.read().strip())
+        try:
+            done = _pip_install(sdists[-1], env)
+        except EngineInstallError as e:
+            with open(failed, "w") as f:
+                f.write(str(e))
+            raise
+        with open(mark + ".ok", "w") as f:
+            f.write(done)
+    return done
+
+
+def load_smddp(env=os.environ, installed: str | None = None) -> str | None:
+    """Make init_process_group("smddp") work in this image; return who provides it and print it
+    (ENGINE_LINE, once per host). `installed`: what install_engine did, for that line."""
     if env.get("SDP_BACKEND") != "smddp":
         return None
+    if env.get("SDP_ENGINE") == "sdp":
+        import importlib
+
+        importlib.invalidate_caches()  # the package was installed after this interpreter started
+        import sdp_jupyter
+        import sdp_jupyter.torch  # noqa: F401  registers "smddp" on our engine
+
+        env["SDP_SMDDP_PROVIDER"] = "sdp_jupyter"
+        _say_engine(env, f"sdp_jupyter's engine (sdp_jupyter {sdp_jupyter.__version__}, {installed})")
+        return "sdp_jupyter"
     try:
         import smdistributed.dataparallel.torch.torch_smddp  # noqa: F401  registers "smddp"
     except ImportError as e:
@@ -67,7 +169,13 @@ def load_smddp(env=os.environ) -> str | None:
               "2.3.0 training image) or run with --backend nccl.", file=sys.stderr, flush=True)
         return None
     env["SDP_SMDDP_PROVIDER"] = "smdistributed"
+    _say_engine(env, "SageMaker's smdistributed library")
     return "smdistributed"
+
+
+def _say_engine(env, what: str) -> None:
+    if env.get("LOCAL_RANK", "0") == "0":
+        print(ENGINE_LINE + what, flush=True)
 
 
 class MetricsEcho:
@@ -148,10 +256,14 @@ def _user_frames(tb, *ours: str):
 def main(argv: list[str] | None = None) -> int:
     if HERE not in sys.path:
         sys.path.insert(0, HERE)  # the uploaded copy of sdp_jupyter sits next to this file
-    from sdp_jupyter.launch import worker
-
     values = fill_environment()
-    load_smddp()
+    try:
+        load_smddp(installed=install_engine())  # with our engine, sdp_jupyter is importable from here on
+    except EngineInstallError as e:
+        print(f"[sdp_jupyter] {e}", file=sys.stderr, flush=True)
+        _write_failure(e)
+        return 1
+    from sdp_jupyter.launch import worker
     with open(os.path.join(HERE, "spec.json")) as f:
         spec = json.load(f)
     push = {}

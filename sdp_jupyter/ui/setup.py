@@ -223,6 +223,7 @@ class JobSetup(W.VBox):
             nodes=self.w_nodes.value,
             gpus_per_node=self.w_gpus.value,
             backend=self.w_backend.value,
+            engine=self.sagemaker_options.get("engine") or "auto",
             mode=_MODE_LABELS[self.w_mode.value],
             per_gpu_batch=self.w_per_gpu.value,
             reference_lr=self.w_ref_lr.value,
