@@ -169,7 +169,7 @@ def test_engine_auto_is_ours_where_aws_refuses_and_ships_the_sources(aws, tmp_pa
 
 
 def test_entry_names_the_image_when_it_has_no_compiler(tmp_path, monkeypatch):
-    from sdp_jupyter.launch import sagemaker_entry as entry
+    from sdp_jupyter.launch.sagemaker import entry
 
     (tmp_path / "sdp_jupyter-0.1.0.tar.gz").write_bytes(b"not built")
     monkeypatch.setattr(entry.shutil, "which", lambda name: None)
@@ -196,7 +196,7 @@ def test_spot_job_request_and_stable_checkpoint_uri(aws, tmp_path):
     assert req["CheckpointConfig"] == {"S3Uri": f"s3://{BUCKET}/spot-run/checkpoints",
                                        "LocalPath": "/opt/ml/checkpoints"}
     assert req["Environment"]["SDP_CHECKPOINT_DIR"] == "/opt/ml/checkpoints"
-    newest = sm._default_framework_version("nccl")  # the newest PyTorch training image the SDK knows
+    newest = sm.default_framework_version("nccl")  # the newest PyTorch training image the SDK knows
     assert re.fullmatch(rf"763104351884\.dkr\.ecr\.us-west-2\.amazonaws\.com/pytorch-training:{newest}-gpu-py3\d+",
                         req["AlgorithmSpecification"]["TrainingImage"])
     drivers = f"s3://{BUCKET}/spot-run/{req['TrainingJobName']}/input/sm_drivers"
@@ -307,7 +307,7 @@ def test_final_request_gate_blocks_a_bad_request(aws, tmp_path):
     import boto3
 
     boto = boto3.Session(region_name=REGION)
-    gate = sm._RequestGate(tmp_path / "request.json").install(boto)
+    gate = sm.RequestGate(tmp_path / "request.json").install(boto)
     before = len(MotoAWS.create_requests)
     client = boto.client("sagemaker")
     with pytest.raises(sm.SageMakerRequestError) as err:
@@ -576,7 +576,7 @@ def test_magics_start_list_and_stop_a_sagemaker_job(aws, tmp_path, monkeypatch):
 def test_setup_widget_launches_the_same_choices_on_sagemaker(aws, tmp_path):
     """The job setup form with target sagemaker: its instance type, nodes, backend and scaled
     hyperparameters become the training job, and its live view is the SageMaker one."""
-    from sdp_jupyter.launch.sagemaker_view import SageMakerJobView
+    from sdp_jupyter.ui.sagemaker_view import SageMakerJobView
     from sdp_jupyter.ui.setup import JobSetup
 
     form = JobSetup(code=CELL, name="widget-sm", jobs_dir=str(tmp_path / "jobs"), target="sagemaker",

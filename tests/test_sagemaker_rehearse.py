@@ -20,8 +20,9 @@ pytest.importorskip("moto.server")
 import sdp_jupyter  # noqa: E402
 from sdp_jupyter.launch import JobSpec, SpecError, launch  # noqa: E402
 from sdp_jupyter.launch import sagemaker as sm  # noqa: E402
-from sdp_jupyter.launch import sagemaker_rehearse, sagemaker_standin  # noqa: E402
-from sdp_jupyter.launch.sagemaker_standin import MotoAWS  # noqa: E402
+from sdp_jupyter.launch.sagemaker import rehearse as sagemaker_rehearse  # noqa: E402
+from sdp_jupyter.launch.sagemaker import standin as sagemaker_standin  # noqa: E402
+from sdp_jupyter.launch.sagemaker.standin import MotoAWS  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

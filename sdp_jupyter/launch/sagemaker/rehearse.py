@@ -3,7 +3,7 @@
 The rehearsal goes through the same path as a real submission (SageMakerLauncher.submit): the plan
 and the draft request checked against botocore's service model, the same source directory built,
 the SageMaker SDK's ModelTrainer building the final CreateTrainingJob request, which the request gate
-validates again. Only the AWS it talks to differs: the local stand-in (sagemaker_standin: a moto
+validates again. Only the AWS it talks to differs: the local stand-in (standin.py: a moto
 server on 127.0.0.1 and a thread that plays SageMaker). The stand-in runs the job as SageMaker would:
 `--nodes` hosts as local process groups, each under SageMaker's own Torchrun driver and the
 environment SageMaker's own environment.py computes (SM_HOSTS, SM_CURRENT_HOST, SM_CHANNEL_*), the
@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from sdp_jupyter.launch.spec import SpecError
+from sdp_jupyter.launch.options import SpecError
 
 REHEARSAL_DIR = "rehearsal"  # in the job directory: the hosts' /opt/ml trees and the image's packages
 
@@ -133,7 +133,7 @@ def rehearse(launcher, plan, push_bytes):
         import importlib
 
         importlib.import_module("moto.server")
-        from sdp_jupyter.launch import sagemaker_standin
+        from sdp_jupyter.launch.sagemaker import standin as sagemaker_standin
     except ImportError as e:
         raise SpecError("--rehearse", f"needs moto and boto3 ({e}). Fix: pip install 'sdp_jupyter[rehearse]'") \
             from None
