@@ -19,7 +19,7 @@ and this file then, in each rank:
    pip-installs the shipped source package ``sdp_jupyter-<version>.tar.gz`` into the image's Python,
    compiling the engine, once per host (the host's other ranks wait on a lock), then imports
    `sdp_jupyter.torch`; either way it prints which engine serves smddp (ENGINE_LINE);
-3. runs script.py as ``__main__`` exactly as the local worker does (same argv: --args, then the
+3. runs script.py as ``__main__`` exactly as the local worker does (both through launch/bootstrap.py) (same argv: --args, then the
    hyperparameters as --KEY VALUE; pushed variables; rank 0's last expression -> result.pkl);
 4. echoes every line `sdp_jupyter.report()` writes as a ``[sdp-metrics] {json}`` stdout line,
    which CloudWatch Logs keeps and the notebook parses (sdp_jupyter.monitor.cloudwatch);
@@ -32,7 +32,6 @@ import glob
 import hashlib
 import json
 import os
-import pickle
 import shutil
 import subprocess
 import sys
@@ -245,14 +244,6 @@ def _write_failure(exc: BaseException, env=os.environ) -> None:
         pass
 
 
-def _user_frames(tb, *ours: str):
-    """Start the traceback at the script's frames: the bootstrap is not the user's problem."""
-    skip = {os.path.abspath(p) for p in (__file__, *ours)}
-    while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) in skip:
-        tb = tb.tb_next
-    return tb
-
-
 def main(argv: list[str] | None = None) -> int:
     if HERE not in sys.path:
         sys.path.insert(0, HERE)  # the uploaded copy of sdp_jupyter sits next to this file
@@ -263,37 +254,33 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[sdp_jupyter] {e}", file=sys.stderr, flush=True)
         _write_failure(e)
         return 1
-    from sdp_jupyter.launch import worker
+    from sdp_jupyter.launch import bootstrap
     with open(os.path.join(HERE, "spec.json")) as f:
         spec = json.load(f)
-    push = {}
-    push_path = os.path.join(HERE, "push.pkl")
-    if os.path.exists(push_path):
-        with open(push_path, "rb") as f:
-            push = pickle.load(f)
+    push = bootstrap.load_push(os.path.join(HERE, "push.pkl"), checked=False)
     rank = int(os.environ.get("RANK", "0"))
     args = [str(a) for a in spec.get("args") or []]
     args += list(sys.argv[1:] if argv is None else argv)  # the hyperparameters, from the driver
     echo = MetricsEcho(values["SDP_JOB_DIR"], rank).start()
     try:
-        value = worker.run_script(os.path.join(HERE, "script.py"), args, push, want_result=rank == 0)
+        value = bootstrap.run_script(os.path.join(HERE, "script.py"), args, push, want_result=rank == 0)
     except SystemExit as e:
         echo.stop()
-        worker._finish_distributed()
+        bootstrap.finish_distributed()
         if e.code not in (None, 0):
             _write_failure(e)
         raise
     except BaseException as e:
         echo.stop()
-        traceback.print_exception(type(e), e, _user_frames(e.__traceback__, worker.__file__))
+        traceback.print_exception(type(e), e, bootstrap.user_frames(e.__traceback__, __file__))
         sys.stderr.flush()
         _write_failure(e)
         return 1
     echo.stop()
     code = 0
     if rank == 0 and value is not None:
-        code = worker._save_result(values["SDP_JOB_DIR"], value, required=bool(spec.get("result")))
-    worker._finish_distributed()
+        code = bootstrap.save_result(values["SDP_JOB_DIR"], value, required=bool(spec.get("result")))
+    bootstrap.finish_distributed()
     return code
 
 
