@@ -168,6 +168,20 @@ def test_engine_auto_is_ours_where_aws_refuses_and_ships_the_sources(aws, tmp_pa
     assert job.wait(20) == "stopped"
 
 
+def test_engine_sdp_without_the_sources_is_refused_before_any_aws_call(tmp_path, monkeypatch):
+    """sdp_jupyter installed from a wheel has no native/ to ship: --engine sdp says so up front."""
+    from sdp_jupyter.launch.sagemaker import plan as plan_module
+
+    monkeypatch.setattr(plan_module, "source_tree", lambda: None)
+    spec = make_spec(tmp_path, "no-sources", backend="smddp", sagemaker={"instance_type": "ml.g5.12xlarge"})
+    with pytest.raises(SpecError) as err:
+        sm.make_plan(spec)
+    assert err.value.option == "--engine" and "installed without them" in str(err.value)
+    assert "--engine aws on ml.p4d.24xlarge" in str(err.value)
+    # AWS's library needs no sources
+    assert sm.make_plan(spec.replace(sagemaker={"instance_type": "ml.p4d.24xlarge"})).engine == "aws"
+
+
 def test_entry_names_the_image_when_it_has_no_compiler(tmp_path, monkeypatch):
     from sdp_jupyter.launch.sagemaker import entry
 
