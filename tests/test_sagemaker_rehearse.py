@@ -267,3 +267,6 @@ def test_engine_auto_on_a_type_aws_refuses_installs_ours_in_a_fresh_image(tmp_pa
     summary = job.summary()
     assert "smddp engine: sdp_jupyter's engine" in summary and "(reported by the hosts)" in summary
     assert "its engine builds" in summary
+    view = job.view()  # the job view says it too
+    view._redraw()
+    assert "smddp engine: sdp_jupyter&#x27;s engine (sdp_jupyter" in view.header.value, view.header.value

@@ -79,6 +79,12 @@ class SageMakerJob(Job):
         return self.spec.nodes
 
     @property
+    def engine(self) -> str | None:
+        """Who serves --backend smddp, as the hosts reported it, else as planned (engine_line);
+        None for gloo/nccl jobs."""
+        return engine_line(self.sagemaker)
+
+    @property
     def request(self) -> dict | None:
         """The CreateTrainingJob request as it was sent."""
         return jobdir.read_json(self.dir / REQUEST_FILE)
@@ -192,7 +198,7 @@ class SageMakerJob(Job):
         extra = (f"\nSageMaker: {sm.get('training_job_name')} in {sm.get('region')}, "
                  f"{self.spec.nodes} x {sm.get('instance_type')}, status {sm.get('status', '?')}"
                  f"/{sm.get('secondary_status', '?')}")
-        engine = engine_line(sm)
+        engine = self.engine
         if engine:
             extra += f"\n{engine}"
         if self.rehearsal:
