@@ -331,7 +331,10 @@ class JobSetup(W.VBox):
     def _redraw(self) -> None:
         sagemaker = self.w_target.value == "sagemaker"
         inst = instances.get(self.w_instance.value)
-        self.w_instance_info.value = f"<small>{html.escape(inst.describe())}</small>"
+        info = inst.describe()
+        if sagemaker:  # who serves smddp on this type with --engine auto (docs/sagemaker.md, Engine)
+            info += f"; smddp (engine auto): {instances.ENGINE_NAMES[inst.smddp_engine]}"
+        self.w_instance_info.value = f"<small>{html.escape(info)}</small>"
         self.w_hosts.layout.display = None if self.w_target.value == "ssh" else "none"
         self.w_address.layout.display = None if self.w_target.value == "ray" else "none"
         self.w_instance.layout.display = "none" if self.w_target.value in ("ssh", "ray") else None
