@@ -43,7 +43,7 @@ install_test_hosts() {
 case "${1:-}" in
     main)
         bootstrap
-        exec "$VENV/bin/python" -m sdp_jupyter.main_job
+        exec "$VENV/bin/python" tools/main_job.py
         ;;
     test)
         bootstrap

@@ -34,6 +34,11 @@ SMDDP_UNSUPPORTED = "unsupported"
 #: the local machine runs our own engine (sdp_jupyter's smddp backend), not SageMaker's
 SMDDP_LOCAL = "local"
 
+#: ``--engine`` on SageMaker: who provides ``--backend smddp`` (docs/sagemaker.md, "Engine")
+ENGINE_AUTO, ENGINE_SDP, ENGINE_AWS = "auto", "sdp", "aws"
+ENGINES = (ENGINE_AUTO, ENGINE_SDP, ENGINE_AWS)
+ENGINE_NAMES = {ENGINE_SDP: "sdp_jupyter's engine", ENGINE_AWS: "SageMaker's smdistributed library"}
+
 LOCAL = "local"
 
 
@@ -75,6 +80,13 @@ class Instance:
     def smddp_allows(self) -> bool:
         """True where SageMaker's smddp library runs data-parallel AllReduce on this type."""
         return self.smddp in (SMDDP_SUPPORTED, SMDDP_ALLREDUCE_ONLY, SMDDP_LOCAL)
+
+    @property
+    def smddp_engine(self) -> str:
+        """Who serves ``--backend smddp`` here with ``--engine auto``: ``"aws"`` (SageMaker's
+        smdistributed library) on the types it supports, else ``"sdp"`` (our engine, built in the
+        training container when the job starts; the local machine always runs ours)."""
+        return ENGINE_AWS if self.smddp in (SMDDP_SUPPORTED, SMDDP_ALLREDUCE_ONLY) else ENGINE_SDP
 
     def describe(self) -> str:
         """One line for people: '8 x NVIDIA A100 40 GB, 96 vCPUs, 400 Gigabit (EFA), price unknown'."""

@@ -245,6 +245,7 @@ class Plan:
     scaling_efficiency: float = DEFAULT_SCALING_EFFICIENCY
     price_per_hour: float | None = None  #: per node-hour; None: the catalogue's (often unknown)
     cpus: int | None = None  #: cores for local workers; None: instances.usable_cpus()
+    engine: str = "auto"  #: SageMaker's --engine: who provides smddp (instances.ENGINES)
 
     def __post_init__(self):
         for name, value, allowed in (
@@ -253,6 +254,7 @@ class Plan:
             ("mode", self.mode, MODES),
             ("rule", self.rule, RULES),
             ("optimizer", self.optimizer, OPTIMIZERS),
+            ("engine", self.engine, instances.ENGINES),
         ):
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
@@ -435,13 +437,25 @@ def _findings(plan: Plan, inst: instances.Instance, world: int, per_gpu: int, gb
             "smddp on 1 node: the library speeds up AllReduce across hosts; within one node it brings "
             "nothing over NCCL (GPUs) or gloo (CPU).",
             "Use 2+ nodes to benefit, or backend 'nccl'/'gloo' for a single node.", plan.nodes, 2))
-    if plan.target == "sagemaker" and plan.backend == "smddp" and not inst.smddp_allows():
+    sagemaker_smddp = plan.target == "sagemaker" and plan.backend == "smddp"
+    engine = plan.engine if plan.engine != instances.ENGINE_AUTO else inst.smddp_engine
+    if sagemaker_smddp and engine == instances.ENGINE_AWS and not inst.smddp_allows():
         allowed = [n for n, i in instances.catalogue().items() if i.smddp_allows()]
         out.append(ScalingWarning(
             "smddp_unsupported_instance", ERROR,
             f"SageMaker's smddp does not support {inst.name} (support: {inst.smddp}).",
-            f"Pick one of {', '.join(allowed)}, or backend 'nccl'.", inst.name, ", ".join(allowed)))
-    if plan.target == "sagemaker" and plan.backend == "smddp" and inst.smddp == instances.SMDDP_ALLREDUCE_ONLY:
+            f"Pick one of {', '.join(allowed)}, engine 'sdp' (ours, on any type) or backend 'nccl'.",
+            inst.name, ", ".join(allowed)))
+    if sagemaker_smddp and engine == instances.ENGINE_SDP:
+        out.append(ScalingWarning(
+            "smddp_engine_ours", WARNING,
+            f"smddp on {inst.name} is served by sdp_jupyter's engine"
+            + (" (SageMaker's smddp library does not run on this type)" if not inst.smddp_allows() else "")
+            + ": the job ships sdp_jupyter's sources and builds the engine in each container at start "
+            "(about a minute; the image needs a C++ compiler).",
+            "The AWS PyTorch training images have one; for SageMaker's own library pick "
+            "ml.p4d.24xlarge / ml.p4de.24xlarge with engine 'auto' or 'aws'.", inst.name, engine))
+    if sagemaker_smddp and engine == instances.ENGINE_AWS and inst.smddp == instances.SMDDP_ALLREDUCE_ONLY:
         out.append(ScalingWarning(
             "smddp_allreduce_only", WARNING,
             f"SageMaker's smddp supports only AllReduce on {inst.name} and is no longer developed for it.",

@@ -103,12 +103,14 @@ def test_every_option_maps_to_a_field_or_is_wait():
                     reason="no SageMaker options installed")
 def test_provider_options_fill_dict_fields_and_round_trip():
     values = _parse_magic_line("%%sdp_train --target sagemaker --instance-type ml.p4d.24xlarge --spot "
-                               "--input train=s3://b/train --max-run 600")
+                               "--input train=s3://b/train --max-run 600 --engine sdp")
     spec = JobSpec.from_options(values, code="x")
     assert spec.sagemaker["instance_type"] == "ml.p4d.24xlarge" and spec.sagemaker["spot"] is True
+    assert spec.sagemaker["engine"] == "sdp"
     assert spec.sagemaker["max_run"] == "600" and spec.sagemaker["inputs"] == ["train=s3://b/train"]
     line = spec.to_magic_line()
     assert "--instance-type ml.p4d.24xlarge" in line and "--spot" in line and "--input train=s3://b/train" in line
+    assert "--engine sdp" in line
     assert JobSpec.from_options(_parse_magic_line(line), code="x") == spec
 
 

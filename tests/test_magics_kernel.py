@@ -8,7 +8,7 @@ import time
 import pytest
 
 from conftest import wait_no_processes, worker_processes
-from sdp_jupyter.main_job import kernel_env
+from tools.main_job import kernel_env
 
 pytestmark = pytest.mark.slow
 

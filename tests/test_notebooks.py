@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, wait_no_processes
-from sdp_jupyter.main_job import cell_seconds, execute
+from tools.main_job import cell_seconds, execute
 
 NOTEBOOKS = sorted(p for p in (REPO / "notebooks").glob("*.ipynb"))
 

@@ -55,13 +55,15 @@ def test_bad_values_name_the_option(parallel, option, fragment):
     assert info.value.option == option and fragment in str(info.value)
 
 
-def test_not_passed_to_sagemaker_silently():
+def test_not_passed_to_ray_silently():
     with pytest.raises(SpecError) as info:
-        JobSpec(code="x", target="sagemaker", parallel={"tp": 2, "shard_optimizer": "optimizer"})
+        JobSpec(code="x", target="ray", parallel={"tp": 2, "shard_optimizer": "optimizer"})
     assert info.value.option == "--tp" and "--env SDP_TP=2" in str(info.value)
     assert "--env SDP_SHARD_OPTIMIZER=optimizer" in str(info.value)
     # the old way still works everywhere: --env without the options is passed through unchanged
-    assert JobSpec(code="x", target="sagemaker", env={"SDP_TP": "2"}).env == {"SDP_TP": "2"}
+    assert JobSpec(code="x", target="ray", env={"SDP_TP": "2"}).env == {"SDP_TP": "2"}
+    # SageMaker jobs take them (tests/test_sagemaker.py checks the request's Environment)
+    assert JobSpec(code="x", target="sagemaker", parallel={"tp": 2}).parallel == {"tp": 2}
 
 
 def test_a_valid_layout_passes_and_warnings_do_not_refuse():

@@ -9,6 +9,8 @@ handle, its directory, the reader, the job view and the dashboard make of them; 
 from __future__ import annotations
 
 import json
+import os
+import tarfile
 import re
 import time
 
@@ -19,6 +21,7 @@ from helpers.moto import BUCKET, REGION, ROLE, MotoAWS
 pytest.importorskip("sagemaker.train")
 pytest.importorskip("moto.server")
 
+import sdp_jupyter  # noqa: E402
 from sdp_jupyter.launch import JobSpec, SpecError, launch  # noqa: E402
 from sdp_jupyter.launch import sagemaker as sm  # noqa: E402
 from sdp_jupyter.monitor import cloudwatch  # noqa: E402
@@ -104,7 +107,7 @@ def test_smddp_job_request(aws, tmp_path):
         "ResourceConfig": {"InstanceType": "ml.p4d.24xlarge", "InstanceCount": 2, "VolumeSizeInGB": 30},
         "StoppingCondition": {"MaxRuntimeInSeconds": sm.DEFAULT_MAX_RUN},
         "CheckpointConfig": {"S3Uri": f"s3://{BUCKET}/mnist-smddp/checkpoints", "LocalPath": "/opt/ml/checkpoints"},
-        "Environment": expected_environment("smddp", "mnist-smddp", 2, MY_FLAG="1"),
+        "Environment": expected_environment("smddp", "mnist-smddp", 2, MY_FLAG="1", SDP_ENGINE="aws"),
     }
     # torchrun's processes per node and the entry script travel in the SDK's driver files
     drivers = f"s3://{BUCKET}/mnist-smddp/{name}/input/sm_drivers"
@@ -125,6 +128,76 @@ def test_smddp_job_request(aws, tmp_path):
     assert job.wait(20) == "stopped"
 
 
+def test_engine_auto_is_ours_where_aws_refuses_and_ships_the_sources(aws, tmp_path):
+    """--engine auto on ml.g5.12xlarge (SageMaker's smddp does not run there): our engine, shipped as
+    a source package with native/; hybrid options reach the job's Environment as locally."""
+    from sdp_jupyter import instances
+
+    assert instances.get("ml.g5.12xlarge").smddp_engine == "sdp"
+    assert instances.get("ml.p4d.24xlarge").smddp_engine == "aws"
+    spec = make_spec(tmp_path, "g5-ours", nodes=2, backend="smddp", parallel={"tp": 2},
+                     sagemaker={"instance_type": "ml.g5.12xlarge"})
+    plan = sm.make_plan(spec)
+    assert plan.engine == "sdp" and plan.procs_per_node == 4
+    assert any("does not run on this type" in w and "sdp_jupyter's engine" in w for w in plan.warnings)
+    assert plan.environment["SDP_ENGINE"] == "sdp" and plan.environment["SDP_TP"] == "2"
+    assert sm.make_plan(spec.replace(sagemaker={**spec.sagemaker, "engine": "aws", "instance_type":
+                                                "ml.p4d.24xlarge"})).engine == "aws"
+    job = launch(spec)
+    req = wire_request()
+    env = req["Environment"]
+    assert (env["SDP_ENGINE"], env["SDP_TP"], env["SDP_BACKEND"]) == ("sdp", "2", "smddp")
+    assert env["SDP_IMAGE_URI"] == req["AlgorithmSpecification"]["TrainingImage"]
+    assert req["ResourceConfig"]["InstanceType"] == "ml.g5.12xlarge"
+    code = s3_keys(aws, f"s3://{BUCKET}/g5-ours/{req['TrainingJobName']}/input/code")
+    sdist = f"sdp_jupyter-{sdp_jupyter.__version__}.tar.gz"
+    assert sdist in code and not any(k.startswith("sdp_jupyter/") for k in code)
+    with tarfile.open(job.dir / "sagemaker_source" / sdist) as tar:
+        names = set(tar.getnames())
+    base = f"sdp_jupyter-{sdp_jupyter.__version__}"
+    assert {f"{base}/{n}" for n in ("PKG-INFO", "pyproject.toml", "setup.py", "README.md",
+                                     "native/src/engine.cpp", "native/include/sdp/engine.h",
+                                     "native/python/module.cpp", "sdp_jupyter/torch/__init__.py")} <= names
+    assert not any(n.endswith(".so") or "__pycache__" in n for n in names)
+    # the same sources give the same bytes: a host that built this package knows it by its digest
+    again = sm.build_sdist(tmp_path)
+    assert again.read_bytes() == (job.dir / "sagemaker_source" / sdist).read_bytes()
+    assert job.sagemaker["engine"] == "sdp" and "smddp engine: sdp_jupyter's engine (planned" in job.summary()
+    job.stop(wait=False)
+    aws.set_status(req["TrainingJobName"], "Stopped")
+    assert job.wait(20) == "stopped"
+
+
+def test_engine_sdp_without_the_sources_is_refused_before_any_aws_call(tmp_path, monkeypatch):
+    """sdp_jupyter installed from a wheel has no native/ to ship: --engine sdp says so up front."""
+    from sdp_jupyter.launch.sagemaker import plan as plan_module
+
+    monkeypatch.setattr(plan_module, "source_tree", lambda: None)
+    spec = make_spec(tmp_path, "no-sources", backend="smddp", sagemaker={"instance_type": "ml.g5.12xlarge"})
+    with pytest.raises(SpecError) as err:
+        sm.make_plan(spec)
+    assert err.value.option == "--engine" and "installed without them" in str(err.value)
+    assert "--engine aws on ml.p4d.24xlarge" in str(err.value)
+    # AWS's library needs no sources
+    assert sm.make_plan(spec.replace(sagemaker={"instance_type": "ml.p4d.24xlarge"})).engine == "aws"
+
+
+def test_entry_names_the_image_when_it_has_no_compiler(tmp_path, monkeypatch):
+    from sdp_jupyter.launch.sagemaker import entry
+
+    (tmp_path / "sdp_jupyter-0.1.0.tar.gz").write_bytes(b"not built")
+    monkeypatch.setattr(entry.shutil, "which", lambda name: None)
+    env = {"SDP_BACKEND": "smddp", "SDP_ENGINE": "sdp", "SDP_IMAGE_URI": "my.registry/slim:1",
+           "TRAINING_JOB_NAME": f"no-cxx-{os.getpid()}"}
+    monkeypatch.setattr(entry.sys, "prefix", str(tmp_path))
+    for _ in range(2):  # the host's second rank gets the same error without trying again
+        with pytest.raises(entry.EngineInstallError) as err:
+            entry.install_engine(str(tmp_path), env)
+        assert "the training image my.registry/slim:1 has no C++ compiler" in str(err.value)
+        assert "Fix: --image-uri an image with g++" in str(err.value) and "--engine aws" in str(err.value)
+    assert entry.install_engine(str(tmp_path), {**env, "SDP_ENGINE": "aws"}) is None
+
+
 def test_spot_job_request_and_stable_checkpoint_uri(aws, tmp_path):
     spec = make_spec(tmp_path, "spot-run", nodes=1, backend="nccl", procs_per_node=4,
                      sagemaker={"instance_type": "ml.g5.12xlarge", "spot": True, "max_run": 3600,
@@ -137,7 +210,7 @@ def test_spot_job_request_and_stable_checkpoint_uri(aws, tmp_path):
     assert req["CheckpointConfig"] == {"S3Uri": f"s3://{BUCKET}/spot-run/checkpoints",
                                        "LocalPath": "/opt/ml/checkpoints"}
     assert req["Environment"]["SDP_CHECKPOINT_DIR"] == "/opt/ml/checkpoints"
-    newest = sm._default_framework_version("nccl")  # the newest PyTorch training image the SDK knows
+    newest = sm.default_framework_version("nccl")  # the newest PyTorch training image the SDK knows
     assert re.fullmatch(rf"763104351884\.dkr\.ecr\.us-west-2\.amazonaws\.com/pytorch-training:{newest}-gpu-py3\d+",
                         req["AlgorithmSpecification"]["TrainingImage"])
     drivers = f"s3://{BUCKET}/spot-run/{req['TrainingJobName']}/input/sm_drivers"
@@ -206,9 +279,13 @@ def test_service_model_rejects_before_sending(aws, tmp_path, changes, option, fi
 
 @pytest.mark.parametrize("changes, option, words", [
     ({"name": "a" * 49}, "--name", "at most 48"),
-    ({"backend": "smddp", "sagemaker": {"instance_type": "ml.g5.48xlarge"}}, "--instance-type",
+    ({"backend": "smddp", "sagemaker": {"instance_type": "ml.g5.48xlarge", "engine": "aws"}}, "--instance-type",
      "ml.p4d.24xlarge, ml.p4de.24xlarge"),
-    ({"backend": "smddp", "sagemaker": {"instance_type": "ml.p5.48xlarge"}}, "--instance-type", "does not run on"),
+    ({"backend": "smddp", "sagemaker": {"instance_type": "ml.p5.48xlarge", "engine": "aws"}}, "--instance-type",
+     "Fix: --instance-type ml.p4d.24xlarge, or --engine sdp"),
+    ({"backend": "smddp", "sagemaker": {"engine": "nccl"}}, "--engine", "one of auto, sdp, aws"),
+    ({"sagemaker": {"engine": "sdp"}}, "--engine", "this job uses --backend gloo"),
+    ({"parallel": {"tp": 3}, "procs_per_node": 3}, "--tp", "power of two"),
     ({"sagemaker": {"max_wait": 100}}, "--max-wait", "--spot"),
     ({"sagemaker": {"spot": True, "max_run": 600, "max_wait": 300}}, "--max-wait", "at least --max-run"),
     ({"sagemaker": {"spot": True, "keep_alive": 60}}, "--keep-alive", "warm pools"),
@@ -244,7 +321,7 @@ def test_final_request_gate_blocks_a_bad_request(aws, tmp_path):
     import boto3
 
     boto = boto3.Session(region_name=REGION)
-    gate = sm._RequestGate(tmp_path / "request.json").install(boto)
+    gate = sm.RequestGate(tmp_path / "request.json").install(boto)
     before = len(MotoAWS.create_requests)
     client = boto.client("sagemaker")
     with pytest.raises(sm.SageMakerRequestError) as err:
@@ -513,7 +590,7 @@ def test_magics_start_list_and_stop_a_sagemaker_job(aws, tmp_path, monkeypatch):
 def test_setup_widget_launches_the_same_choices_on_sagemaker(aws, tmp_path):
     """The job setup form with target sagemaker: its instance type, nodes, backend and scaled
     hyperparameters become the training job, and its live view is the SageMaker one."""
-    from sdp_jupyter.launch.sagemaker_view import SageMakerJobView
+    from sdp_jupyter.ui.sagemaker_view import SageMakerJobView
     from sdp_jupyter.ui.setup import JobSetup
 
     form = JobSetup(code=CELL, name="widget-sm", jobs_dir=str(tmp_path / "jobs"), target="sagemaker",

@@ -10,16 +10,19 @@ channel and an entry point that does not exist are each one clear error before a
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
 pytest.importorskip("sagemaker.train")
 pytest.importorskip("moto.server")
 
+import sdp_jupyter  # noqa: E402
 from sdp_jupyter.launch import JobSpec, SpecError, launch  # noqa: E402
 from sdp_jupyter.launch import sagemaker as sm  # noqa: E402
-from sdp_jupyter.launch import sagemaker_rehearse, sagemaker_standin  # noqa: E402
-from sdp_jupyter.launch.sagemaker_standin import MotoAWS  # noqa: E402
+from sdp_jupyter.launch.sagemaker import rehearse as sagemaker_rehearse  # noqa: E402
+from sdp_jupyter.launch.sagemaker import standin as sagemaker_standin  # noqa: E402
+from sdp_jupyter.launch.sagemaker.standin import MotoAWS  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -221,3 +224,49 @@ def test_stand_in_started_twice_is_the_same_one(tmp_path, monkeypatch):
     finally:
         first.close()
     assert "AWS_ENDPOINT_URL" not in os.environ and sagemaker_standin._running is None
+
+
+OURS_CELL = r'''
+import os, sys
+import torch
+import torch.distributed as dist
+import sdp_jupyter
+
+dist.init_process_group("smddp")
+rank, world = dist.get_rank(), dist.get_world_size()
+t = torch.full((1000,), float(rank + 1))
+for step in range(3):
+    dist.all_reduce(t)
+    sdp_jupyter.report(step=step, samples=4)
+{"sum": t[0].item(), "world": world, "backend": dist.get_backend(), "provider": os.environ.get("SDP_SMDDP_PROVIDER"),
+ "package": sdp_jupyter.__file__, "prefix": sys.prefix}
+'''
+
+
+def test_engine_auto_on_a_type_aws_refuses_installs_ours_in_a_fresh_image(tmp_path):
+    """ml.g5.12xlarge with --backend smddp --engine auto: SageMaker's library refuses the type, so the
+    job ships sdp_jupyter as a source package; each host's entry runs in an "image" (a virtual
+    environment) without sdp_jupyter, installs it from the package (compiling the engine), and the
+    2 hosts train on our engine."""
+    s = spec(tmp_path, "g5-ours", code=OURS_CELL, backend="smddp",
+             sagemaker={"instance_type": "ml.g5.12xlarge", "inputs": [], "engine": "auto"})
+    job = launch(s)
+    assert job.sagemaker["engine"] == "sdp"
+    assert job.wait(240) == "succeeded", (job.error, job.logs(0), job.logs(1))
+    result = job.result()
+    assert result["sum"] == 3.0 * 2 ** 2 and result["world"] == 2
+    assert (result["backend"], result["provider"]) == ("smddp", "sdp_jupyter")
+    # the hosts ran another Python environment than this one, and imported the sdp_jupyter
+    # installed into it from the shipped package, not this checkout
+    assert result["prefix"] != sys.prefix and not result["package"].startswith(os.path.dirname(sdp_jupyter.__file__))
+    assert result["package"].startswith(os.path.join(result["prefix"], "lib")), result
+    assert "site-packages" in result["package"], result
+    logs = job.logs(0) + job.logs(1)
+    assert "smddp engine: sdp_jupyter's engine (sdp_jupyter" in logs and "built from sdp_jupyter-" in logs, logs
+    assert job.sagemaker["engine_ran"].startswith("sdp_jupyter's engine"), job.sagemaker
+    summary = job.summary()
+    assert "smddp engine: sdp_jupyter's engine" in summary and "(reported by the hosts)" in summary
+    assert "its engine builds" in summary
+    view = job.view()  # the job view says it too
+    view._redraw()
+    assert "smddp engine: sdp_jupyter&#x27;s engine (sdp_jupyter" in view.header.value, view.header.value

@@ -93,10 +93,14 @@ def test_sagemaker_uses_the_instance_gpu_count_and_checks_smddp():
     out = evaluate(Plan(target="sagemaker", instance_type="ml.p4d.24xlarge", nodes=2, gpus_per_node=1,
                         backend="smddp", per_gpu_batch=32, dataset_size=1_000_000))
     assert out.world_size == 16 and out.global_batch == 512 and out.ok
-    bad = evaluate(Plan(target="sagemaker", instance_type="ml.p5.48xlarge", nodes=2, backend="smddp"))
+    bad = evaluate(Plan(target="sagemaker", instance_type="ml.p5.48xlarge", nodes=2, backend="smddp", engine="aws"))
     (w,) = [w for w in bad.warnings if w.code == "smddp_unsupported_instance"]
     assert w.level == S.ERROR and not bad.ok
     assert "ml.p5.48xlarge" in w.message and "ml.p4d.24xlarge" in w.advice
+    # engine auto (the default): our engine there, said as a warning that does not block
+    ours = evaluate(Plan(target="sagemaker", instance_type="ml.p5.48xlarge", nodes=2, backend="smddp"))
+    (w,) = [w for w in ours.warnings if w.code == "smddp_engine_ours"]
+    assert ours.ok and "sdp_jupyter's engine" in w.message and "C++ compiler" in w.message
     assert evaluate(Plan(target="sagemaker", instance_type="ml.p5.48xlarge", nodes=2, backend="nccl")).ok
 
 
@@ -173,13 +177,17 @@ def test_oversubscription_threshold(nodes, procs, cpus):
         assert (w[0].value, w[0].threshold) == (nodes * procs, cpus)
 
 
-@given(st.sampled_from(sorted(instances.catalogue())), st.sampled_from(S.BACKENDS))
-def test_smddp_instance_check_on_sagemaker(name, backend):
-    out = evaluate(Plan(target="sagemaker", instance_type=name, nodes=2, backend=backend, dataset_size=10**7))
-    blocked = backend == "smddp" and not instances.get(name).smddp_allows()
+@given(st.sampled_from(sorted(instances.catalogue())), st.sampled_from(S.BACKENDS), st.sampled_from(instances.ENGINES))
+def test_smddp_instance_check_on_sagemaker(name, backend, engine):
+    out = evaluate(Plan(target="sagemaker", instance_type=name, nodes=2, backend=backend, dataset_size=10**7,
+                        engine=engine))
+    inst = instances.get(name)
+    chosen = inst.smddp_engine if engine == "auto" else engine
+    blocked = backend == "smddp" and chosen == "aws" and not inst.smddp_allows()
     assert ("smddp_unsupported_instance" in codes(out)) == blocked
+    assert ("smddp_engine_ours" in codes(out)) == (backend == "smddp" and chosen == "sdp")
     assert out.world_size == 2 * instances.get(name).gpus
-    allreduce_only = backend == "smddp" and instances.get(name).smddp == instances.SMDDP_ALLREDUCE_ONLY
+    allreduce_only = backend == "smddp" and chosen == "aws" and inst.smddp == instances.SMDDP_ALLREDUCE_ONLY
     assert ("smddp_allreduce_only" in codes(out)) == allreduce_only and out.ok == (not blocked)
 
 

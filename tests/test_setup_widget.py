@@ -91,6 +91,7 @@ def test_sagemaker_target_takes_gpus_from_the_instance_and_checks_smddp():
     s.w_target.value = "sagemaker"
     assert s.w_instance.value == "ml.p4d.24xlarge" and s.w_gpus.value == 8 and s.w_gpus.disabled
     assert "8 x NVIDIA A100 40 GB" in text(s.w_instance_info)
+    assert "smddp (engine auto): SageMaker's smdistributed library" in text(s.w_instance_info)
     assert "global batch 512 = 2 nodes x 8 GPUs x 32 per GPU" in text(s.w_global)
     spec = s.spec
     assert spec.target == "sagemaker" and spec.procs_per_node == 8
@@ -98,6 +99,11 @@ def test_sagemaker_target_takes_gpus_from_the_instance_and_checks_smddp():
     # every SageMaker option of the spec is either in the %%sdp_train line or listed next to it
     shown = text(s.w_magic)
     assert "--instance-type ml.p4d.24xlarge" in shown or "instance_type=ml.p4d.24xlarge" in shown
+    s.w_instance.value = "ml.g5.48xlarge"  # engine auto: ours there, said in the warnings
+    assert not s.w_launch.disabled and "served by sdp_jupyter's engine" in text(s.w_warnings)
+    assert "smddp (engine auto): sdp_jupyter's engine" in text(s.w_instance_info)
+    s.sagemaker_options["engine"] = "aws"  # SageMaker's library only: refused on that type
+    s.w_instance.value = "ml.p4d.24xlarge"
     s.w_instance.value = "ml.g5.48xlarge"
     assert s.w_launch.disabled and "does not support ml.g5.48xlarge" in text(s.w_reason)
     s.w_target.value = "local"

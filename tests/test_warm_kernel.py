@@ -12,7 +12,7 @@ import pytest
 
 from test_magics_kernel import execute
 from sdp_jupyter.launch.jobdir import log_path
-from sdp_jupyter.main_job import kernel_env
+from tools.main_job import kernel_env
 
 pytestmark = pytest.mark.slow
 

@@ -151,10 +151,10 @@ def check(spec) -> dict:
     if clash:
         raise SpecError("--env", f"{', '.join(clash)} is set by the hybrid-parallel options (--tp, --pp, ...); "
                                  "remove it from --env and use the option instead (e.g. --tp 2 for SDP_TP=2)")
-    if spec.target != "local":
-        # sdp_jupyter.launch.sagemaker builds its container environment from --env alone
+    if spec.target not in ("local", "sagemaker"):
+        # the SageMaker target adds the workers' variables to the job's Environment (as locally)
         env = " ".join(f"--env {k}={v}" for k, v in worker_env(kept).items())
-        raise SpecError(FLAGS[next(iter(kept))], f"the hybrid-parallel options reach local jobs only, not "
+        raise SpecError(FLAGS[next(iter(kept))], f"the hybrid-parallel options reach local and SageMaker jobs, not "
                                                  f"--target {spec.target}. Fix: --target local, or give "
                                                  f"the workers' variables instead: {env}")
     if spec.procs_per_node is not None:

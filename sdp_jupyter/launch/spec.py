@@ -79,7 +79,7 @@ OPTIONS_BY_FIELD = {o.field: o for o in OPTIONS if o.field}
 
 # Modules that add rows to the option table ("module:ATTRIBUTE", a tuple of Option). Their fields are
 # "<dict field of JobSpec>.<key>", e.g. "sagemaker.instance_type" fills JobSpec.sagemaker["instance_type"].
-OPTION_PROVIDERS = ["sdp_jupyter.launch.sagemaker:SAGEMAKER_OPTIONS", "sdp_jupyter.launch.ssh:SSH_OPTIONS",
+OPTION_PROVIDERS = ["sdp_jupyter.launch.sagemaker.options:SAGEMAKER_OPTIONS", "sdp_jupyter.launch.ssh:SSH_OPTIONS",
                     "sdp_jupyter.launch.ray:RAY_OPTIONS",
                     "sdp_jupyter.launch.parallel_options:PARALLEL_OPTIONS"]
 

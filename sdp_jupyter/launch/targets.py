@@ -12,11 +12,11 @@ LAUNCHERS = {
     "local": "sdp_jupyter.launch.local:LocalLauncher",
     "ssh": "sdp_jupyter.launch.ssh:SSHLauncher",
     "ray": "sdp_jupyter.launch.ray:RayLauncher",
-    "sagemaker": "sdp_jupyter.launch.sagemaker:SageMakerLauncher",
+    "sagemaker": "sdp_jupyter.launch.sagemaker.submit:SageMakerLauncher",
 }
 # Targets whose jobs need their own class when reopened (remote state, one log per host).
 JOB_CLASSES = {
-    "sagemaker": "sdp_jupyter.launch.sagemaker:SageMakerJob",
+    "sagemaker": "sdp_jupyter.launch.sagemaker.job:SageMakerJob",
 }
 
 

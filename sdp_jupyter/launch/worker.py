@@ -3,22 +3,22 @@
 It arms the parent-death signal (the worker dies if the kernel dies), makes the `smddp` backend
 available when the job asks for it, loads the variables sent with --push, and runs the job's script
 as `__main__` with the job's arguments. Rank 0 pickles the value of the script's last expression
-into result.pkl (what `--result` / `job.result()` return).
+into result.pkl (what `--result` / `job.result()` return). Loading the push, running the script,
+saving the result and trimming tracebacks are launch/bootstrap.py's, shared with the SageMaker entry.
 
 Everything it needs comes from the environment set by the launcher and from spec.json. With
 `--module M args...` it runs module M instead (after arming the same parent-death signal).
 """
 from __future__ import annotations
 
-import ast
 import ctypes
 import json
 import os
-import pickle
 import signal
 import sys
 import traceback
-import types
+
+from sdp_jupyter.launch.bootstrap import finish_distributed, load_push, run_script, save_result, user_frames
 
 PR_SET_PDEATHSIG = 1
 
@@ -53,56 +53,6 @@ def _load_backend(backend: str) -> None:
               "init_process_group('smddp') will fail. Run with --backend gloo", file=sys.stderr)
 
 
-def _strip_our_frames(tb):
-    """Start the traceback at the script's own frames: the bootstrap is not the user's problem."""
-    here = os.path.abspath(__file__)
-    while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) == here:
-        tb = tb.tb_next
-    return tb
-
-
-def run_script(path: str, argv: list[str], push: dict, want_result: bool):
-    """Run `path` as __main__ (like `python path argv...`); return its last expression's value."""
-    with open(path, "rb") as f:
-        source = f.read()
-    tree = ast.parse(source, filename=path)
-    last = None
-    if tree.body and isinstance(tree.body[-1], ast.Expr) and want_result:
-        last = ast.Expression(tree.body.pop().value)
-    main = types.ModuleType("__main__")
-    main.__dict__.update({"__file__": path, "__builtins__": __builtins__, "__cached__": None})
-    main.__dict__.update(push)
-    sys.modules["__main__"] = main
-    sys.argv = [path] + argv
-    script_dir = os.path.dirname(os.path.abspath(path))
-    sys.path[:0] = [p for p in (script_dir, os.getcwd()) if p not in sys.path[:2]]
-    exec(compile(tree, path, "exec"), main.__dict__)
-    if last is not None:
-        return eval(compile(last, path, "eval"), main.__dict__)
-    return None
-
-
-def _save_result(job_dir: str, value, required: bool) -> int:
-    from sdp_jupyter.launch.jobdir import write_private
-
-    try:
-        write_private(os.path.join(job_dir, "result.pkl"), pickle.dumps(value))
-    except Exception as e:
-        print(f"[sdp_jupyter] rank 0's result ({type(value).__name__}) could not be pickled: {e}",
-              file=sys.stderr)
-        return 1 if required else 0
-    return 0
-
-
-def _finish_distributed() -> None:
-    dist = sys.modules.get("torch.distributed")
-    try:
-        if dist is not None and dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
-    except Exception:
-        pass
-
-
 def run_module() -> int:
     """`python -m sdp_jupyter.launch.worker --module M ARGS...`: a job's helper process (the per-node
     sampler) that must not outlive the launcher either."""
@@ -127,23 +77,18 @@ def main() -> int:
     with open(os.path.join(job_dir, "spec.json")) as f:
         spec = json.load(f)
     _load_backend(os.environ.get("SDP_BACKEND", spec.get("backend", "smddp")))
-    push = {}
-    push_path = os.path.join(job_dir, "push.pkl")
-    if os.path.exists(push_path):
-        from sdp_jupyter.launch.jobdir import load_pickle
-
-        push = load_pickle(push_path)
+    push = load_push(os.path.join(job_dir, "push.pkl"))
     rank0 = os.environ.get("RANK", "0") == "0"
     try:
         value = run_script(os.environ["SDP_SCRIPT"], script_arguments(spec), push, want_result=rank0)
     except SystemExit as e:
-        _finish_distributed()
+        finish_distributed()
         if e.code is None or isinstance(e.code, int):
             return e.code or 0
         print(e.code, file=sys.stderr)
         return 1
     except KeyboardInterrupt as e:  # the launcher stops ranks with SIGINT first: say where, briefly
-        frames = traceback.extract_tb(_strip_our_frames(e.__traceback__))
+        frames = traceback.extract_tb(user_frames(e.__traceback__, __file__))
         where = f" at {frames[-1].filename}, line {frames[-1].lineno}" if frames else ""
         print(f"[sdp_jupyter] rank {os.environ.get('RANK', '?')} interrupted (SIGINT){where}", file=sys.stderr)
         sys.stderr.flush()
@@ -151,13 +96,13 @@ def main() -> int:
         os.kill(os.getpid(), signal.SIGINT)  # exit status: killed by SIGINT, as without us
         return 1
     except BaseException as e:
-        traceback.print_exception(type(e), e, _strip_our_frames(e.__traceback__))
+        traceback.print_exception(type(e), e, user_frames(e.__traceback__, __file__))
         sys.stderr.flush()
         return 1
     code = 0
     if rank0 and value is not None:
-        code = _save_result(job_dir, value, required=bool(spec.get("result")))
-    _finish_distributed()
+        code = save_result(job_dir, value, required=bool(spec.get("result")))
+    finish_distributed()
     return code
 
 

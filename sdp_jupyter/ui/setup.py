@@ -223,6 +223,7 @@ class JobSetup(W.VBox):
             nodes=self.w_nodes.value,
             gpus_per_node=self.w_gpus.value,
             backend=self.w_backend.value,
+            engine=self.sagemaker_options.get("engine") or "auto",
             mode=_MODE_LABELS[self.w_mode.value],
             per_gpu_batch=self.w_per_gpu.value,
             reference_lr=self.w_ref_lr.value,
@@ -330,7 +331,10 @@ class JobSetup(W.VBox):
     def _redraw(self) -> None:
         sagemaker = self.w_target.value == "sagemaker"
         inst = instances.get(self.w_instance.value)
-        self.w_instance_info.value = f"<small>{html.escape(inst.describe())}</small>"
+        info = inst.describe()
+        if sagemaker:  # who serves smddp on this type with --engine auto (docs/sagemaker.md, Engine)
+            info += f"; smddp (engine auto): {instances.ENGINE_NAMES[inst.smddp_engine]}"
+        self.w_instance_info.value = f"<small>{html.escape(info)}</small>"
         self.w_hosts.layout.display = None if self.w_target.value == "ssh" else "none"
         self.w_address.layout.display = None if self.w_target.value == "ray" else "none"
         self.w_instance.layout.display = "none" if self.w_target.value in ("ssh", "ray") else None

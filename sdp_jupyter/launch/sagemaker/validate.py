@@ -5,7 +5,8 @@ patterns, enums or numeric ranges, and moto accepts whatever it is given (a 70-c
 name and ``ml.p4d.48xlarge`` both pass). The real service rejects those, minutes later and far
 from the cell that caused them. This module walks the request against the operation's input
 shape and reports every violation with the dotted path of the field, e.g.
-``ResourceConfig.InstanceType: 'ml.p4d.48xlarge' is not one of ...``.
+``ResourceConfig.InstanceType: 'ml.p4d.48xlarge' is not one of ...``; options.validate_request
+names the option behind each field (SageMakerRequestError).
 """
 from __future__ import annotations
 
@@ -18,20 +19,6 @@ try:  # AWS patterns are Java regexes; a few use \p{L}-style classes that only `
     import regex as _regex
 except ImportError:  # pragma: no cover - `regex` ships with the SDK's dependencies
     _regex = None
-
-
-class RequestValidationError(ValueError):
-    """A request that the service would reject. `problems` holds one (field, message) per fault."""
-
-    def __init__(self, operation: str, problems: list[tuple[str, str]]):
-        self.operation = operation
-        self.problems = problems
-        lines = [f"{field}: {message}" for field, message in problems]
-        super().__init__(f"{operation} request is invalid:\n  " + "\n  ".join(lines))
-
-    @property
-    def fields(self) -> list[str]:
-        return [field for field, _ in self.problems]
 
 
 @lru_cache(maxsize=4)
@@ -73,13 +60,6 @@ def check(operation: str, params: dict, *, partial: bool = False, service: str =
     problems: list[tuple[str, str]] = []
     _walk(shape, params, "", problems, partial)
     return problems
-
-
-def validate(operation: str, params: dict, *, partial: bool = False, service: str = "sagemaker") -> None:
-    """Raise RequestValidationError naming each faulty field, or return None."""
-    problems = check(operation, params, partial=partial, service=service)
-    if problems:
-        raise RequestValidationError(operation, problems)
 
 
 def _join(path: str, name: str) -> str:

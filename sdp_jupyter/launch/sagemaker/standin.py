@@ -265,9 +265,10 @@ environment.set_env(config["resource"], config["channels"], config["hyperparamet
 """
 
 
-def container_env(drivers, host: int, hosts: int, request: dict, root, port: int) -> dict:
+def container_env(drivers, host: int, hosts: int, request: dict, root, port: int, python: str | None = None) -> dict:
     """The environment of host `host` (1-based) as SageMaker's environment.py computes it; /opt/ml is
-    `root`/opt/ml and algo-1 (SM_MASTER_ADDR) is 127.0.0.1:`port` (the only differences)."""
+    `root`/opt/ml and algo-1 (SM_MASTER_ADDR) is 127.0.0.1:`port` (the only differences). `python`:
+    the image's interpreter (its folder goes first on PATH, for torchrun), default this one."""
     import shlex
     import subprocess
     import sys
@@ -298,7 +299,7 @@ def container_env(drivers, host: int, hosts: int, request: dict, root, port: int
         "TRAINING_JOB_NAME": request["TrainingJobName"],
         "SM_MASTER_ADDR": "127.0.0.1", "SM_MASTER_PORT": str(port),  # algo-1 does not resolve here
         "GLOO_SOCKET_IFNAME": "lo",
-        "PATH": f"{Path(sys.executable).parent}:{env.get('PATH', '')}",  # torchrun of this venv
+        "PATH": f"{Path(python or sys.executable).parent}:{env.get('PATH', '')}",  # the image's torchrun
     })
     for sub in ("model", "output/data", "checkpoints"):
         (opt_ml / sub).mkdir(parents=True, exist_ok=True)
@@ -312,10 +313,12 @@ class LocalContainers:
     channels downloaded from (moto's) S3 as uploaded, every other S3 channel downloaded too, and
     SageMaker's own torchrun_driver.py per host with cwd /opt/ml/input/data/code."""
 
-    def __init__(self, aws: MotoAWS, request: dict, workdir):
+    def __init__(self, aws: MotoAWS, request: dict, workdir, python: str | None = None):
+        import sys
         from pathlib import Path
 
         self.aws = aws
+        self.python = python or sys.executable  # the image's Python
         self.request = request
         self.name = request["TrainingJobName"]
         self.hosts = int(request["ResourceConfig"]["InstanceCount"])
@@ -332,7 +335,7 @@ class LocalContainers:
         self.envs = []
         for host in range(1, self.hosts + 1):
             root = self.workdir / f"algo-{host}"
-            env = container_env(self.drivers, host, self.hosts, self.request, root, port)
+            env = container_env(self.drivers, host, self.hosts, self.request, root, port, self.python)
             for channel, uri in uris.items():
                 download_channel(self.aws, uri, env[f"SM_CHANNEL_{channel.upper()}"])
             if self.checkpoint_uri:  # SageMaker restores the checkpoint URI into every host's LocalPath
@@ -359,11 +362,10 @@ class LocalContainers:
 
     def start(self) -> None:
         import subprocess
-        import sys
 
         for env in self.envs:
             self.procs.append(subprocess.Popen(
-                [sys.executable, str(self.drivers / "distributed_drivers" / "torchrun_driver.py")],
+                [self.python, str(self.drivers / "distributed_drivers" / "torchrun_driver.py")],
                 cwd=self.code, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                 start_new_session=True))
 
@@ -388,7 +390,8 @@ class SageMakerStandIn:
         self.aws = aws
         self.workdir = workdir
         # per job (Environment SDP_JOB_NAME): {"workdir": where its /opt/ml trees go,
-        # "pythonpath": prepended on every host (the image's packages)}; see `expect`
+        # "pythonpath": prepended on every host (the image's packages), "python": the image's
+        # interpreter, "env": the image's own variables}; see `expect`
         self.jobs: dict[str, dict] = {}
         self.seen = len(MotoAWS.create_requests)
         self._stop = threading.Event()
@@ -407,9 +410,12 @@ class SageMakerStandIn:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    def expect(self, job_name: str, workdir=None, pythonpath: str | None = None) -> None:
-        """Where the hosts of the next job named `job_name` (its SDP_JOB_NAME) run, and what they import."""
-        self.jobs[job_name] = {"workdir": workdir, "pythonpath": pythonpath}
+    def expect(self, job_name: str, workdir=None, pythonpath: str | None = None, python: str | None = None,
+               env: dict | None = None) -> None:
+        """Where the hosts of the next job named `job_name` (its SDP_JOB_NAME) run, what they import,
+        which Python runs them (default: this process's; see `image_without`) and what the image's
+        environment adds (`env`)."""
+        self.jobs[job_name] = {"workdir": workdir, "pythonpath": pythonpath, "python": python, "env": env}
 
     def _loop(self) -> None:
         while not self._stop.wait(0.2):
@@ -428,10 +434,12 @@ class SageMakerStandIn:
         name = request["TrainingJobName"]
         options = self.jobs.pop((request.get("Environment") or {}).get("SDP_JOB_NAME"), None) or {}
         self.aws.set_status(name, "InProgress", "Downloading", message="Downloading the training image")
-        containers = LocalContainers(self.aws, request, options.get("workdir") or self.workdir)
+        containers = LocalContainers(self.aws, request, options.get("workdir") or self.workdir,
+                                     python=options.get("python"))
         containers.prepare()
-        if options.get("pythonpath"):
-            for env in containers.envs:
+        for env in containers.envs:
+            env.update(options.get("env") or {})
+            if options.get("pythonpath"):
                 env["PYTHONPATH"] = options["pythonpath"]
         self.aws.set_status(name, "InProgress", "Training",
                             message="Training image download completed. Training in progress.")
@@ -487,6 +495,42 @@ class SageMakerStandIn:
         for line in proc.stdout:
             if line.strip():  # CloudWatch Logs takes no empty events
                 self.aws.put_log_lines(name, host, [line.rstrip("\n")])
+
+
+def image_without(package: str, root) -> str:
+    """A training "image" for the rehearsal's hosts: a virtual environment at `root` that sees every
+    package of this Python except `package` (each linked from one folder a .pth file names), with
+    a `torchrun`; return its interpreter. Made once per `root`: what is installed into it stays, as
+    in an image reused for the next job. This is how a rehearsal with --engine sdp checks that the
+    shipped source package installs and its engine builds, without downloading torch."""
+    import site
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(root)
+    python = root / "bin" / "python"
+    if python.exists():
+        return str(python)
+    base = getattr(sys, "_base_executable", None) or sys.executable
+    subprocess.run([base, "-m", "venv", "--without-pip", str(root)], check=True, capture_output=True)
+    own = root / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "site-packages"
+    linked = root / "image-packages"
+    linked.mkdir(exist_ok=True)
+    name = package.replace("-", "_").lower()
+    for folder in site.getsitepackages():
+        if not os.path.isdir(folder) or Path(folder).resolve() == own.resolve():
+            continue
+        for entry in Path(folder).iterdir():
+            lower = entry.name.lower()
+            if name in lower or lower.endswith(".pth") or lower == "__pycache__" or (linked / entry.name).exists():
+                continue  # the package itself, its editable finder and .pth hooks
+            (linked / entry.name).symlink_to(entry)
+    (own / "image-packages.pth").write_text(f"{linked}\n")
+    torchrun = root / "bin" / "torchrun"
+    torchrun.write_text(f"#!{python}\nimport sys\nfrom torch.distributed.run import main\nsys.exit(main())\n")
+    torchrun.chmod(0o755)
+    return str(python)
 
 
 @contextlib.contextmanager

@@ -54,7 +54,9 @@ class SageMakerJobView(JobView):
         status = " / ".join(s for s in (sm.get("status"), sm.get("secondary_status")) if s) or "creating"
         last = (sm.get("transitions") or [{}])[-1].get("message") or ""
         where = "Rehearsal on this machine (not AWS) of SageMaker" if sm.get("rehearsal") else "SageMaker"
+        engine = self.sagemaker_job.engine
         self.header.value += (
             f"<br><span style='font-size:90%'>{where} <code>{html.escape(str(sm.get('training_job_name')))}</code>"
             f" · {html.escape(str(sm.get('instance_type')))} · <b>{html.escape(status)}</b>"
-            f"{' · ' + html.escape(last) if last else ''}</span>")
+            f"{' · ' + html.escape(last) if last else ''}"
+            f"{'<br>' + html.escape(engine) if engine else ''}</span>")

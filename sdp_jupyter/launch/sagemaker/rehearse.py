@@ -3,7 +3,7 @@
 The rehearsal goes through the same path as a real submission (SageMakerLauncher.submit): the plan
 and the draft request checked against botocore's service model, the same source directory built,
 the SageMaker SDK's ModelTrainer building the final CreateTrainingJob request, which the request gate
-validates again. Only the AWS it talks to differs: the local stand-in (sagemaker_standin: a moto
+validates again. Only the AWS it talks to differs: the local stand-in (standin.py: a moto
 server on 127.0.0.1 and a thread that plays SageMaker). The stand-in runs the job as SageMaker would:
 `--nodes` hosts as local process groups, each under SageMaker's own Torchrun driver and the
 environment SageMaker's own environment.py computes (SM_HOSTS, SM_CURRENT_HOST, SM_CHANNEL_*), the
@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from sdp_jupyter.launch.spec import SpecError
+from sdp_jupyter.launch.options import SpecError
 
 REHEARSAL_DIR = "rehearsal"  # in the job directory: the hosts' /opt/ml trees and the image's packages
 
@@ -33,12 +33,16 @@ CHECKED = (
     "the script on N hosts under SageMaker's Torchrun driver and environment (SM_HOSTS, SM_CURRENT_HOST, "
     "SM_CHANNEL_*, /opt/ml), with its logs, metrics, failure reason and result",
 )
+#: Checked as well when the job uses our engine (--engine sdp, or auto on a type AWS's library refuses).
+CHECKED_SDP = ("sdp_jupyter installs from the shipped source package and its engine builds, in a fresh "
+               "environment without sdp_jupyter (with this machine's compiler, at -O0 to save time: "
+               "SDP_BUILD_QUICK), and serves smddp on every host")
 #: What only AWS can show (shown in its summary).
 NOT_CHECKED = (
     "service quotas and instance capacity",
     "IAM: the role, its trust policy and its access to the buckets",
     "the real training image and its packages (the hosts run this machine's Python and torch)",
-    "GPUs, NCCL, EFA and SageMaker's own smddp library (smddp is played by gloo here)",
+    "GPUs, NCCL, EFA and SageMaker's own smddp library (with --engine aws, smddp is played by gloo here)",
     "real S3 data (channels are served from the local folders given)",
 )
 
@@ -129,7 +133,7 @@ def rehearse(launcher, plan, push_bytes):
         import importlib
 
         importlib.import_module("moto.server")
-        from sdp_jupyter.launch import sagemaker_standin
+        from sdp_jupyter.launch.sagemaker import standin as sagemaker_standin
     except ImportError as e:
         raise SpecError("--rehearse", f"needs moto and boto3 ({e}). Fix: pip install 'sdp_jupyter[rehearse]'") \
             from None
@@ -151,21 +155,26 @@ def rehearse(launcher, plan, push_bytes):
     plan.opts.bucket = plan.opts.bucket or bucket  # the SDK's code bucket, found without STS
     local.aws.make_bucket(plan.opts.bucket)
     local.aws.make_bucket(bucket)
-    rehearsal = {"endpoint": local.endpoint, "hosts": plan.spec.nodes, "checked": list(CHECKED),
+    checked = list(CHECKED) + ([CHECKED_SDP] if plan.engine == "sdp" else [])
+    rehearsal = {"endpoint": local.endpoint, "hosts": plan.spec.nodes, "checked": checked,
                  "not_checked": list(NOT_CHECKED),
                  "data": {name: plan.opts.rehearse_data[uri] for name, uri in served.items()}}
 
     def prepare(job):
         root = job.dir / REHEARSAL_DIR
-        pythonpath = None
-        if plan.spec.backend == "smddp":
+        pythonpath = python = image_env = None
+        if plan.engine == "sdp":  # an image without sdp_jupyter: the entry installs the shipped package
+            python = sagemaker_standin.image_without("sdp_jupyter", Path(local.workdir) / "image-sdp")
+            image_env = {"SDP_BUILD_QUICK": "1"}  # a rehearsal checks that the engine builds, not its speed
+        elif plan.engine == "aws":
             pkg = root / "image-packages" / "smdistributed" / "dataparallel" / "torch"
             pkg.mkdir(parents=True, exist_ok=True)
             for d in (pkg, pkg.parent, pkg.parent.parent):
                 (d / "__init__.py").touch()
             (pkg / "torch_smddp.py").write_text(SMDDP_SHIM)
             pythonpath = str(root / "image-packages")
-        local.stand_in.expect(plan.base_name, workdir=root, pythonpath=pythonpath)
+        local.stand_in.expect(plan.base_name, workdir=root, pythonpath=pythonpath, python=python,
+                              env=image_env)
 
     with sagemaker_standin.pointed_at(local.aws.env):
         job = launcher.submit(plan, push_bytes, extra={"rehearsal": rehearsal}, prepare=prepare)

@@ -1,0 +1,82 @@
+"""What every rank runs first, on every target: the pushed variables loaded, the job's script run as
+`__main__`, rank 0's result saved, tracebacks trimmed to the user's frames, the process group closed.
+
+One implementation for the local worker (launch/worker.py, also what the SSH and Ray agents start)
+and the SageMaker container entry (launch/sagemaker/entry.py); each adds only what its place needs
+(the worker: the parent-death signal and Ctrl-C; the entry: SageMaker's variables and failure file).
+"""
+from __future__ import annotations
+
+import ast
+import os
+import pickle
+import sys
+import types
+
+
+def load_push(path: str, checked: bool = True) -> dict:
+    """The variables sent with --push (`path`: push.pkl), {} when there is none. `checked`: unpickle
+    only a file that is ours and nobody else can write (jobdir.load_pickle); the SageMaker entry
+    reads its own download of the job's code channel unchecked."""
+    if not os.path.exists(path):
+        return {}
+    if checked:
+        from sdp_jupyter.launch.jobdir import load_pickle
+
+        return load_pickle(path)
+    with open(path, "rb") as f:
+        return pickle.load(f)
+
+
+def run_script(path: str, argv: list[str], push: dict, want_result: bool):
+    """Run `path` as __main__ (like `python path argv...`); return its last expression's value."""
+    with open(path, "rb") as f:
+        source = f.read()
+    tree = ast.parse(source, filename=path)
+    last = None
+    if tree.body and isinstance(tree.body[-1], ast.Expr) and want_result:
+        last = ast.Expression(tree.body.pop().value)
+    main = types.ModuleType("__main__")
+    main.__dict__.update({"__file__": path, "__builtins__": __builtins__, "__cached__": None})
+    main.__dict__.update(push)
+    sys.modules["__main__"] = main
+    sys.argv = [path] + argv
+    script_dir = os.path.dirname(os.path.abspath(path))
+    sys.path[:0] = [p for p in (script_dir, os.getcwd()) if p not in sys.path[:2]]
+    exec(compile(tree, path, "exec"), main.__dict__)
+    if last is not None:
+        return eval(compile(last, path, "eval"), main.__dict__)
+    return None
+
+
+def save_result(job_dir: str, value, required: bool) -> int:
+    """Pickle rank 0's result into job_dir/result.pkl; the exit code (1 when it cannot be pickled
+    and --result asked for it)."""
+    from sdp_jupyter.launch.jobdir import write_private
+
+    try:
+        write_private(os.path.join(job_dir, "result.pkl"), pickle.dumps(value))
+    except Exception as e:
+        print(f"[sdp_jupyter] rank 0's result ({type(value).__name__}) could not be pickled: {e}",
+              file=sys.stderr)
+        return 1 if required else 0
+    return 0
+
+
+def finish_distributed() -> None:
+    """Destroy the default process group if the script left one (a clean exit for every backend)."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+def user_frames(tb, *ours: str):
+    """Start the traceback at the script's frames: the bootstrap (this file and the `ours` files
+    of the caller) is not the user's problem."""
+    skip = {os.path.abspath(p) for p in (__file__, *ours)}
+    while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) in skip:
+        tb = tb.tb_next
+    return tb

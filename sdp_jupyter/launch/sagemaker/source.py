@@ -1,0 +1,115 @@
+"""The source directory a SageMaker job uploads as its code channel: the cell, the container entry,
+the spec, pushed variables and sdp_jupyter (a pure-Python copy, or with our engine a source package)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import gzip
+import io
+import secrets
+import shutil
+import tarfile
+from pathlib import Path
+
+import sdp_jupyter
+from sdp_jupyter.launch import jobdir
+from sdp_jupyter.launch.options import SpecError
+from sdp_jupyter.launch.sagemaker.options import ENTRY_SCRIPT, SECRET_FILE, SOURCE_DIR
+
+if TYPE_CHECKING:
+    from sdp_jupyter.launch.sagemaker.plan import Plan
+
+
+_PACKAGE_FILES = (".py", ".json", ".txt", ".md")
+_NATIVE_FILES = (".h", ".hpp", ".cpp", ".cc")
+#: what a source package of sdp_jupyter holds besides sdp_jupyter/ and native/ (pyproject names README.md)
+_SDIST_TOP = ("pyproject.toml", "setup.py", "README.md")
+
+
+def source_tree() -> Path | None:
+    """The checkout this sdp_jupyter runs from (pyproject.toml, setup.py, native/ next to the
+    package), or None for an installed wheel, which carries no C++ sources."""
+    root = Path(sdp_jupyter.__file__).resolve().parent.parent
+    if all((root / name).is_file() for name in _SDIST_TOP[:2]) and (root / "native").is_dir():
+        return root
+    return None
+
+
+def no_sources_error() -> SpecError:
+    return SpecError("--engine", f"sdp ships sdp_jupyter's C++ sources with the job, and this sdp_jupyter "
+                                 f"({Path(sdp_jupyter.__file__).parent}) is installed without them. Fix: install "
+                                 "it from a checkout (pip install -e .), or --engine aws on ml.p4d.24xlarge / "
+                                 "ml.p4de.24xlarge")
+
+
+def _package_files(package: Path):
+    for path in sorted(package.rglob("*")):
+        rel = path.relative_to(package)
+        if path.is_file() and path.suffix in _PACKAGE_FILES and "__pycache__" not in rel.parts:
+            yield path, rel
+
+
+def build_sdist(dest_dir: Path) -> Path:
+    """sdp_jupyter as a source package (``sdp_jupyter-<version>.tar.gz`` in `dest_dir`): pyproject.toml,
+    setup.py, native/ and the package's Python and data files, what `pip install` needs to build the
+    engine. Written here rather than by `python -m build`: no build tool, no egg-info left in the
+    checkout, and it takes a fraction of a second."""
+    root = source_tree()
+    if root is None:
+        raise no_sources_error()
+    version = getattr(sdp_jupyter, "__version__", None) or "0.1.0"
+    base = f"sdp_jupyter-{version}"
+    target = Path(dest_dir) / f"{base}.tar.gz"
+    files = [(root / name, name) for name in _SDIST_TOP if (root / name).is_file()]
+    files += [(p, p.relative_to(root).as_posix()) for p in sorted((root / "native").rglob("*"))
+              if p.is_file() and p.suffix in _NATIVE_FILES]
+    package = Path(sdp_jupyter.__file__).resolve().parent
+    files += [(p, f"sdp_jupyter/{rel.as_posix()}") for p, rel in _package_files(package)]
+    pkg_info = f"Metadata-Version: 2.1\nName: sdp_jupyter\nVersion: {version}\n".encode()
+    # the same sources give the same bytes (no time stamps but the files'), so a host that installed
+    # this package already (a rehearsal's reused image) knows it by its digest
+    with open(target, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as gz, \
+            tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        info = tarfile.TarInfo(f"{base}/PKG-INFO")
+        info.size, info.mode = len(pkg_info), 0o644
+        info.mtime = max(int(p.stat().st_mtime) for p, _ in files)
+        tar.addfile(info, io.BytesIO(pkg_info))
+        for path, arcname in files:
+            tar.add(str(path), arcname=f"{base}/{arcname}", recursive=False, filter=_plain_member)
+    return target
+
+
+def _plain_member(info: tarfile.TarInfo) -> tarfile.TarInfo:
+    info.uid = info.gid = 0
+    info.uname = info.gname = ""
+    return info
+
+
+def build_source_dir(job_dir: Path, plan: Plan) -> Path:
+    """The code channel: script.py, sdp_entry.py, spec.json, push.pkl, requirements.txt, and
+    sdp_jupyter: its pure-Python files as sdp_jupyter/ (SageMaker's smddp, gloo, nccl), or with our
+    engine (plan.engine "sdp") a source package the entry installs, compiling the engine."""
+    src = job_dir / SOURCE_DIR
+    if src.exists():
+        shutil.rmtree(src)
+    src.mkdir(parents=True)
+    shutil.copy2(job_dir / jobdir.SCRIPT, src / "script.py")
+    shutil.copy2(Path(__file__).with_name("entry.py"), src / ENTRY_SCRIPT)
+    (src / "spec.json").write_text(plan.spec.to_json())
+    if (job_dir / jobdir.PUSH).is_file():
+        shutil.copy2(job_dir / jobdir.PUSH, src / jobdir.PUSH)
+    (src / "requirements.txt").write_text(
+        "# Installed by SageMaker before the job starts (pip install -r requirements.txt).\n"
+        "# sdp_jupyter's worker side needs nothing beyond the PyTorch training image.\n")
+    if plan.engine == "sdp":
+        build_sdist(src)
+        # our engine authenticates the job's ranks with a secret: one per job, in the code channel
+        # (the bucket's readers could read the code too), never in the request's Environment, which
+        # DescribeTrainingJob shows (docs/security.md)
+        jobdir.write_private(src / SECRET_FILE, secrets.token_hex(32).encode())
+        return src
+    for path, rel in _package_files(Path(sdp_jupyter.__file__).resolve().parent):
+        dest = src / "sdp_jupyter" / rel
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(path, dest)
+    return src
