@@ -53,6 +53,20 @@ def _load_backend(backend: str) -> None:
               "init_process_group('smddp') will fail. Run with --backend gloo", file=sys.stderr)
 
 
+def _watch_backend(spec: dict) -> int:
+    """Record which backend this rank really uses (launch/backend_check.py); with --init-process-group,
+    make the default group now. 1 when that failed (the error is printed), else 0."""
+    from sdp_jupyter.launch import backend_check
+
+    try:
+        backend_check.prepare(spec, os.environ.get("SDP_BACKEND", spec.get("backend", "smddp")))
+    except Exception as e:  # noqa: BLE001 - named, with the option that asked for it
+        print(f"[sdp_jupyter] {backend_check.OPTION}: init_process_group failed on rank "
+              f"{os.environ.get('RANK', '?')}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
 def _strip_our_frames(tb):
     """Start the traceback at the script's own frames: the bootstrap is not the user's problem."""
     here = os.path.abspath(__file__)
@@ -127,6 +141,8 @@ def main() -> int:
     with open(os.path.join(job_dir, "spec.json")) as f:
         spec = json.load(f)
     _load_backend(os.environ.get("SDP_BACKEND", spec.get("backend", "smddp")))
+    if _watch_backend(spec):
+        return 1
     push = {}
     push_path = os.path.join(job_dir, "push.pkl")
     if os.path.exists(push_path):
