@@ -77,7 +77,7 @@ def test_ranks_that_never_run_a_collective_end_with_a_warning(tmp_path, jobs_dir
     """)
     idle_gloo = write(tmp_path / "idle_gloo.py", """
         import torch.distributed as dist
-        dist.init_process_group("gloo")
+        dist.init_process_group()   # no backend: torch says "undefined", its CPU backend is gloo
     """)
     no_group = write(tmp_path / "no_group.py", """
         import os
@@ -153,6 +153,7 @@ def test_init_process_group_option_with_a_script_that_initializes_itself(tmp_pat
     assert ("refused: init_process_group('gloo'): --init-process-group already initialized the default process "
             "group with smddp (the job's --backend). Fix: run with --backend gloo") in log
     assert log.count("returned at once: --init-process-group already made the default group (smddp)") == 3
+    assert "[sdp_jupyter] init_process_group() returned at once" in log
     assert job.status["backend_used"] == "smddp" and job.warnings == []
 
 

@@ -133,10 +133,11 @@ def _patch(c10d) -> None:
 
 def _already_initialized(c10d, asked) -> None:
     """The script's own init_process_group after --init-process-group made the default group."""
-    have = str(c10d.get_backend())
+    have = _backend_name(c10d, c10d.GroupMember.WORLD)
     if asked in (None, "") or str(asked).lower() == have.lower():
-        print(f"[sdp_jupyter] init_process_group({str(asked or '')!r}) returned at once: {OPTION} already "
-              f"made the default group ({have})", file=sys.stderr, flush=True)
+        call = f"init_process_group({repr(str(asked)) if asked else ''})"
+        print(f"[sdp_jupyter] {call} returned at once: {OPTION} already made the default group ({have})",
+              file=sys.stderr, flush=True)
         return None
     raise ValueError(f"init_process_group({str(asked)!r}): {OPTION} already initialized the default process "
                      f"group with {have} (the job's --backend). Fix: run with --backend {asked}, or without "
@@ -157,7 +158,7 @@ def _snapshot(c10d, group) -> list[tuple[str, int | None, bool]]:
             pgs = [group]
         out = []
         for pg in pgs:
-            name = str(c10d.get_backend(pg))
+            name = _backend_name(c10d, pg)
             try:
                 count = int(pg._get_sequence_number_for_group())
             except Exception:  # noqa: BLE001 - this backend keeps no sequence number (smddp: the engine counts)
@@ -166,6 +167,20 @@ def _snapshot(c10d, group) -> list[tuple[str, int | None, bool]]:
         return out
     except Exception:  # noqa: BLE001 - the watch never breaks a job
         return []
+
+
+def _backend_name(c10d, pg) -> str:
+    """"gloo", "smddp", ...; for a group made without a backend (torch says "undefined") the one its
+    devices use ("cpu:gloo" -> "gloo"), or the whole "cpu:gloo,cuda:nccl" when they differ."""
+    name = str(c10d.get_backend(pg))
+    if name == "undefined":
+        try:
+            config = str(c10d.get_backend_config(pg))
+        except Exception:  # noqa: BLE001
+            return name
+        names = {part.split(":")[-1] for part in config.split(",")}
+        name = names.pop() if len(names) == 1 else config
+    return name
 
 
 def _commit(seen) -> None:
