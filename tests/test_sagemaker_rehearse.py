@@ -208,6 +208,19 @@ def test_smddp_job_rehearses_with_smddp_played_by_gloo(tmp_path):
     assert job.result() == {"sum": 3.0, "backend": "smddp", "provider": "smdistributed"}
 
 
+def test_init_process_group_option_reaches_the_sagemaker_hosts(tmp_path):
+    """--init-process-group on SageMaker: the container entry makes the default group with the job's
+    backend before the script, so a script that never calls init_process_group (as Trainer expects
+    a group to exist) trains on it."""
+    code = SMDDP_CELL.replace('dist.init_process_group("smddp")\n', "")
+    assert "init_process_group" not in code
+    s = spec(tmp_path, "init-pg", code=code, backend="smddp", init_process_group=True,
+             sagemaker={"instance_type": "ml.p4d.24xlarge", "inputs": []})
+    job = launch(s)
+    assert job.wait(180) == "succeeded", (job.error, job.logs(0), job.logs(1))
+    assert job.result() == {"sum": 3.0, "backend": "smddp", "provider": "smdistributed"}
+
+
 def test_stand_in_started_twice_is_the_same_one(tmp_path, monkeypatch):
     """Notebook 04's first cell run twice gets the running stand-in back; its environment is undone
     on close()."""

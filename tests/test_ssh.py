@@ -96,6 +96,9 @@ def test_three_hosts_train_like_the_local_run(ssh_hosts, hosts, tmp_path, jobs_d
     out = next_line(d)
     assert out["state"] == "succeeded", out
     assert "3 node(s) x 1 proc(s) on ssh: h1, h2, h3, backend smddp" in out["summary"]
+    # what the ranks really used reached the notebook through the mirrored metrics (launch/backend_check.py)
+    assert (out["status"]["backend_used"], out["status"]["warnings"]) == ("smddp", [])
+    assert out["status"]["collectives"] >= 6 * 4  # 6 steps x 4 gradients, all_reduced on every host
     remote = pickle.load(open(os.path.join(out["dir"], "result.pkl"), "rb"))
     moved = {i: hosts.bytes(i)["tx"] - before[i]["tx"] for i in ssh_hosts.nodes}
     names = [n for n, _ in remote["hosts"]]

@@ -50,3 +50,18 @@ def test_sagemaker_sdk_keeps_the_latest_training_job():
     from sagemaker.train import ModelTrainer
 
     assert "_latest_training_job" in inspect.getsource(ModelTrainer)
+
+
+def test_torch_counts_collectives_per_group_and_lists_live_groups():
+    """sdp_jupyter/launch/backend_check.py `_snapshot`: ProcessGroup._get_sequence_number_for_group()
+    counts a gloo group's collectives (those of DDP's C++ reducer too), and
+    distributed_c10d._world.pg_map holds every live group (the job's end report reads both)."""
+    import torch
+    import torch.distributed as dist
+
+    pg = dist.ProcessGroupGloo(dist.HashStore(), 0, 1)
+    before = pg._get_sequence_number_for_group()
+    pg.allreduce([torch.ones(2)]).wait()
+    pg.broadcast([torch.ones(2)]).wait()
+    assert pg._get_sequence_number_for_group() == before + 2
+    assert isinstance(dist.distributed_c10d._world.pg_map, dict)

@@ -15,6 +15,7 @@ import json
 import os
 import socket
 import threading
+import weakref
 from typing import Any, Callable
 
 import numpy as np
@@ -169,6 +170,7 @@ class Communicator:
             self._engine.shutdown()
             self._mailbox.shutdown()
             raise SmddpError(str(exc)) from None
+        _opened(self)
 
     # ---- the rendezvous: every value is signed with the job secret, so a store that is not
     # ours (torch's TCPStore under plain torchrun) cannot be used to redirect a rank
@@ -357,6 +359,7 @@ class Communicator:
             raise ValueError(f"root {root} is not a rank of this group of {self.world_size}")
 
     def close(self) -> None:
+        _closing(self)
         self._engine.shutdown()
         self._mailbox.shutdown()
         if self._close_store and hasattr(self._store, "close"):
@@ -375,6 +378,44 @@ def _chain(a: Callable[[], None] | None, b: Callable[[], None]) -> Callable[[], 
             a()
         b()
     return both
+
+
+# What this process's engines did, for the job's end report (launch/backend_check.py: did the ranks
+# ever run a collective?). Closed communicators leave their count behind; live ones are asked.
+_live: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
+_closed = {"communicators": 0, "collectives": 0}
+_usage_lock = threading.Lock()
+
+
+def _opened(c: Communicator) -> None:
+    with _usage_lock:
+        _live.add(c)
+
+
+def _closing(c: Communicator) -> None:
+    with _usage_lock:
+        if c not in _live:
+            return
+        _live.discard(c)
+        _closed["communicators"] += 1
+        try:
+            _closed["collectives"] += int(c.stats()["collectives"])
+        except Exception:  # noqa: BLE001 - a broken engine still closes
+            pass
+
+
+def usage() -> dict:
+    """{"communicators", "collectives"}: the engines this process made (every smddp group has one)
+    and the collectives they ran, closed ones included."""
+    with _usage_lock:
+        live, total = list(_live), dict(_closed)
+    for c in live:
+        try:
+            total["collectives"] += int(c.stats()["collectives"])
+        except Exception:  # noqa: BLE001
+            pass
+    total["communicators"] += len(live)
+    return total
 
 
 _default: Communicator | None = None
@@ -411,4 +452,4 @@ def shutdown() -> None:
         _default = None
 
 
-__all__ = ["Communicator", "Work", "SmddpError", "EngineError", "init", "shutdown", "DTYPES", "OPS"]
+__all__ = ["Communicator", "Work", "SmddpError", "EngineError", "init", "shutdown", "usage", "DTYPES", "OPS"]

@@ -1,5 +1,6 @@
 """What every rank runs first, on every target: the pushed variables loaded, the job's script run as
-`__main__`, rank 0's result saved, tracebacks trimmed to the user's frames, the process group closed.
+`__main__`, the backend it really uses recorded (and with --init-process-group the default
+group made first), rank 0's result saved, tracebacks trimmed to the user's frames, the process group closed.
 
 One implementation for the local worker (launch/worker.py, also what the SSH and Ray agents start)
 and the SageMaker container entry (launch/sagemaker/entry.py); each adds only what its place needs
@@ -26,6 +27,20 @@ def load_push(path: str, checked: bool = True) -> dict:
         return load_pickle(path)
     with open(path, "rb") as f:
         return pickle.load(f)
+
+
+def watch_backend(spec: dict, backend: str) -> int:
+    """Record which backend this rank really uses (launch/backend_check.py); with --init-process-group,
+    make the default group with `backend` now. 1 when that failed (the error is printed), else 0."""
+    from sdp_jupyter.launch import backend_check
+
+    try:
+        backend_check.prepare(spec, backend)
+    except Exception as e:  # noqa: BLE001 - named, with the option that asked for it
+        print(f"[sdp_jupyter] {backend_check.OPTION}: init_process_group({backend!r}) failed on rank "
+              f"{os.environ.get('RANK', '?')}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return 1
+    return 0
 
 
 def run_script(path: str, argv: list[str], push: dict, want_result: bool):

@@ -346,13 +346,34 @@ class Job:
         names = st.get("host_names") or st.get("hosts") or []
         return f"{target}: {', '.join(str(n) for n in names)}" if names else str(target)
 
+    @property
+    def backend_label(self) -> str:
+        """The backend as the ranks used it (status `backend_used`, written when the job ends;
+        launch/backend_check.py): the one asked for when they used it, "gloo (asked: smddp)" when
+        their default group was another, "smddp (no process group)" when they made none."""
+        st, asked = self.status, self.spec.backend
+        if "backend_used" not in st:
+            return asked
+        used = st["backend_used"]
+        if not used:
+            return f"{asked} (no process group)"
+        return asked if used == asked else f"{used} (asked: {asked})"
+
+    @property
+    def warnings(self) -> list[str]:
+        """What the job did that was not what was asked (another backend; ranks that trained
+        independently): status `warnings`, written when the job ends."""
+        return [str(w) for w in self.status.get("warnings") or []]
+
     def summary(self) -> str:
         st = self.status
         start = f", {self.start_label}" if self.start_label else ""
         where = f" on {self.where_label}" if self.where_label else ""
         line = (f"Job {self.name}: {st.get('state', 'pending')} after {self.elapsed:.1f} s "
                 f"({self.spec.nodes} node(s) x {self.spec.procs_per_node or 1} proc(s){where}, backend "
-                f"{self.spec.backend}{start}, restarts {st.get('restarts', 0)}) in {self.dir}")
+                f"{self.backend_label}{start}, restarts {st.get('restarts', 0)}) in {self.dir}")
+        for warning in self.warnings:
+            line += "\nwarning: " + warning
         if st.get("error"):
             line += "\n" + st["error"]
         return line

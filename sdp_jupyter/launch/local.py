@@ -18,7 +18,7 @@ import threading
 import time
 from pathlib import Path
 
-from sdp_jupyter.launch import jobdir, ranks, supervise, warm
+from sdp_jupyter.launch import backend_check, jobdir, ranks, supervise, warm
 from sdp_jupyter.launch.job import Job
 from sdp_jupyter.launch.push import pickle_push
 from sdp_jupyter.launch.spec import JobSpec, SpecError
@@ -120,7 +120,8 @@ class LocalRun(supervise.Run):
                 t.join(timeout=2)
             supervise.unregister(self)
             warm.job_done(self.warm_choice, self.spec.preload)
-            job.update_status(state=state, error=error, exit_codes=codes, ended=time.time())
+            job.update_status(state=state, error=error, exit_codes=codes, ended=time.time(),
+                              **backend_check.verdict(job.dir, spec.backend, self.world_size, state))
 
     def _attempt(self, attempt: int, started: float) -> tuple[str, str | None, list]:
         port = free_port()

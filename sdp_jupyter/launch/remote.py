@@ -18,7 +18,7 @@ import threading
 import time
 
 from sdp_jupyter.launch import agent as channel
-from sdp_jupyter.launch import jobdir, supervise
+from sdp_jupyter.launch import backend_check, jobdir, supervise
 from sdp_jupyter.launch.job import Job
 from sdp_jupyter.launch.ranks import describe_exit
 from sdp_jupyter.launch.spec import JobSpec, SpecError
@@ -188,7 +188,9 @@ class RemoteRun(supervise.Run):
                 f.close()
             self._write_agent_logs()
             supervise.unregister(self)
-            job.update_status(state=state, error=error, exit_codes=codes, ended=time.time())
+            job.update_status(state=state, error=error, exit_codes=codes, ended=time.time(),
+                              **backend_check.verdict(job.dir, spec.backend, spec.nodes * spec.procs_per_node,
+                                                        state))
 
     def _attempt(self, attempt: int) -> tuple[str, str | None, list]:
         spec, job = self.spec, self.job

@@ -44,6 +44,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("--procs-per-node", "procs_per_node",
            "processes per node (default: GPUs per node, or 1 on a CPU-only machine)", metavar="P"),
     Option("--backend", "backend", "torch.distributed backend: smddp (default), gloo or nccl"),
+    Option("--init-process-group", "init_process_group",
+           "initialize the default process group with --backend before the script runs, so an unchanged "
+           "Trainer or accelerate script uses it; the script's own init_process_group with that backend "
+           "returns at once (docs/integrations.md)", kind="flag"),
     Option("--name", "name", "job name, also the job directory's name (default: job-<time>-<id>)"),
     Option("--target", "target", "where to run: local (default), ssh, ray or sagemaker"),
     Option("--wait", None, "block until the job ends (Ctrl-C stops it); raise if it failed", kind="flag"),
@@ -152,6 +156,7 @@ class JobSpec:
     nodes: int = 1
     procs_per_node: int | None = None
     backend: str = "smddp"
+    init_process_group: bool = False
     target: str = "local"
     env: dict = field(default_factory=dict)
     args: list = field(default_factory=list)
@@ -177,6 +182,7 @@ class JobSpec:
         self.max_restarts = parse_whole(_flag("max_restarts"), self.max_restarts, 0, "2")
         self.backend = self._choice("backend", self.backend, BACKENDS)
         self.target = self._choice("target", self.target, TARGETS)
+        self._check_init_process_group()
         self.ranks_output = self._choice("ranks_output", str(self.ranks_output), RANKS_OUTPUT)
         if self.name is not None and not _NAME_RE.match(str(self.name)):
             raise SpecError("--name", f"{self.name!r} is not a valid job name: use 1-63 letters, digits, "
@@ -249,6 +255,10 @@ class JobSpec:
             raise SpecError("parallel", f"must be a dict of hybrid-parallel options, got {self.parallel!r}")
         if self.parallel:  # checked by the advisor's layout rules; imported only by jobs that use them
             self.parallel = importlib.import_module("sdp_jupyter.launch.parallel_options").check(self)
+
+    def _check_init_process_group(self) -> None:
+        if not isinstance(self.init_process_group, bool):
+            raise SpecError("--init-process-group", f"is a flag (True or False), got {self.init_process_group!r}")
 
     def parallel_env(self) -> dict[str, str]:
         """The hybrid-parallel options as the workers' SDP_TP, SDP_PP, ... (ParallelConfig.env());

@@ -18,7 +18,8 @@ import signal
 import sys
 import traceback
 
-from sdp_jupyter.launch.bootstrap import finish_distributed, load_push, run_script, save_result, user_frames
+from sdp_jupyter.launch.bootstrap import (finish_distributed, load_push, run_script, save_result, user_frames,
+                                          watch_backend)
 
 PR_SET_PDEATHSIG = 1
 
@@ -77,6 +78,8 @@ def main() -> int:
     with open(os.path.join(job_dir, "spec.json")) as f:
         spec = json.load(f)
     _load_backend(os.environ.get("SDP_BACKEND", spec.get("backend", "smddp")))
+    if watch_backend(spec, os.environ.get("SDP_BACKEND", spec.get("backend", "smddp"))):
+        return 1
     push = load_push(os.path.join(job_dir, "push.pkl"))
     rank0 = os.environ.get("RANK", "0") == "0"
     try:

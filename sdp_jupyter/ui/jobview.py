@@ -137,6 +137,15 @@ class StopButton(anywidget.AnyWidget):
             handler(self)
 
 
+def _problems_html(warnings: list[str], error: str | None, colour: str) -> str:
+    """The job's warnings (another backend than asked, ranks that trained independently) and its error."""
+    pre = "white-space:pre-wrap;margin:0"
+    out = [f"<pre class='sdp-warning' style='color:#b26b00;{pre}'>warning: {html.escape(t)}</pre>" for t in warnings]
+    if error:
+        out.append(f"<pre style='color:{colour};{pre}'>{html.escape(str(error))}</pre>")
+    return "".join(out)
+
+
 class JobView(w.VBox):
     def __init__(self, job):
         self.job = job
@@ -227,10 +236,9 @@ class JobView(w.VBox):
         self.header.value = (
             f"<b>{esc(job.name)}</b> · <span style='color:{colour}'><b>{esc(state)}</b></span>"
             f" · {job.elapsed:.1f} s · {esc(spec.nodes)} node(s) × {esc(spec.procs_per_node or 1)}{where} · "
-            f"{esc(spec.backend)}{start}{restarts} · <code>{esc(job.dir)}</code>")
-        if st.get("error"):
-            self.error.value = (f"<pre style='color:{colour};white-space:pre-wrap;margin:0'>"
-                                f"{esc(st['error'])}</pre>")
+            f"{esc(job.backend_label)}{start}{restarts} · <code>{esc(job.dir)}</code>")
+        if st.get("error") or job.warnings:
+            self.error.value = _problems_html(job.warnings, st.get("error"), colour)
         if state in ("succeeded", "failed", "stopped"):
             self.stop_button.disabled = True
             self.stop_button.description = "Stop"

@@ -19,7 +19,9 @@ and this file then, in each rank:
    pip-installs the shipped source package ``sdp_jupyter-<version>.tar.gz`` into the image's Python,
    compiling the engine, once per host (the host's other ranks wait on a lock), then imports
    `sdp_jupyter.torch`; either way it prints which engine serves smddp (ENGINE_LINE);
-3. runs script.py as ``__main__`` exactly as the local worker does (both through launch/bootstrap.py) (same argv: --args, then the
+3. records which backend the script's groups really use, and with --init-process-group makes the
+   default group with the job's backend first (launch/backend_check.py, as the local worker does);
+   then runs script.py as ``__main__`` exactly as the local worker does (both through launch/bootstrap.py) (same argv: --args, then the
    hyperparameters as --KEY VALUE; pushed variables; rank 0's last expression -> result.pkl);
 4. echoes every line `sdp_jupyter.report()` writes as a ``[sdp-metrics] {json}`` stdout line,
    which CloudWatch Logs keeps and the notebook parses (sdp_jupyter.monitor.cloudwatch);
@@ -262,6 +264,10 @@ def main(argv: list[str] | None = None) -> int:
     args = [str(a) for a in spec.get("args") or []]
     args += list(sys.argv[1:] if argv is None else argv)  # the hyperparameters, from the driver
     echo = MetricsEcho(values["SDP_JOB_DIR"], rank).start()
+    if bootstrap.watch_backend(spec, os.environ.get("SDP_BACKEND", spec.get("backend", "smddp"))):
+        echo.stop()
+        _write_failure(RuntimeError("--init-process-group: init_process_group failed (see the rank's log)"))
+        return 1
     try:
         value = bootstrap.run_script(os.path.join(HERE, "script.py"), args, push, want_result=rank == 0)
     except SystemExit as e:
