@@ -139,7 +139,10 @@ def test_uploaded_source_runs_under_sagemakers_torchrun_driver(aws, tmp_path):
         assert [(e["rank"], e["step"], e["loss"]) for e in events] == [(rank, s, 1.0 / (s + 1)) for s in range(3)]
         assert all(e["throughput"] == 32.0 for e in events)
         metrics = root / "opt" / "ml" / "output" / "data" / "sdp_job" / "metrics" / f"rank-{rank}.jsonl"
-        assert len(metrics.read_text().splitlines()) == 3
+        records = [json.loads(line) for line in metrics.read_text().splitlines()]
+        assert [r["step"] for r in records if r["kind"] == "step"] == [0, 1, 2]
+        # the hosts say which backend their group ran on (the job view's "backend" truth)
+        assert [(r["backend"], r["collectives"] > 0) for r in records if r["kind"] == "backend"] == [("gloo", True)]
     result = outputs[1][2] / "opt" / "ml" / "output" / "data" / "sdp_job" / "result.pkl"
     assert pickle.loads(result.read_bytes()) == {"sum": 3.0, "world": 2}
     assert not (outputs[2][2] / "opt" / "ml" / "output" / "data" / "sdp_job" / "result.pkl").exists()

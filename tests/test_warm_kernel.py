@@ -73,11 +73,11 @@ def test_first_job_of_a_kernel_is_cold_the_next_warm_and_cold_forces_cold(kernel
     km, kc = kernel
     out = run_ok(kc, JOB.format(name="first", options=""))
     assert status(jobs_dir, "first")["start"] == "cold" and "start_reason" not in status(jobs_dir, "first")
-    assert "Job first: succeeded" in out and "backend gloo, cold start, restarts 0)" in out
+    assert "Job first: succeeded" in out and "backend gloo (no process group), cold start, restarts 0)" in out
 
     out = run_ok(kc, JOB.format(name="second", options=""))  # the pool started after the first job
     assert status(jobs_dir, "second")["start"] == "warm", status(jobs_dir, "second")
-    assert "backend gloo, warm start, restarts 0)" in out
+    assert "backend gloo (no process group), warm start, restarts 0)" in out
     assert "wave preloaded: False" in rank0_log(jobs_dir, "second")  # not preloaded: not there
     pool = pool_pid(kc)
 
