@@ -209,3 +209,82 @@ def test_sdp_train_in_a_terminal_runs_on_the_ssh_hosts(ssh_hosts, tmp_path):
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     assert "hello from h2 rank 0" in p.stdout and "hello from h3 rank 1" in p.stdout
     assert ssh_hosts.wait_clean(5) == {}
+
+
+# A notebook's session on h0: jobs run one after another in one process (so its warm pools on the
+# hosts live from one job to the next); each job's outcome is one JSON line. A long job (STEP_SLEEP)
+# prints {"running"} and waits; the driver reads a line on stdin before it exits.
+WARM_DRIVER = r'''
+import json, sys, time, sdp_jupyter
+args, runs = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+for name, start, env in runs:
+    job = sdp_jupyter.launch(**args, name=name, start=start, env=env)
+    if env.get("STEP_SLEEP"):
+        while "step 2" not in job.logs(0) and not job.done:
+            time.sleep(0.1)
+        print(json.dumps({"running": name, "status": job.status}), flush=True)
+    job.wait()
+    result = job.result() if job.state == "succeeded" else None
+    print(json.dumps({"name": name, "state": job.state, "error": job.error, "status": job.status,
+                      "summary": job.summary(), "params": result and result["params"].tolist()}), flush=True)
+sys.stdin.readline()
+'''
+
+
+def _warm_driver(hosts, jobs, runs):
+    import json
+    import subprocess
+    import sys
+
+    from helpers.remote_jobs import TRAIN
+
+    args = {"code": TRAIN, "target": "ssh", "ssh": {"hosts": hosts.hosts[:2], "config": str(hosts.config)},
+            "jobs_dir": str(jobs)}
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    env.pop("SDP_WARM", None)
+    return hosts.cluster.popen(0, [sys.executable, "-c", WARM_DRIVER, json.dumps(args), json.dumps(runs)], env=env,
+                               text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _pools(hosts) -> dict:
+    """Processes on h1, h2 running the warm pool server (or forked from it: a warm rank)."""
+    return {i: hosts.processes(i, "sdp_jupyter.launch.warm") for i in hosts.nodes[:2]}
+
+
+def _wait_pools(hosts, want, timeout: float = 20.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        found = _pools(hosts)
+        if all(want(pids) for pids in found.values()) or time.monotonic() > deadline:
+            return found
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_warm_starts_on_ssh_hosts_match_cold_and_die_with_the_notebook(ssh_hosts, hosts, tmp_path):
+    # --warm starts a pool on each host; the next job (no flag) finds them and starts warm too; --cold
+    # does not use them; all three train to the same bits
+    d = _warm_driver(ssh_hosts, tmp_path / "jobs", [["w1", "warm", {}], ["w2", "auto", {}], ["c3", "cold", {}]])
+    runs = [next_line(d, timeout=180) for _ in range(3)]
+    for run in runs:
+        assert run["state"] == "succeeded", run
+    assert [r["status"].get("start") for r in runs] == ["warm", "warm", "cold"], [r["status"] for r in runs]
+    assert "start_reason" not in runs[0]["status"] and "warm start" in runs[0]["summary"]
+    assert runs[0]["params"] == runs[1]["params"] == runs[2]["params"]
+    # between jobs each host runs its pool server and nothing else of ours
+    assert all(len(p) == 1 for p in _pools(ssh_hosts).values()), _pools(ssh_hosts)
+    assert ssh_hosts.wait_clean(5) == {}
+    tell(d, "exit")  # the notebook ends: its pools end with it
+    d.wait(timeout=30)
+    assert _wait_pools(ssh_hosts, lambda p: not p) == {1: [], 2: []}
+
+    # a notebook killed outright while a warm job runs: its ssh clients die with it, and the pools, the
+    # agents and the warm ranks (killed by their pool when their agent goes away) leave nothing behind
+    d = _warm_driver(ssh_hosts, tmp_path / "jobs", [["w4", "warm", {"STEPS": "100000", "STEP_SLEEP": "0.2"}]])
+    running = next_line(d, timeout=180)
+    assert running["status"]["start"] == "warm", running
+    assert all(len(p) == 2 for p in _pools(ssh_hosts).values()), _pools(ssh_hosts)  # server + the rank
+    d.send_signal(signal.SIGKILL)
+    d.wait()
+    assert _wait_pools(ssh_hosts, lambda p: not p, timeout=agent.HEARTBEAT_TIMEOUT + 5) == {1: [], 2: []}
+    assert ssh_hosts.wait_clean(agent.HEARTBEAT_TIMEOUT + 5) == {}

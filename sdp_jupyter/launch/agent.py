@@ -17,6 +17,8 @@ frame, so it is never on a command line, in the host's environment or in a file.
                         metrics {file, lines}       new complete lines of a metrics/*.jsonl file
                         exit {rank, code}           a rank ended
                         result {data}               rank 0's result.pkl (after rank 0 exited)
+                        started {warm, reason}      how this attempt's ranks started (warm: forked
+                                                    from the kernel's pool on this host, launch/warm.py)
                         done {codes}                every rank of the attempt has ended
                         ping {}                     every HEARTBEAT_EVERY seconds
                         error {message}             the agent cannot go on (bad frame, cannot start)
@@ -221,6 +223,12 @@ class Agent:
         ppn = spec.procs_per_node
         world = spec.nodes * ppn
         gpus = ranks.gpu_count()
+        pool, reason = m.get("warm"), m.get("cold_reason")
+        if pool:
+            from sdp_jupyter.launch import warm
+
+            if pool.get("fingerprint") != warm.fingerprint():
+                pool, reason = None, "the installed code changed since the pool on this host started"
         procs = []
         for local_rank in range(ppn):
             rank = node * ppn + local_rank
@@ -229,7 +237,11 @@ class Agent:
                                     master_port=int(m["master_port"]), bind_addr=self.addr,
                                     attempt=int(m.get("attempt", 0)), gpus=gpus, ranks_here=ppn, split_gpus=False)
             env["SDP_SCRIPT"] = str(job_dir / jobdir.SCRIPT)
-            procs.append((rank, ranks.spawn(env)))
+            proc = warm.fork_rank(pool["socket"], ranks.WORKER, env, owned=True) if pool else None
+            if isinstance(proc, str):  # one cold rank makes the node cold
+                pool, reason = None, proc
+            procs.append((rank, ranks.spawn(env) if proc is None or isinstance(proc, str) else proc))
+        self.send({"type": "started", "warm": pool is not None, "reason": reason})
         self._procs = [p for _, p in procs]
         if not self._samplers:
             sampler = ranks.start_sampler(job_dir, node)

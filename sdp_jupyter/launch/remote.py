@@ -101,6 +101,8 @@ class RemoteRun(supervise.Run):
         self.job: Job | None = None
         self.push_bytes: bytes | None = None
         self._files: dict = {}  # path -> open append handle (logs and metrics), closed when the job ends
+        self.warm_choice = {"warm": True, "cold": False}.get(spec.start)  # --warm / --cold / auto
+        self._starts: dict[int, tuple[bool, str | None]] = {}  # node -> (warm, why cold) this attempt
         supervise.Run.__init__(self, f"sdp-{spec.target}-{spec.name}")
 
     # ---------------------------------------------------------------- before the job exists
@@ -162,6 +164,46 @@ class RemoteRun(supervise.Run):
     def open_links(self) -> list["Link"]:
         raise NotImplementedError
 
+    def pool_key(self, node: int) -> tuple | None:
+        """The key of node's host's warm pool (launch/warm.py), None where the target has none."""
+        return None
+
+    def warm_pool(self, node: int, preload: list[str] | tuple = ()):
+        raise NotImplementedError
+
+    def _warm_fields(self, node: int) -> dict:
+        """The start frame's warm fields for `node`: the pool's address, or why its ranks start cold."""
+        from sdp_jupyter.launch import warm
+
+        key = self.pool_key(node)
+        if key is None or not warm.wanted(self.warm_choice, key):
+            return {}
+        address, reason = self.warm_pool(node, self.spec.preload).address()
+        return {"warm": address} if address else {"cold_reason": reason}
+
+    def _started(self, node: int, message: dict) -> None:
+        """A node said how its ranks started: the job is warm when every node's were (as locally)."""
+        from sdp_jupyter.launch import warm
+
+        self._starts[node] = (bool(message.get("warm")), message.get("reason"))
+        reason = message.get("reason") or ""
+        if reason.startswith("the installed code changed"):
+            warm.discard(self.pool_key(node))  # the next job starts a new pool there
+        if len(self._starts) < len(self.conns) or self.job.status.get("start"):
+            return
+        cold = [(n, why) for n, (is_warm, why) in sorted(self._starts.items()) if not is_warm]
+        if not cold:
+            self.job.update_status(start="warm")
+        elif all(why is None for _, why in cold):
+            self.job.update_status(start="cold")
+        else:
+            n, why = next((n, why) for n, why in cold if why)
+            self.job.update_status(start="cold", start_reason=f"warm start not possible on {self.hosts[n]}: {why}")
+
+    def _warm_next(self, preload) -> None:
+        for node in range(len(self.hosts)):
+            self.warm_pool(node, preload)
+
     def close_all(self) -> None:
         for conn in self.conns:
             conn.send({"type": "bye"})
@@ -188,6 +230,10 @@ class RemoteRun(supervise.Run):
                 f.close()
             self._write_agent_logs()
             supervise.unregister(self)
+            if self.pool_key(0) is not None:
+                from sdp_jupyter.launch import warm
+
+                warm.job_done(self.warm_choice, spec.preload, start=self._warm_next)
             job.update_status(state=state, error=error, exit_codes=codes, ended=time.time(),
                               **backend_check.verdict(job.dir, spec.backend, spec.nodes * spec.procs_per_node,
                                                         state))
@@ -198,11 +244,12 @@ class RemoteRun(supervise.Run):
         first = self.conns[0]
         port = self._ask_port(first)
         script = channel.b64((job.dir / jobdir.SCRIPT).read_bytes())
+        self._starts = {}
         for conn in self.conns:
             conn.send({"type": "start", "spec": spec.to_dict(), "node": conn.node, "secret": self.secret,
                        "master_addr": first.hello["addr"], "master_port": port, "attempt": attempt,
                        "script": script, "push": channel.b64(self.push_bytes),
-                       "heartbeat_timeout": HEARTBEAT_TIMEOUT})
+                       "heartbeat_timeout": HEARTBEAT_TIMEOUT, **self._warm_fields(conn.node)})
         job.update_status(state="running", started=job.status.get("started") or time.time(), port=port,
                     master_addr=first.hello["addr"])
         started = time.monotonic()
@@ -233,7 +280,9 @@ class RemoteRun(supervise.Run):
             kind = message["type"]
             if self._mirror(message):
                 continue
-            if kind == "exit":
+            if kind == "started":
+                self._started(node, message)
+            elif kind == "exit":
                 rank, code = int(message["rank"]), int(message["code"])
                 codes[rank] = code
                 if code != 0 and failure is None:

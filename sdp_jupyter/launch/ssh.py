@@ -105,7 +105,9 @@ def hosts_of(spec: JobSpec) -> tuple[list[str], int | None]:
     return hosts, None
 
 
-def ssh_command(host: str, spec: JobSpec) -> list[str]:
+def ssh_command(host: str, spec: JobSpec, server: list[str] | None = None) -> list[str]:
+    """The ssh client running the agent on `host`, or with `server` (its arguments) that host's warm
+    pool server (launch/warm.py; its stderr goes nowhere: its ready line says what went wrong)."""
     options = spec.ssh or {}
     argv = ["ssh", "-T", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={CONNECT_TIMEOUT}",
             "-o", "ServerAliveInterval=2", "-o", "ServerAliveCountMax=3"]
@@ -114,6 +116,10 @@ def ssh_command(host: str, spec: JobSpec) -> list[str]:
     python = options.get("python") or sys.executable
     # the marker on stderr says "connected and authenticated" before the interpreter starts, so an
     # unreachable host is told apart from a slow interpreter
+    if server is not None:
+        # OpenBLAS would start its thread pool at import, and the pool must fork with one thread
+        return argv + [host, f"echo {CONNECTED} >&2; OPENBLAS_NUM_THREADS=1 exec {shlex.quote(python)} -m "
+                             f"sdp_jupyter.launch.warm {shlex.join(server)} 2>/dev/null"]
     return argv + [host, f"echo {CONNECTED} >&2; exec {shlex.quote(python)} -m sdp_jupyter.launch.agent"]
 
 
@@ -245,6 +251,16 @@ class SSHRun(remote.RemoteRun):
     def open_links(self) -> list[remote.Link]:
         # every client starts at once (Popen returns before ssh connects); the hellos are awaited together
         return [SSHLink(node, host, self.spec, self.inbox) for node, host in enumerate(self.hosts)]
+
+    def pool_key(self, node: int) -> tuple:
+        options = self.spec.ssh or {}
+        return ("ssh", self.hosts[node], self.python, options.get("config") or "")
+
+    def warm_pool(self, node: int, preload: list[str] | tuple = ()):
+        from sdp_jupyter.launch import warm
+
+        host, spec = self.hosts[node], self.spec
+        return warm.held_pool(self.pool_key(node), lambda args: _start_ssh(ssh_command(host, spec, args)), preload)
 
 
 class SSHLauncher:

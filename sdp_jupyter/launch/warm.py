@@ -15,7 +15,13 @@ owning thread, and EOF on its stdin when the owner closes it) and is replaced wh
 code changes (fingerprint of sdp_jupyter's files and the torch version).
 
 Client:  handle_or_reason = start_rank(argv, env, cwd)   # a Popen-like WarmProcess, or a str reason
-Server:  python -m sdp_jupyter.launch.warm --socket PATH [--preload numpy,sklearn]
+Server:  python -m sdp_jupyter.launch.warm --socket PATH|auto [--preload numpy,sklearn]
+
+On another host (the SSH target) the kernel holds one pool per host through a channel process (an ssh
+client running the server with `--socket auto`; the ready line says where the socket is), and that
+host's agent forks the job's ranks from it with `fork_rank(..., owned=True)`: a rank whose client
+(the agent) goes away is killed, so a dead agent leaves no rank behind. `held_pool(key, opener)` keeps
+those pools, one per key, for as long as this process lives.
 """
 from __future__ import annotations
 
@@ -195,8 +201,13 @@ def _child(req: dict, fds: list, server_pid: int, closing: list) -> None:
 
 
 def serve(sock_path: str, preload: list[str]) -> int:
-    """The pool's loop: one thread, select() on the listening socket and stdin, reap with WNOHANG."""
+    """The pool's loop: one thread, select() on the listening socket and stdin, reap with WNOHANG.
+    `sock_path` "auto": a socket in a fresh 0700 folder, said in the ready line and removed at the end."""
     owner = os.environ.get("SDP_WARM_OWNER")
+    made_dir = None
+    if sock_path == "auto":
+        made_dir = tempfile.mkdtemp(prefix="sdp-warm-")
+        sock_path = os.path.join(made_dir, "pool.sock")
     _prctl_pdeathsig(signal.SIGKILL)
     if owner and os.getppid() != int(owner):
         return 1
@@ -219,23 +230,32 @@ def serve(sock_path: str, preload: list[str]) -> int:
     listener.bind(sock_path)
     listener.listen(64)
     reason = fork_unsafe_reason()
-    print(json.dumps({"ready": True, "pid": os.getpid(), "fingerprint": fingerprint(),
+    print(json.dumps({"ready": True, "pid": os.getpid(), "fingerprint": fingerprint(), "socket": sock_path,
                       "unsafe": reason, "preload_failed": failed}), flush=True)
     conns: dict[int, socket.socket] = {}  # rank pid -> its client's connection
+    owned: set[int] = set()               # ranks killed when their client goes away (an agent's)
     stdin = sys.stdin.buffer
     try:
         while True:
-            r, _, _ = select.select([listener, stdin] + list(conns.values()), [], [], 0.02)
+            watched = [c for c in conns.values() if c.fileno() >= 0]
+            r, _, _ = select.select([listener, stdin] + watched, [], [], 0.02)
             if stdin in r and not os.read(0, 4096):
                 return 0  # the owner closed our stdin: it is gone or done with us
-            for s in r:
-                if s in conns.values():
+            for pid, c in list(conns.items()):
+                if c in r:
                     try:
-                        s.recv(1)  # a client closed its handle; its rank runs on
+                        data = c.recv(1)
                     except OSError:
-                        pass
+                        data = b""
+                    if not data:  # the client went away: an owned rank goes with it, another runs on
+                        c.close()
+                        if pid in owned:
+                            try:
+                                os.killpg(pid, signal.SIGKILL)
+                            except OSError:
+                                pass
             if listener in r:
-                _accept(listener, conns, base_path, stdin)
+                _accept(listener, conns, owned, base_path, stdin)
             while conns:
                 try:
                     pid, status = os.waitpid(-1, os.WNOHANG)
@@ -243,8 +263,9 @@ def serve(sock_path: str, preload: list[str]) -> int:
                     break
                 if pid == 0:
                     break
+                owned.discard(pid)
                 c = conns.pop(pid, None)
-                if c is not None:
+                if c is not None and c.fileno() >= 0:
                     try:
                         c.send(json.dumps({"exit": os.waitstatus_to_exitcode(status)}).encode())
                     except OSError:
@@ -257,9 +278,15 @@ def serve(sock_path: str, preload: list[str]) -> int:
                 os.killpg(pid, signal.SIGKILL)
             except OSError:
                 pass
+        if made_dir:
+            for p, remove in ((sock_path, os.unlink), (made_dir, os.rmdir)):
+                try:
+                    remove(p)
+                except OSError:
+                    pass
 
 
-def _accept(listener, conns, base_path, stdin) -> None:
+def _accept(listener, conns, owned, base_path, stdin) -> None:
     conn, _ = listener.accept()
     fds: list = []
     try:
@@ -273,9 +300,11 @@ def _accept(listener, conns, base_path, stdin) -> None:
             return
         pid = os.fork()
         if pid == 0:
-            _child(req, fds, os.getppid(), [listener, conn, stdin] + list(conns.values()))
+            _child(req, fds, os.getppid(), [listener, conn, stdin] + [c for c in conns.values() if c.fileno() >= 0])
         conn.send(json.dumps({"pid": pid}).encode())
         conns[pid] = conn
+        if req.get("owned"):
+            owned.add(pid)
     except Exception as e:  # a bad request never takes the pool down
         try:
             conn.send(json.dumps({"cold": f"the pool could not start it: {type(e).__name__}: {e}"}).encode())
@@ -343,14 +372,59 @@ class WarmProcess:
         self.send_signal(signal.SIGKILL)
 
 
-class Pool:
-    """One pool server for this process (and the local host). Started by a thread that lives as long
-    as the server, so its parent-death signal fires when this process dies, not when a job ends."""
+def _module_argv(argv: list):
+    """(interpreter flags, ["-m", MODULE, ARGS...]) of `python [-u] -m MODULE ARGS...` run by this
+    interpreter, or why argv cannot start warm."""
+    flags, rest = [], list(argv[1:])
+    while rest and rest[0] in ("-u",):
+        flags.append(rest.pop(0))
+    if os.path.realpath(argv[0]) != os.path.realpath(sys.executable) or len(rest) < 2 or rest[0] != "-m":
+        return "only `python [-u] -m MODULE` starts warm"
+    return flags, rest
 
-    def __init__(self, preload: list[str] | None = None):
+
+def fork_rank(path: str, argv: list, env: dict, cwd: str | None = None, owned: bool = False):
+    """Ask the pool server at socket `path` to run argv (`python [-u] -m MODULE ARGS...`): a
+    WarmProcess, or a one-line reason why the rank must start cold. `owned`: the server kills the
+    rank when this process's handle goes away (an agent that dies takes its ranks with it)."""
+    parsed = _module_argv(argv)
+    if isinstance(parsed, str):
+        return parsed
+    flags, rest = parsed
+    r, w = os.pipe()
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        conn.connect(path)
+        req = {"module": rest[1], "args": rest[2:], "flags": flags, "env": dict(env),
+               "cwd": os.path.abspath(cwd or os.getcwd()), "owned": owned}
+        socket.send_fds(conn, [json.dumps(req).encode()], [w])
+        os.close(w)
+        w = -1
+        answer = conn.recv(4096)
+        reply = json.loads(answer) if answer else {"cold": "the pool server closed the connection"}
+    except OSError as e:
+        reply = {"cold": f"the pool server did not answer ({e})"}
+    finally:
+        if w >= 0:
+            os.close(w)
+    if "pid" not in reply:
+        conn.close()
+        os.close(r)
+        return reply.get("cold", "the pool server refused")
+    return WarmProcess(conn, reply["pid"], list(argv), os.fdopen(r, "rb"))
+
+
+class Pool:
+    """One pool server: this host's (the local target), or, with `opener`, another host's, reached
+    through a channel process that `opener(server_args)` starts (an ssh client) and whose stdin we hold.
+    Started by a thread that lives as long as the server, so its parent-death signal fires when this
+    process dies, not when a job ends."""
+
+    def __init__(self, preload: list[str] | None = None, opener=None):
         self.preload = sorted(set(preload or []))
-        self.dir = tempfile.mkdtemp(prefix="sdp-warm-")  # 0700
-        self.path = os.path.join(self.dir, "pool.sock")
+        self.opener = opener
+        self.dir = None if opener else tempfile.mkdtemp(prefix="sdp-warm-")  # 0700
+        self.path = "" if opener else os.path.join(self.dir, "pool.sock")  # another host's: from its ready line
         self.info: dict = {}
         self.proc: subprocess.Popen | None = None
         self._ready = threading.Event()
@@ -367,13 +441,20 @@ class Pool:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths), SDP_WARM_OWNER=str(os.getpid()),
                    OPENBLAS_NUM_THREADS="1")  # OpenBLAS would start its thread pool at import
         try:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "sdp_jupyter.launch.warm", "--socket", self.path,
-                 "--preload", ",".join(self.preload)],
-                env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                start_new_session=True, close_fds=True)
+            if self.opener is not None:
+                self.proc = self.opener(["--socket", "auto", "--preload", ",".join(self.preload)])
+            else:
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-m", "sdp_jupyter.launch.warm", "--socket", self.path,
+                     "--preload", ",".join(self.preload)],
+                    env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                    start_new_session=True, close_fds=True)
             line = self.proc.stdout.readline()
+            while line and not line.startswith(b"{"):  # a login shell's greeting on another host
+                line = self.proc.stdout.readline()
             self.info = json.loads(line) if line else {}
+            if self.opener is not None:
+                self.path = self.info.get("socket", "")
             if not self.info.get("ready"):
                 self._error = f"the pool server exited ({self.proc.wait()}) before it was ready"
         except Exception as e:
@@ -397,35 +478,18 @@ class Pool:
 
     def start(self, argv: list, env: dict, cwd: str | None = None):
         """A WarmProcess running argv (`python [-u] -m MODULE ARGS...`), or a one-line reason for a cold start."""
-        flags, rest = [], list(argv[1:])
-        while rest and rest[0] in ("-u",):
-            flags.append(rest.pop(0))
-        if os.path.realpath(argv[0]) != os.path.realpath(sys.executable) or len(rest) < 2 or rest[0] != "-m":
-            return "only `python [-u] -m MODULE` starts warm"
+        parsed = _module_argv(argv)
+        if isinstance(parsed, str):
+            return parsed
+        return self.ready() or fork_rank(self.path, argv, env, cwd)
+
+    def address(self) -> tuple[dict | None, str | None]:
+        """For an agent on the pool's host: ({"socket", "fingerprint"}, None) once the server is
+        ready, else (None, why it is not usable)."""
         reason = self.ready()
         if reason:
-            return reason
-        r, w = os.pipe()
-        conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            conn.connect(self.path)
-            req = {"module": rest[1], "args": rest[2:], "flags": flags, "env": dict(env),
-                   "cwd": os.path.abspath(cwd or os.getcwd())}
-            socket.send_fds(conn, [json.dumps(req).encode()], [w])
-            os.close(w)
-            w = -1
-            answer = conn.recv(4096)
-            reply = json.loads(answer) if answer else {"cold": "the pool server closed the connection"}
-        except OSError as e:
-            reply = {"cold": f"the pool server did not answer ({e})"}
-        finally:
-            if w >= 0:
-                os.close(w)
-        if "pid" not in reply:
-            conn.close()
-            os.close(r)
-            return reply.get("cold", "the pool server refused")
-        return WarmProcess(conn, reply["pid"], list(argv), os.fdopen(r, "rb"))
+            return None, reason
+        return {"socket": self.path, "fingerprint": self.info.get("fingerprint")}, None
 
     def close(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -435,6 +499,8 @@ class Pool:
             except (OSError, subprocess.TimeoutExpired):
                 self.proc.kill()
                 self.proc.wait()
+        if self.dir is None:  # another host's: its server removes its own socket
+            return
         for p in (self.path, self.dir):
             try:
                 (os.unlink if p == self.path else os.rmdir)(p)
@@ -445,6 +511,7 @@ class Pool:
 _POOL: Pool | None = None
 _POOL_LOCK = threading.Lock()
 _PRELOAD: set[str] = set()
+_HELD: dict = {}  # key (target, host, ...) -> another host's Pool, held by this process
 
 
 def warm_up(preload: list[str] | tuple = ()) -> Pool:
@@ -465,6 +532,29 @@ def warm_up(preload: list[str] | tuple = ()) -> Pool:
         return pool
 
 
+def held_pool(key: tuple, opener, preload: list[str] | tuple = ()) -> Pool:
+    """Start (or reuse) the pool of another host, one per `key`; replaced when it died or when new
+    modules are named (its code is checked by the agent there: see discard)."""
+    with _POOL_LOCK:
+        _PRELOAD.update(m for m in preload if m)
+        pool = _HELD.get(key)
+        if pool is not None and (not set(_PRELOAD) <= set(pool.preload)
+                                 or (pool._ready.is_set() and not pool.alive())):
+            pool.close()
+            pool = None
+        if pool is None:
+            pool = _HELD[key] = Pool(sorted(_PRELOAD), opener=opener)
+        return pool
+
+
+def discard(key: tuple) -> None:
+    """Close another host's pool (its agent found the installed code changed): the next job starts a new one."""
+    with _POOL_LOCK:
+        pool = _HELD.pop(key, None)
+    if pool is not None:
+        pool.close()
+
+
 def _env_choice() -> bool | None:
     """SDP_WARM=1 / 0 when set (it overrides the default, not an explicit --warm/--cold), else None."""
     if not os.environ.get("SDP_WARM", "").strip():
@@ -474,15 +564,16 @@ def _env_choice() -> bool | None:
     return env_bool("SDP_WARM", False)
 
 
-def wanted(choice: bool | None) -> bool:
+def wanted(choice: bool | None, key: tuple | None = None) -> bool:
     """Start this job's ranks warm? True/False as asked (--warm/--cold, LocalLauncher(warm=...));
     else SDP_WARM=1/0; else warm when this process has a pool: one started after an earlier job of
     this kernel (job_done), or asked for with %sdp_warm / warm_up(). So a kernel's first job is cold,
-    and outside a kernel jobs are cold unless asked."""
+    and outside a kernel jobs are cold unless asked. `key`: another host's pool (held_pool) instead
+    of this host's."""
     if choice is not None:
         return choice
     env = _env_choice()
-    return env if env is not None else _POOL is not None
+    return env if env is not None else (_POOL is not None if key is None else key in _HELD)
 
 
 def _in_kernel() -> bool:
@@ -492,16 +583,17 @@ def _in_kernel() -> bool:
     return bool(shell) and getattr(shell, "kernel", None) is not None
 
 
-def job_done(choice: bool | None, preload: list[str] | tuple = ()) -> None:
+def job_done(choice: bool | None, preload: list[str] | tuple = (), start=None) -> None:
     """After a job: start the pool for the next one (after, not during: the first job keeps the CPUs).
     In a Jupyter kernel that is the default (the kernel's next job starts warm); elsewhere only when
-    asked (--warm, SDP_WARM=1). Never after --cold or with SDP_WARM=0."""
+    asked (--warm, SDP_WARM=1). Never after --cold or with SDP_WARM=0. `start(preload)`: what starts
+    the pool(s) (another target's hosts'), this host's by default."""
     if choice is False:
         return
     env = _env_choice()
     if choice or env or (env is None and _in_kernel()):
         try:
-            warm_up(preload)
+            (start or warm_up)(preload)
         except Exception:  # e.g. no temporary directory: the next job starts cold, with the reason
             pass
 
@@ -516,9 +608,12 @@ def start_rank(argv: list, env: dict, cwd: str | None = None, preload: list[str]
 def shutdown() -> None:
     global _POOL
     with _POOL_LOCK:
-        if _POOL is not None:
-            _POOL.close()
-            _POOL = None
+        pools = [_POOL] + list(_HELD.values())
+        _POOL = None
+        _HELD.clear()
+    for pool in pools:
+        if pool is not None:
+            pool.close()
 
 
 def main(argv: list[str] | None = None) -> int:
