@@ -224,7 +224,8 @@ class SdpMagics(Magics):
         """Start this kernel's warm pool now and wait until it is ready: the next %%sdp_train jobs fork
         their ranks from it instead of starting fresh interpreters (docs/warm.md). The pool imports torch,
         torch.optim, torch.distributed, torch.nn.parallel, torch._dynamo, sdp_jupyter.torch and the modules
-        named here. Without it the pool starts after the kernel's first job."""
+        named here. Without it the pool starts after the kernel's first job. This is the local target's
+        pool; SSH hosts and Ray nodes get theirs from a job run with --warm (or after their first job)."""
         args = parse_line(self.sdp_warm, line)
         modules = [m.strip() for arg in args.modules for m in arg.split(",") if m.strip()]
         try:

@@ -275,12 +275,13 @@ def test_warm_cold_and_preload_options_parse_round_trip_and_refuse_bad_values():
         JobSpec(code="x", start="hot")
     with pytest.raises(SpecError, match=r"^--preload: 'numpy-1' is not a module name\. Fix: --preload numpy"):
         JobSpec.from_options(_parse_magic_line("%%sdp_train --preload numpy-1"), code="x")
-    with pytest.raises(SpecError, match=r"^--warm: warm starts are for the local and ssh targets so far, and the "
-                                        r"target is sagemaker\. Fix: remove --warm"):
+    with pytest.raises(SpecError, match=r"^--warm: warm starts are for the local, ssh and ray targets so far, and "
+                                        r"the target is sagemaker\. Fix: remove --warm"):
         JobSpec(code="x", start="warm", target="sagemaker")
-    with pytest.raises(SpecError, match=r"^--preload: .* target is ray\. Fix: remove --preload"):
-        JobSpec(code="x", preload=["numpy"], target="ray")
+    with pytest.raises(SpecError, match=r"^--preload: .* target is sagemaker\. Fix: remove --preload"):
+        JobSpec(code="x", preload=["numpy"], target="sagemaker")
     assert JobSpec(code="x", start="warm", preload=["numpy"], target="ssh", ssh={"hosts": ["a"]}).start == "warm"
+    assert JobSpec(code="x", start="warm", target="ray").start == "warm"
     assert JobSpec(code="x", start="cold", target="sagemaker").start == "cold"  # what it does anyway
 
 

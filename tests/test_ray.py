@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from helpers.remote_jobs import TRAIN, drive, next_line, tell
+from helpers.remote_jobs import TRAIN, drive, drive_session, next_line, tell
 from sdp_jupyter.launch import JobSpec, SpecError, remote
 
 
@@ -164,3 +164,56 @@ def test_a_lost_node_is_named_within_ten_seconds(ray_hosts, tmp_path):
         assert _wait_clean(c, 10) == {}
     finally:
         ray_hosts.restart_node(2)
+
+
+def _pools(cluster) -> dict:
+    """Per host: processes running the warm pool server, or forked from it (a warm rank)."""
+    found = {}
+    for h in range(cluster.n):
+        found[h] = []
+        for pid in cluster.pids(h):
+            try:
+                argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+            except OSError:
+                continue
+            if b"sdp_jupyter.launch.warm" in argv:
+                found[h].append(pid)
+    return found
+
+
+def _wait_no_pools(cluster, timeout: float) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        left = {h: p for h, p in _pools(cluster).items() if p}
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_warm_starts_on_ray_nodes_match_cold_and_end_with_the_notebook(ray_hosts, tmp_path):
+    c = ray_hosts.cluster
+    args = {"target": "ray", "ray": {"address": ray_hosts.address}, "jobs_dir": str(tmp_path / "jobs"), "nodes": 4}
+    # --warm starts a pool on each Ray node (an actor pinned there holds it); the next job (no flag)
+    # finds them and starts warm; --cold does not use them; all three train to the same bits
+    d = drive_session(c, args, [["w1", "warm", {}], ["w2", "auto", {}], ["c3", "cold", {}]], env=ray_hosts.env)
+    runs = [next_line(d, timeout=240) for _ in range(3)]
+    for run in runs:
+        assert run["state"] == "succeeded", run
+    assert [r["status"].get("start") for r in runs] == ["warm", "warm", "cold"], [r["status"].get("start_reason") for r in runs]
+    assert "warm start" in runs[1]["summary"]
+    assert runs[0]["params"] == runs[1]["params"] == runs[2]["params"]
+    assert all(len(p) == 1 for p in _pools(c).values()), _pools(c)  # each node: its pool server, no rank
+    assert _wait_clean(c, 5) == {}
+    tell(d, "exit")  # the notebook ends: its pool actors and their servers end with it
+    d.wait(timeout=60)
+    assert _wait_no_pools(c, 30) == {}
+
+    # killed outright while a warm job runs: Ray ends the driver's actors (the agents' and the pools'),
+    # and nothing of the job or the pools is left on any node
+    d = drive_session(c, args, [["w4", "warm", {"STEPS": "100000", "STEP_SLEEP": "0.2"}]], env=ray_hosts.env)
+    assert next_line(d, timeout=240)["status"]["start"] == "warm"
+    d.send_signal(signal.SIGKILL)
+    d.wait()
+    assert _wait_no_pools(c, remote.HEARTBEAT_TIMEOUT + 20) == {}
+    assert _wait_clean(c, remote.HEARTBEAT_TIMEOUT + 5) == {}

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from helpers.remote_jobs import REPO, TRAIN, drive, next_line, tell
+from helpers.remote_jobs import REPO, TRAIN, drive, drive_session, next_line, tell
 from sdp_jupyter.launch import JobSpec, SpecError, agent, remote
 from sdp_jupyter.launch import ssh as ssh_target
 
@@ -211,39 +211,9 @@ def test_sdp_train_in_a_terminal_runs_on_the_ssh_hosts(ssh_hosts, tmp_path):
     assert ssh_hosts.wait_clean(5) == {}
 
 
-# A notebook's session on h0: jobs run one after another in one process (so its warm pools on the
-# hosts live from one job to the next); each job's outcome is one JSON line. A long job (STEP_SLEEP)
-# prints {"running"} and waits; the driver reads a line on stdin before it exits.
-WARM_DRIVER = r'''
-import json, sys, time, sdp_jupyter
-args, runs = json.loads(sys.argv[1]), json.loads(sys.argv[2])
-for name, start, env in runs:
-    job = sdp_jupyter.launch(**args, name=name, start=start, env=env)
-    if env.get("STEP_SLEEP"):
-        while "step 2" not in job.logs(0) and not job.done:
-            time.sleep(0.1)
-        print(json.dumps({"running": name, "status": job.status}), flush=True)
-    job.wait()
-    result = job.result() if job.state == "succeeded" else None
-    print(json.dumps({"name": name, "state": job.state, "error": job.error, "status": job.status,
-                      "summary": job.summary(), "params": result and result["params"].tolist()}), flush=True)
-sys.stdin.readline()
-'''
-
-
 def _warm_driver(hosts, jobs, runs):
-    import json
-    import subprocess
-    import sys
-
-    from helpers.remote_jobs import TRAIN
-
-    args = {"code": TRAIN, "target": "ssh", "ssh": {"hosts": hosts.hosts[:2], "config": str(hosts.config)},
-            "jobs_dir": str(jobs)}
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    env.pop("SDP_WARM", None)
-    return hosts.cluster.popen(0, [sys.executable, "-c", WARM_DRIVER, json.dumps(args), json.dumps(runs)], env=env,
-                               text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    args = {"target": "ssh", "ssh": {"hosts": hosts.hosts[:2], "config": str(hosts.config)}, "jobs_dir": str(jobs)}
+    return drive_session(hosts.cluster, args, runs)
 
 
 def _pools(hosts) -> dict:
@@ -268,7 +238,7 @@ def test_warm_starts_on_ssh_hosts_match_cold_and_die_with_the_notebook(ssh_hosts
     runs = [next_line(d, timeout=180) for _ in range(3)]
     for run in runs:
         assert run["state"] == "succeeded", run
-    assert [r["status"].get("start") for r in runs] == ["warm", "warm", "cold"], [r["status"] for r in runs]
+    assert [r["status"].get("start") for r in runs] == ["warm", "warm", "cold"], [r["status"].get("start_reason") for r in runs]
     assert "start_reason" not in runs[0]["status"] and "warm start" in runs[0]["summary"]
     assert runs[0]["params"] == runs[1]["params"] == runs[2]["params"]
     # between jobs each host runs its pool server and nothing else of ours

@@ -8,6 +8,10 @@ launcher starts them; the job secret travels in the `start` frame of an actor ca
 node's environment or a log. Everything else (preflight, mirroring, heartbeats, stop, restarts) is
 the remote run of launch/remote.py. See docs/ray.md.
 
+Warm starts (docs/warm.md): the notebook holds one PoolActor per Ray node (pinned to it, no CPU
+reserved), whose child is that node's warm pool server; the job's agent there forks the ranks from it.
+The actor is owned by the notebook's Ray driver, so it and its pool end with the notebook.
+
 Ray is optional: `pip install sdp_jupyter[ray]` (the test extra includes it).
 """
 from __future__ import annotations
@@ -143,6 +147,97 @@ class AgentActor:
             return self.proc.wait()
 
 
+class PoolActor:
+    """Runs on one Ray node for as long as the notebook holds it: that node's warm pool server
+    (launch/warm.py) as its child, started from a thread that lives as long as the server (the
+    server's parent-death signal is armed against the thread that started it)."""
+
+    def __init__(self, server_args: list):
+        import subprocess
+
+        started = threading.Event()
+
+        def own() -> None:
+            env = dict(os.environ, OPENBLAS_NUM_THREADS="1")  # OpenBLAS would start its thread pool at import
+            try:
+                self.proc = subprocess.Popen([sys.executable, "-m", "sdp_jupyter.launch.warm", *server_args],
+                                             env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                             stderr=subprocess.DEVNULL, start_new_session=True)
+            except Exception as e:
+                self.proc, self.error = None, f"{type(e).__name__}: {e}"
+            started.set()
+            if self.proc is not None:
+                self.proc.wait()
+
+        self.error = None
+        threading.Thread(target=own, daemon=True, name="sdp-warm-pool").start()
+        started.wait()
+
+    def ready_line(self) -> bytes:
+        return self.proc.stdout.readline() if self.proc is not None else b""
+
+    def wait(self) -> int:
+        return self.proc.wait() if self.proc is not None else 1
+
+    def poll(self) -> int | None:
+        return self.proc.poll() if self.proc is not None else 1
+
+    def close(self, wait: float) -> int:
+        if self.proc is None:
+            return 1
+        try:
+            self.proc.stdin.close()  # EOF: the server stops, and its ranks with it
+            return self.proc.wait(timeout=wait)
+        except Exception:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+class PoolChannel:
+    """What warm.Pool uses of its channel process (stdout.readline, stdin.close, poll, wait, kill),
+    for a PoolActor: the pool of a Ray node, held by this process."""
+
+    def __init__(self, actor):
+        self.actor = actor
+        self.stdout = self.stdin = self
+        self.returncode: int | None = None
+
+    def _call(self, method: str, *args, timeout: float | None = None, failed=-9):
+        import ray
+
+        try:
+            return ray.get(getattr(self.actor, method).remote(*args), timeout=timeout)
+        except Exception:  # the actor died (its node was lost, the cluster went away)
+            return failed
+
+    def readline(self) -> bytes:
+        from sdp_jupyter.launch.warm import READY_TIMEOUT
+
+        return self._call("ready_line", timeout=READY_TIMEOUT, failed=b"")
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._call("poll", timeout=10)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self.returncode = self._call("wait", timeout=timeout)
+        return self.returncode
+
+    def close(self) -> None:  # stdin.close(): the server stops
+        self.returncode = self._call("close", 3.0, timeout=10)
+        self.kill()
+
+    def kill(self) -> None:
+        import ray
+
+        try:
+            ray.kill(self.actor)
+        except Exception:
+            pass
+
+
 class RayLink(remote.Link):
     kind = "ray"
 
@@ -218,6 +313,7 @@ class RayRun(remote.RemoteRun):
         super().__init__(spec, [], launcher)
         self.address = address
         self.pg = None
+        self.node_ids: list = []  # the Ray node of each job node (their warm pools are per Ray node)
 
     def open_links(self) -> list[remote.Link]:
         ray = connect(self.address)
@@ -250,6 +346,7 @@ class RayRun(remote.RemoteRun):
         # asked again now: a node that joined since `alive` was read (a restarted one) may hold a bundle
         by_id = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
         placed = placement_group_table(self.pg).get("bundles_to_node_id", {})
+        self.node_ids = [placed.get(i) for i in range(spec.nodes)]
         self.hosts = [by_id.get(placed.get(i), f"ray-node-{i}") for i in range(spec.nodes)]
         actor_cls = ray.remote(AgentActor)
         links = []
@@ -261,6 +358,26 @@ class RayRun(remote.RemoteRun):
             ).remote()
             links.append(RayLink(node, self.hosts[node], actor, self.inbox))
         return links
+
+    def pool_key(self, node: int) -> tuple | None:
+        node_id = self.node_ids[node] if node < len(self.node_ids) else None
+        return ("ray", self.address, node_id) if node_id else None
+
+    def warm_pool(self, node: int, preload: list[str] | tuple = ()):
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from sdp_jupyter.launch import warm
+
+        node_id = self.node_ids[node]
+
+        def opener(server_args: list) -> PoolChannel:
+            actor = ray.remote(PoolActor).options(
+                num_cpus=0, max_concurrency=4,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(server_args)
+            return PoolChannel(actor)
+
+        return warm.held_pool(self.pool_key(node), opener, preload)
 
     def close_all(self) -> None:
         super().close_all()

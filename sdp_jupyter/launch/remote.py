@@ -171,15 +171,29 @@ class RemoteRun(supervise.Run):
     def warm_pool(self, node: int, preload: list[str] | tuple = ()):
         raise NotImplementedError
 
-    def _warm_fields(self, node: int) -> dict:
-        """The start frame's warm fields for `node`: the pool's address, or why its ranks start cold."""
+    def _warm_fields(self) -> dict[int, dict]:
+        """Per node, the start frame's warm fields: its host's pool's address, or why its ranks start
+        cold. Pools that are still starting (a --warm job, or new --preload modules) start at once on
+        every host and are waited for together, up to warm.READY_TIMEOUT, while the agents are pinged
+        (an agent that hears nothing for its heartbeat timeout stops)."""
         from sdp_jupyter.launch import warm
 
-        key = self.pool_key(node)
-        if key is None or not warm.wanted(self.warm_choice, key):
-            return {}
-        address, reason = self.warm_pool(node, self.spec.preload).address()
-        return {"warm": address} if address else {"cold_reason": reason}
+        pools = {}
+        for conn in self.conns:
+            key = self.pool_key(conn.node)
+            if key is not None and warm.wanted(self.warm_choice, key):
+                pools[conn.node] = self.warm_pool(conn.node, self.spec.preload)  # starts in the background
+        deadline = time.monotonic() + warm.READY_TIMEOUT
+        for pool in pools.values():
+            while not pool.started() and time.monotonic() < deadline and not self._stop.is_set():
+                for conn in self.conns:
+                    conn.send({"type": "ping"})
+                pool.ready(timeout=channel.HEARTBEAT_EVERY)
+        fields = {}
+        for node, pool in pools.items():
+            address, reason = pool.address(timeout=0)
+            fields[node] = {"warm": address} if address else {"cold_reason": reason}
+        return fields
 
     def _started(self, node: int, message: dict) -> None:
         """A node said how its ranks started: the job is warm when every node's were (as locally)."""
@@ -245,11 +259,12 @@ class RemoteRun(supervise.Run):
         port = self._ask_port(first)
         script = channel.b64((job.dir / jobdir.SCRIPT).read_bytes())
         self._starts = {}
+        warm_fields = self._warm_fields()
         for conn in self.conns:
             conn.send({"type": "start", "spec": spec.to_dict(), "node": conn.node, "secret": self.secret,
                        "master_addr": first.hello["addr"], "master_port": port, "attempt": attempt,
                        "script": script, "push": channel.b64(self.push_bytes),
-                       "heartbeat_timeout": HEARTBEAT_TIMEOUT, **self._warm_fields(conn.node)})
+                       "heartbeat_timeout": HEARTBEAT_TIMEOUT, **warm_fields.get(conn.node, {})})
         job.update_status(state="running", started=job.status.get("started") or time.time(), port=port,
                     master_addr=first.hello["addr"])
         started = time.monotonic()

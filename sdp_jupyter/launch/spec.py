@@ -72,7 +72,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("--jobs-dir", "jobs_dir", "root of job directories (default: $SDP_JOBS_DIR or ./sdp_jobs)",
            metavar="DIR"),
     Option("--warm", "start", "fork the ranks from this kernel's warm pool, which imported torch once "
-           "(default: warm after the kernel's first job or %sdp_warm; local and ssh targets)", kind="flag", const="warm"),
+           "(default: warm after the kernel's first job or %sdp_warm; local, ssh and ray targets)", kind="flag", const="warm"),
     Option("--cold", "start", "start every rank as a fresh interpreter, even when a warm pool runs",
            kind="flag", const="cold"),
     Option("--preload", "preload", "modules the warm pool imports too, e.g. --preload numpy,sklearn",
@@ -235,9 +235,9 @@ class JobSpec:
             if not isinstance(name, str) or not _MODULE_RE.match(name):
                 raise SpecError("--preload", f"{name!r} is not a module name. Fix: --preload numpy,sklearn "
                                              "(comma-separated module names)")
-        if self.target not in ("local", "ssh") and (self.start == "warm" or self.preload):
+        if self.target not in ("local", "ssh", "ray") and (self.start == "warm" or self.preload):
             flag = "--warm" if self.start == "warm" else "--preload"
-            raise SpecError(flag, f"warm starts are for the local and ssh targets so far, and the target is "
+            raise SpecError(flag, f"warm starts are for the local, ssh and ray targets so far, and the target is "
                                   f"{self.target}. Fix: remove {flag}")
         for target in ("ssh", "ray"):  # a target's own options, refused with another target
             options = getattr(self, target)

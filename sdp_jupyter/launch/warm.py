@@ -483,10 +483,14 @@ class Pool:
             return parsed
         return self.ready() or fork_rank(self.path, argv, env, cwd)
 
-    def address(self) -> tuple[dict | None, str | None]:
+    def started(self) -> bool:
+        """The server is ready, or failed to be: ready() answers at once."""
+        return self._ready.is_set()
+
+    def address(self, timeout: float = READY_TIMEOUT) -> tuple[dict | None, str | None]:
         """For an agent on the pool's host: ({"socket", "fingerprint"}, None) once the server is
-        ready, else (None, why it is not usable)."""
-        reason = self.ready()
+        ready (waiting up to `timeout`), else (None, why it is not usable)."""
+        reason = self.ready(timeout)
         if reason:
             return None, reason
         return {"socket": self.path, "fingerprint": self.info.get("fingerprint")}, None
@@ -524,7 +528,7 @@ def warm_up(preload: list[str] | tuple = ()) -> Pool:
             pool.close()
             pool = None
         if pool is not None and (not set(_PRELOAD) <= set(pool.preload)
-                                 or (pool._ready.is_set() and not pool.alive())):
+                                 or (pool.started() and not pool.alive())):
             pool.close()
             pool = None
         if pool is None:
@@ -539,7 +543,7 @@ def held_pool(key: tuple, opener, preload: list[str] | tuple = ()) -> Pool:
         _PRELOAD.update(m for m in preload if m)
         pool = _HELD.get(key)
         if pool is not None and (not set(_PRELOAD) <= set(pool.preload)
-                                 or (pool._ready.is_set() and not pool.alive())):
+                                 or (pool.started() and not pool.alive())):
             pool.close()
             pool = None
         if pool is None:

@@ -91,3 +91,33 @@ def next_line(proc, timeout: float = 120.0) -> dict:
                 break
     proc.kill()
     raise AssertionError(f"the driver said nothing more; its stderr: {proc.stderr.read()[-3000:]}")
+
+
+# A notebook's session on h0: jobs [name, start, env] run one after another in one process (so the
+# warm pools it holds on the hosts live from one job to the next); each job's outcome is one JSON line.
+# A long job (STEP_SLEEP) prints {"running"} first. The driver reads a line on stdin before it exits.
+SESSION_DRIVER = r'''
+import json, sys, time, sdp_jupyter
+args, runs = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+for name, start, env in runs:
+    job = sdp_jupyter.launch(**args, name=name, start=start, env=env)
+    if env.get("STEP_SLEEP"):
+        while "step 2" not in job.logs(0) and not job.done:
+            time.sleep(0.1)
+        print(json.dumps({"running": name, "status": job.status}), flush=True)
+    job.wait()
+    result = job.result() if job.state == "succeeded" else None
+    print(json.dumps({"name": name, "state": job.state, "error": job.error, "status": job.status,
+                      "summary": job.summary(), "params": result and result["params"].tolist()}), flush=True)
+sys.stdin.readline()
+'''
+
+
+def drive_session(cluster, launch_args: dict, runs: list, env: dict | None = None) -> subprocess.Popen:
+    """Start SESSION_DRIVER on h0 with these launch() arguments (TRAIN as the code) and jobs."""
+    full = dict(env or os.environ)
+    full["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), full.get("PYTHONPATH")]))
+    full.pop("SDP_WARM", None)
+    return cluster.popen(0, [sys.executable, "-c", SESSION_DRIVER, json.dumps({"code": TRAIN, **launch_args}),
+                             json.dumps(runs)], env=full, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE)
