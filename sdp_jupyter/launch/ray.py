@@ -203,8 +203,12 @@ class PoolChannel:
         self.returncode: int | None = None
 
     def _call(self, method: str, *args, timeout: float | None = None, failed=-9):
+        """One actor call, never after ray.shutdown(): Ray ends the whole process when its worker is
+        used after shutdown (and the notebook's actors, these pools among them, ended with it)."""
         import ray
 
+        if not ray.is_initialized():
+            return failed
         try:
             return ray.get(getattr(self.actor, method).remote(*args), timeout=timeout)
         except Exception:  # the actor died (its node was lost, the cluster went away)
@@ -222,7 +226,7 @@ class PoolChannel:
 
     def wait(self, timeout: float | None = None) -> int:
         if self.returncode is None:
-            self.returncode = self._call("wait", timeout=timeout)
+            self.returncode = self._call("wait", timeout=10 if timeout is None else timeout)
         return self.returncode
 
     def close(self) -> None:  # stdin.close(): the server stops
@@ -232,6 +236,8 @@ class PoolChannel:
     def kill(self) -> None:
         import ray
 
+        if not ray.is_initialized():
+            return
         try:
             ray.kill(self.actor)
         except Exception:
@@ -308,6 +314,9 @@ def _describe_nodes(nodes: list[dict]) -> str:
 
 class RayRun(remote.RemoteRun):
     option = "--nodes"
+    # No pool starts in the background after a job: nothing may touch Ray from another thread while
+    # the notebook may call ray.shutdown() (Ray ends the process then). Pools start inside a --warm job.
+    warm_after_job = False
 
     def __init__(self, spec: JobSpec, launcher: "RayLauncher", address: str):
         super().__init__(spec, [], launcher)

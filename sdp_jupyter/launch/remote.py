@@ -92,6 +92,7 @@ class RemoteRun(supervise.Run):
 
     option = "--nodes"
     python = sys.executable  # the interpreter named in "not installed" errors
+    warm_after_job = True    # start the hosts' warm pools after a job, for the next (warm.job_done)
 
     def __init__(self, spec: JobSpec, hosts: list[str], launcher):
         self.spec, self.hosts, self.launcher = spec, hosts, launcher
@@ -244,7 +245,7 @@ class RemoteRun(supervise.Run):
                 f.close()
             self._write_agent_logs()
             supervise.unregister(self)
-            if self.pool_key(0) is not None:
+            if self.warm_after_job and self.pool_key(0) is not None:
                 from sdp_jupyter.launch import warm
 
                 warm.job_done(self.warm_choice, spec.preload, start=self._warm_next)

@@ -460,7 +460,7 @@ class Pool:
         except Exception as e:
             self._error = f"the pool server could not start: {type(e).__name__}: {e}"
         self._ready.set()
-        if self.proc is not None:
+        if self.proc is not None and self.opener is None:  # a channel process is not ours to wait on
             self.proc.wait()
 
     def ready(self, timeout: float = READY_TIMEOUT) -> str | None:
