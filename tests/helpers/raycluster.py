@@ -32,6 +32,7 @@ class RayHosts:
         self.starts: dict[int, subprocess.Popen] = {}
         self.node_env: dict[int, dict | None] = {}
         self.retries: dict[int, int] = {}
+        self.last_error = ""
 
     def start(self) -> None:
         for i in range(self.cluster.n):
@@ -52,7 +53,10 @@ class RayHosts:
 
     def restart_node(self, i: int, env: dict | None = None) -> None:
         """Start worker host `i`'s Ray node again (what is left of it is killed first), with `env` added
-        to its environment (and its workers')."""
+        to its environment (and its workers'). Returns when a new node is alive at that host's address
+        and the old one is gone from the cluster's view (a killed raylet stays 'Alive' to the head until
+        its health checks fail, so counting alive nodes alone can return before the new node exists)."""
+        old = {node for ip, node in self._alive() if ip == self.cluster.addresses[i]}
         for pid in self.ray_pids(i):
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -62,11 +66,21 @@ class RayHosts:
             self.starts[i].wait()
         self.retries[i] = 0
         self._start_node(i, env)
-        self._wait_nodes(self.cluster.n)
+        self._wait_nodes(self.cluster.n, gone=old)
 
-    def _wait_nodes(self, n: int, timeout: float = 120.0) -> None:
+    def _alive(self) -> list[tuple[str, str]] | None:
+        """(address, node id) of each node the head calls alive; None when the head cannot be asked."""
         code = ("import ray, sys; ray.init(address=sys.argv[1], logging_level='ERROR'); "
-                "print(sum(1 for x in ray.nodes() if x['Alive']))")
+                "[print(x['NodeManagerAddress'], x['NodeID']) for x in ray.nodes() if x['Alive']]")
+        p = self.cluster.run(0, [sys.executable, "-c", code, self.address], env=self.env, check=False, timeout=90)
+        if p.returncode != 0:
+            self.last_error = p.stderr[-2000:]
+            return None
+        return [tuple(line.split()) for line in p.stdout.splitlines() if len(line.split()) == 2]
+
+    def _wait_nodes(self, n: int, gone: set = frozenset(), timeout: float = 120.0) -> None:
+        """Until the first `n` hosts each have an alive node, none of whose ids is in `gone`."""
+        want = set(self.cluster.addresses[:n])
         deadline = time.monotonic() + timeout
         while True:
             for i, p in list(self.starts.items()):
@@ -78,11 +92,12 @@ class RayHosts:
                         raise RuntimeError(f"ray start on h{i} exited: "
                                            f"{(self.root / f'ray-h{i}.log').read_text()[-3000:]}")
                     self._start_node(i, self.node_env.get(i))
-            p = self.cluster.run(0, [sys.executable, "-c", code, self.address], env=self.env, check=False, timeout=90)
-            if p.returncode == 0 and p.stdout.strip().splitlines()[-1:] == [str(n)]:
+            alive = self._alive()
+            if alive is not None and {ip for ip, _ in alive} >= want and not {node for _, node in alive} & gone:
                 return
             if time.monotonic() > deadline:
-                raise RuntimeError(f"the Ray cluster did not reach {n} nodes: {p.stdout[-500:]} {p.stderr[-2000:]}")
+                raise RuntimeError(f"the Ray cluster did not reach {n} nodes (alive: {alive}, waiting for "
+                                   f"{sorted(gone)} to be gone): {self.last_error}")
             time.sleep(1)
 
     def ray_pids(self, host: int) -> list[int]:
