@@ -20,7 +20,7 @@ _LAZY = {
     "timed": "sdp_jupyter.monitor.reporter:timed",
     "checkpoint": "sdp_jupyter.checkpoint:",
     "dashboard": "sdp_jupyter.ui.dashboard:dashboard",
-    "JobSetup": "sdp_jupyter.ui.setup:JobSetup",
+    "JobSetup": "sdp_jupyter.jobsetup:JobSetup",
     "AdvisorView": "sdp_jupyter.ui.advisor:AdvisorView",
 }
 

@@ -18,7 +18,7 @@ from IPython.display import display
 import sdp_jupyter.launch as launching
 from sdp_jupyter.launch import Job, JobError, JobSpec, SpecError, warm
 from sdp_jupyter.launch.spec import all_options
-from sdp_jupyter.ui.jobview import widgets_enabled
+from sdp_jupyter._display import widgets_enabled
 
 
 def _with_options(func):
@@ -33,8 +33,8 @@ def _with_options(func):
 
 
 def _with_setup_options(func):
-    """%sdp_setup's options (one per JobSetup keyword; sdp_jupyter.ui.setup.setup_arguments)."""
-    from sdp_jupyter.ui.setup import setup_arguments
+    """%sdp_setup's options (one per JobSetup keyword; sdp_jupyter.jobsetup.setup_arguments)."""
+    from sdp_jupyter.jobsetup import setup_arguments
 
     for flags, kw in reversed(setup_arguments()):
         func = magic_arguments.argument(*flags, **kw)(func)
@@ -255,7 +255,7 @@ class SdpMagics(Magics):
         Choose target, instance type and count and hyperparameters; the form shows the scaling hints
         and the %%sdp_train line of the same job, and its Launch button starts it.
         """
-        from sdp_jupyter.ui.setup import setup_from_options
+        from sdp_jupyter.jobsetup import setup_from_options
 
         args = parse_line(self.sdp_setup, line)
         try:
@@ -267,7 +267,7 @@ class SdpMagics(Magics):
     def sdp_cell(self, line: str, cell: str):
         """%%sdp_cell NAME: keep this cell's code under NAME without running it, as the training code
         of `sdp_jupyter.JobSetup(cell=NAME)` or `%sdp_setup --cell NAME`."""
-        from sdp_jupyter.ui.setup import store_cell
+        from sdp_jupyter.jobsetup import store_cell
 
         try:
             print(store_cell(line.strip(), cell))

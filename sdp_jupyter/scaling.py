@@ -1,6 +1,6 @@
 """Batch-size and learning-rate scaling for data-parallel training: rules, warnings, estimates.
 
-Pure functions and plain records; no widgets, no torch. ``sdp_jupyter.ui.setup.JobSetup`` shows what
+Pure functions and plain records; no widgets, no torch. ``sdp_jupyter.JobSetup`` (and its form, ``sdp_jupyter.ui.setup``) shows what
 ``evaluate(Plan(...))`` returns, and a training script may call ``warmup_lr`` to follow the schedule.
 
 Terms

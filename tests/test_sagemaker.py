@@ -591,7 +591,7 @@ def test_setup_widget_launches_the_same_choices_on_sagemaker(aws, tmp_path):
     """The job setup form with target sagemaker: its instance type, nodes, backend and scaled
     hyperparameters become the training job, and its live view is the SageMaker one."""
     from sdp_jupyter.ui.sagemaker_view import SageMakerJobView
-    from sdp_jupyter.ui.setup import JobSetup
+    from sdp_jupyter.jobsetup import JobSetup
 
     form = JobSetup(code=CELL, name="widget-sm", jobs_dir=str(tmp_path / "jobs"), target="sagemaker",
                     instance_type="ml.p4de.24xlarge", nodes=2, backend="smddp",
@@ -606,7 +606,7 @@ def test_setup_widget_launches_the_same_choices_on_sagemaker(aws, tmp_path):
                                       for k, v in spec.hyperparameters.items()}
     drivers = f"s3://{BUCKET}/widget-sm/{req['TrainingJobName']}/input/sm_drivers"
     assert s3_json(aws, drivers, "distributed.json")["process_count_per_node"] == 8
-    assert isinstance(form.w_job.children[0], SageMakerJobView)
+    assert isinstance(form.view().w_job.children[0], SageMakerJobView)
     aws.set_status(job.training_job_name, "Completed")
     assert job.wait(20) == "succeeded"
 

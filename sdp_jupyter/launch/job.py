@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from sdp_jupyter._display import Shown
 from sdp_jupyter.launch import jobdir, targets
 from sdp_jupyter.launch.spec import JobSpec
 
@@ -42,7 +43,7 @@ def _pid_alive(pid) -> bool:
     return True
 
 
-class Job:
+class Job(Shown):
     """Handle of a job. Use `sdp_jupyter.launch(...)` to start one, `Job.open(name)` to reopen one."""
 
     def __init__(self, spec: JobSpec, job_dir: str | os.PathLike, run=None):
@@ -380,19 +381,6 @@ class Job:
 
     def __repr__(self) -> str:
         return f"<Job {self.name} {self.state} {self.elapsed:.1f}s>"
-
-    def _repr_pretty_(self, p, cycle):
-        p.text(self.summary())
-
-    def _ipython_display_(self):
-        from IPython.display import display
-
-        from sdp_jupyter.ui.jobview import widgets_enabled
-
-        if widgets_enabled():
-            display(self.view())
-        else:
-            print(self.summary())
 
 
 def read_metrics_lines(job_dir: str | os.PathLike) -> list[dict]:

@@ -32,16 +32,6 @@ _STATE_COLOURS = {"pending": "#888", "running": "#1f77b4", "succeeded": "#2ca02c
                   "stopped": "#ff7f0e"}
 
 
-def widgets_enabled() -> bool:
-    """True inside a Jupyter kernel (a frontend can render widgets); False in a terminal IPython."""
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return False
-    ip = get_ipython()
-    return ip is not None and getattr(ip, "kernel", None) is not None
-
-
 class StopServer:
     """Kernel-side HTTP endpoint `POST /stop/<job name>?token=...` on 127.0.0.1, one per kernel."""
 
