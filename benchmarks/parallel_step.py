@@ -78,7 +78,7 @@ def hybrid_worker(backend: str, warmup: int, steps: int) -> dict:
     import torch.distributed as dist
 
     from sdp_jupyter import parallel
-    from sdp_jupyter.advisor import ParallelConfig
+    from sdp_jupyter.parallel_config import ParallelConfig
     from sdp_jupyter.parallel import gpt
 
     if backend != "smddp":  # with smddp, setup() makes the default group (on the engine)

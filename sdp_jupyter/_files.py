@@ -1,7 +1,7 @@
 """Private files: directories only this user can enter (0700), files only this user can read (0600),
 written atomically and never through a link someone planted (docs/security.md).
 
-One place for the rules that the job directory (launch/jobdir.py), the one-node job secret
+One place for the rules that the job directory (jobdir.py), the one-node job secret
 (comm/secret.py) and checkpoints (checkpoint.py) share. A leaf: it imports nothing of sdp_jupyter.
 """
 from __future__ import annotations

@@ -13,7 +13,7 @@ import textwrap
 import pytest
 
 from conftest import REPO
-from sdp_jupyter.launch import jobdir
+from sdp_jupyter import jobdir
 
 
 def _mode(p):

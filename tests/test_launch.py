@@ -172,7 +172,7 @@ def test_worker_environment(tmp_path):
 
 
 def test_worker_environment_carries_the_hybrid_parallel_options(tmp_path):
-    from sdp_jupyter.advisor import ParallelConfig
+    from sdp_jupyter.parallel_config import ParallelConfig
 
     spec = LocalLauncher().resolve(JobSpec(code="x", name="hyb", nodes=2, procs_per_node=2, backend="gloo",
                                            jobs_dir=str(tmp_path), parallel=HYBRID))

@@ -140,10 +140,10 @@ def test_hybrid_parallel_options_reach_every_worker(ip, capsys):
     _, error = run(ip, textwrap.dedent("""\
         %%sdp_train --nodes 2 --procs-per-node 2 --tp 2 --pp 2 --microbatches 4 --shard-optimizer --checkpoint-activations --offload-activations --backend gloo --wait --ranks-output all --result res
         import os
-        from sdp_jupyter.advisor import ParallelConfig
+        from sdp_jupyter.parallel_config import ParallelConfig
         cfg = ParallelConfig.from_env()
         print("cfg", os.environ["RANK"], cfg.describe())
-        from sdp_jupyter.launch.parallel_options import ENV_NAMES
+        from sdp_jupyter.parallel_config import ENV_NAMES
         {k: os.environ[k] for k in ENV_NAMES if k in os.environ}
     """))
     assert error is None, error

@@ -156,13 +156,19 @@ def test_reader_reads_a_job_killed_mid_run(tmp_path):
         got = fr.rank_steps(r)
         assert got == list(range(len(got))) and len(got) > 20
     assert fr.done is False and fr.steady_samples_per_s > 0  # no pids recorded: cannot tell
-    # with the pids the launcher records, a job whose processes are all gone reads as ended ("lost")
+    # with the pids the launcher records, a job whose processes are all gone reads as failed, as the
+    # job view says (one rule: sdp_jupyter.jobdir.seen_status)
     launcher = subprocess.Popen([sys.executable, "-c", "pass"])
     launcher.wait()
     status = {"state": "running", "pids": [p.pid for p in procs], "launcher_pid": launcher.pid}
     (tmp_path / "status.json").write_text(json.dumps(status))
     fr = read(tmp_path)
-    assert fr.done is True and fr.state == "lost" and fr.skipped_lines == 1
+    assert fr.done is True and fr.state == "failed" and fr.skipped_lines == 1
+    from sdp_jupyter.launch import Job, JobSpec
+
+    (tmp_path / "spec.json").write_text(JobSpec(code="pass", nodes=2).to_json())
+    job = Job.open(tmp_path)  # the job view reads the same directory the same way
+    assert job.state == "failed" and "the launcher (pid" in job.error
     status["launcher_pid"] = os.getpid()  # a live launcher: the job may still be running
     (tmp_path / "status.json").write_text(json.dumps(status))
     assert read(tmp_path).done is False

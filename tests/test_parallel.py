@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from sdp_jupyter.advisor import ParallelConfig
+from sdp_jupyter.parallel_config import ParallelConfig
 from sdp_jupyter.parallel import gpt
 
 CFG = gpt.GPTConfig(layers=4, hidden=32, heads=4, vocab=64, seq_len=8)

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from sdp_jupyter.advisor import ParallelConfig
+from sdp_jupyter.parallel_config import ParallelConfig
 from sdp_jupyter.launch import JobSpec, SpecError
-from sdp_jupyter.launch.parallel_options import DEFAULTS, ENV_NAMES, PARALLEL_OPTIONS
+from sdp_jupyter.launch.parallel_options import DEFAULTS, PARALLEL_OPTIONS
+from sdp_jupyter.parallel_config import ENV_NAMES
 
 
 def test_every_key_has_one_option_and_one_worker_variable():

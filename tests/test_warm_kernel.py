@@ -11,7 +11,7 @@ import psutil
 import pytest
 
 from test_magics_kernel import execute
-from sdp_jupyter.launch.jobdir import log_path
+from sdp_jupyter.jobdir import log_path
 from tools.main_job import kernel_env
 
 pytestmark = pytest.mark.slow

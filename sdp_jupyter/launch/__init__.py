@@ -15,7 +15,8 @@ import sys
 import threading
 import types
 
-from sdp_jupyter.launch import jobdir, targets
+from sdp_jupyter import jobdir
+from sdp_jupyter.launch import targets
 from sdp_jupyter.launch.job import Job, JobError
 from sdp_jupyter.launch.local import LocalLauncher
 from sdp_jupyter.launch.spec import OPTIONS, JobSpec, Option, SpecError

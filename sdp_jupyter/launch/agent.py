@@ -195,7 +195,8 @@ class Agent:
 
     # ---------------------------------------------------------------- one attempt
     def _start(self, m: dict) -> None:
-        from sdp_jupyter.launch import jobdir, ranks
+        from sdp_jupyter import jobdir
+        from sdp_jupyter.launch import ranks
         from sdp_jupyter.launch.spec import JobSpec
 
         if self._attempt_thread is not None and self._attempt_thread.is_alive():
@@ -268,7 +269,8 @@ class Agent:
                     codes[rank] = code
                     self.send({"type": "exit", "rank": rank, "code": code})
             time.sleep(0.05)
-        from sdp_jupyter.launch import jobdir, ranks
+        from sdp_jupyter import jobdir
+        from sdp_jupyter.launch import ranks
 
         ranks.kill_groups([p for _, p in procs])
         tailer_stop.set()
@@ -279,7 +281,7 @@ class Agent:
         self.send({"type": "done", "codes": codes})
 
     def _read(self, rank: int, proc) -> None:
-        from sdp_jupyter.launch import jobdir
+        from sdp_jupyter import jobdir
 
         cap = jobdir.LINE_CAP
         with jobdir.open_private(jobdir.log_path(self.job_dir, rank)) as log:
@@ -291,7 +293,7 @@ class Agent:
 
     def _tail_metrics(self, stop: threading.Event) -> None:
         """Send every complete new line of metrics/*.jsonl; one last sweep after `stop`."""
-        from sdp_jupyter.launch import jobdir
+        from sdp_jupyter import jobdir
 
         offsets: dict[str, int] = {}
         folder = self.job_dir / jobdir.METRICS
@@ -328,7 +330,7 @@ class Agent:
         """After the job: everything but the checkpoints (a later job of the name may resume from them)."""
         if self.job_dir is None:
             return
-        from sdp_jupyter.launch import jobdir
+        from sdp_jupyter import jobdir
 
         for entry in list(self.job_dir.iterdir()) if self.job_dir.is_dir() else []:
             if entry.name == jobdir.CHECKPOINTS and any(entry.iterdir()):

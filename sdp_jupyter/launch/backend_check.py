@@ -247,8 +247,10 @@ def read_records(job_dir) -> dict[int, dict]:
     import json
     from pathlib import Path
 
+    from sdp_jupyter import jobdir
+
     found: list[dict] = []
-    for path in sorted((Path(job_dir) / "metrics").glob("rank-*.jsonl")):
+    for path in sorted((Path(job_dir) / jobdir.METRICS).glob("rank-*.jsonl")):
         try:
             with open(path, "rb") as f:
                 for line in f:

@@ -22,7 +22,7 @@ def load_push(path: str, checked: bool = True) -> dict:
     if not os.path.exists(path):
         return {}
     if checked:
-        from sdp_jupyter.launch.jobdir import load_pickle
+        from sdp_jupyter.jobdir import load_pickle
 
         return load_pickle(path)
     with open(path, "rb") as f:
@@ -67,10 +67,10 @@ def run_script(path: str, argv: list[str], push: dict, want_result: bool):
 def save_result(job_dir: str, value, required: bool) -> int:
     """Pickle rank 0's result into job_dir/result.pkl; the exit code (1 when it cannot be pickled
     and --result asked for it)."""
-    from sdp_jupyter.launch.jobdir import write_private
+    from sdp_jupyter import jobdir
 
     try:
-        write_private(os.path.join(job_dir, "result.pkl"), pickle.dumps(value))
+        jobdir.write_private(os.path.join(job_dir, jobdir.RESULT), pickle.dumps(value))
     except Exception as e:
         print(f"[sdp_jupyter] rank 0's result ({type(value).__name__}) could not be pickled: {e}",
               file=sys.stderr)

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Callable
 
 from sdp_jupyter._display import Shown
-from sdp_jupyter.launch import jobdir, targets
+from sdp_jupyter import jobdir
+from sdp_jupyter.launch import targets
 from sdp_jupyter.launch.spec import JobSpec
 
 TAIL_LINES = 2000  # lines per rank kept in memory for views opened late; the log file has them all
@@ -33,14 +34,6 @@ class JobError(RuntimeError):
     def _render_traceback_(self):  # IPython: show the message, not a traceback through the launcher
         return [f"{type(self).__name__}: {line}" if i == 0 else line
                 for i, line in enumerate(str(self).splitlines())]
-
-
-def _pid_alive(pid) -> bool:
-    try:
-        os.kill(int(pid), 0)
-    except (OSError, TypeError, ValueError):
-        return False
-    return True
 
 
 class Job(Shown):
@@ -117,13 +110,8 @@ class Job(Shown):
     def status(self) -> dict:
         with self._lock:
             if self.supervisor is None and not self._done.is_set():
-                self._status = jobdir.read_json(self.dir / jobdir.STATUS, self._status) or {}
+                self._status = jobdir.seen_status(jobdir.read_json(self.dir / jobdir.STATUS, self._status) or {})
                 st = self._status
-                if st.get("state") in ("pending", "running") and st.get("launcher_pid") \
-                        and not _pid_alive(st["launcher_pid"]):
-                    st = dict(st, state="failed",
-                              error=f"the launcher (pid {st['launcher_pid']}) is gone; the job did not finish")
-                    self._status = st
                 if st.get("state") in jobdir.FINAL_STATES:
                     self._done.set()
             return dict(self._status)

@@ -18,7 +18,8 @@ import threading
 import time
 from pathlib import Path
 
-from sdp_jupyter.launch import backend_check, jobdir, ranks, supervise, warm
+from sdp_jupyter import jobdir
+from sdp_jupyter.launch import backend_check, ranks, supervise, warm
 from sdp_jupyter.launch.job import Job
 from sdp_jupyter.launch.push import pickle_push
 from sdp_jupyter.launch.spec import JobSpec, SpecError

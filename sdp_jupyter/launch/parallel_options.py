@@ -10,16 +10,16 @@ that cannot run (tp across nodes, a world size tp*pp does not divide, offloading
 prerequisites) is refused before anything starts.
 
 This module lives in launch/ rather than in sdp_jupyter.parallel because that package imports torch,
-and the notebook side never imports torch to launch a job; `ParallelConfig` comes from the torch-free
-`sdp_jupyter.advisor`.
+and the notebook side never imports torch to launch a job; `ParallelConfig` and the workers' variables
+come from the torch-free `sdp_jupyter.parallel_config`.
 """
 from __future__ import annotations
 
 from typing import Any
 
 from sdp_jupyter._env import FALSE, TRUE
-
 from sdp_jupyter.launch.options import Option, SpecError, parse_whole
+from sdp_jupyter.parallel_config import CHECKPOINTING, ENV_NAMES, SCHEDULES, SHARDING, ParallelConfig
 
 PARALLEL_OPTIONS: tuple[Option, ...] = (
     Option("--tp", "parallel.tp", "tensor-parallel degree: a power of two, at most --procs-per-node "
@@ -57,10 +57,6 @@ DEFAULTS: dict[str, Any] = {
 #: key -> its option, for messages
 FLAGS = {opt.field.split(".", 1)[1]: opt.flag for opt in PARALLEL_OPTIONS}
 
-#: what the workers read (ParallelConfig.from_env); --env may not set them next to these options
-ENV_NAMES = ("SDP_TP", "SDP_PP", "SDP_MICROBATCHES", "SDP_ACTIVE_MICROBATCHES", "SDP_PIPELINE_SCHEDULE",
-             "SDP_VIRTUAL_STAGES", "SDP_SHARD_OPTIMIZER", "SDP_CHECKPOINT_ACTIVATIONS",
-             "SDP_OFFLOAD_ACTIVATIONS", "SDP_SEQUENCE_PARALLEL")
 
 #: the advisor's knob names (Finding.knob) -> the option that sets them
 _KNOB_FLAGS = {"tp": "--tp", "tp/pp": "--tp", "pp": "--pp", "microbatches": "--microbatches",
@@ -96,8 +92,6 @@ def _bool(key: str, value: Any) -> bool:
 
 def normalise(values: dict) -> dict:
     """Every key of JobSpec.parallel, checked and coerced ("2" -> 2, True -> "optimizer")."""
-    from sdp_jupyter.advisor import CHECKPOINTING, SCHEDULES, SHARDING
-
     unknown = sorted(set(values) - set(DEFAULTS))
     if unknown:
         raise SpecError("parallel", f"unknown hybrid-parallel option(s) {', '.join(unknown)}; "
@@ -125,9 +119,7 @@ def normalise(values: dict) -> dict:
 
 
 def config(values: dict):
-    """The advisor's ParallelConfig for JobSpec.parallel (missing keys at their defaults)."""
-    from sdp_jupyter.advisor import ParallelConfig
-
+    """The ParallelConfig for JobSpec.parallel (missing keys at their defaults)."""
     v = {**DEFAULTS, **values}
     return ParallelConfig(tp=v["tp"], pp=v["pp"], microbatches=v["microbatches"],
                           active_microbatches=v["active_microbatches"], sharding=v["shard_optimizer"],

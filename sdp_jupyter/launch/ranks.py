@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from sdp_jupyter.launch import jobdir
+from sdp_jupyter import jobdir
 from sdp_jupyter.launch.pythonpath import COMPAT_DIR, PACKAGE_PARENT, smdistributed_installed
 
 WORKER = [sys.executable, "-u", "-m", "sdp_jupyter.launch.worker"]

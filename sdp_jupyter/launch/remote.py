@@ -18,7 +18,8 @@ import threading
 import time
 
 from sdp_jupyter.launch import agent as channel
-from sdp_jupyter.launch import backend_check, jobdir, supervise
+from sdp_jupyter import jobdir
+from sdp_jupyter.launch import backend_check, supervise
 from sdp_jupyter.launch.job import Job
 from sdp_jupyter.launch.ranks import describe_exit
 from sdp_jupyter.launch.spec import JobSpec, SpecError

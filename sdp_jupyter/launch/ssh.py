@@ -26,7 +26,8 @@ import threading
 from pathlib import Path
 
 from sdp_jupyter.launch import agent as channel
-from sdp_jupyter.launch import jobdir, remote
+from sdp_jupyter import jobdir
+from sdp_jupyter.launch import remote
 from sdp_jupyter.launch.job import Job
 from sdp_jupyter.launch.push import pickle_push
 from sdp_jupyter.launch.remote import CONNECT_TIMEOUT

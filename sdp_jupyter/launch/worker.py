@@ -75,7 +75,9 @@ def main() -> int:
         return run_module()
     arm_parent_death_signal()
     job_dir = os.environ["SDP_JOB_DIR"]
-    with open(os.path.join(job_dir, "spec.json")) as f:
+    from sdp_jupyter import jobdir
+
+    with open(os.path.join(job_dir, jobdir.SPEC)) as f:
         spec = json.load(f)
     _load_backend(os.environ.get("SDP_BACKEND", spec.get("backend", "smddp")))
     if watch_backend(spec, os.environ.get("SDP_BACKEND", spec.get("backend", "smddp"))):

@@ -25,9 +25,10 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Protocol, runtime_checkable
 
+from sdp_jupyter import jobdir
+
 __all__ = ["MetricsSource", "JobDirSource", "Metrics", "Frame", "Reader", "open_source", "read", "job_dir_of"]
 
-FINAL_STATES = ("succeeded", "failed", "stopped")
 STEP_COLUMNS = ("step", "t", "loss", "samples", "step_time", "comm_time", "exposed_comm", "data_wait",
                 "bytes_reduced")
 SYSTEM_COLUMNS = ("t", "util", "mem_used", "mem_total", "power_w", "proc_util", "ncpu")
@@ -159,12 +160,8 @@ def _parse(line: bytes, out: list, bad: list) -> None:
 
 
 def _load_json(path: str) -> dict:
-    try:
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f)
-        return value if isinstance(value, dict) else {}
-    except (OSError, ValueError):
-        return {}
+    value = jobdir.read_json(path, {})
+    return value if isinstance(value, dict) else {}
 
 
 class JobDirSource:
@@ -176,18 +173,14 @@ class JobDirSource:
         self.skipped = 0
         self._done = False
 
-    def _status(self) -> dict:
-        return _load_json(os.path.join(self.job_dir, "status.json"))
-
     def _state(self) -> str | None:
-        status = self._status()
-        return "lost" if _lost(status) else status.get("state")
+        return jobdir.read_status(self.job_dir).get("state")
 
     def poll(self) -> list[dict]:
         if self._done:
             return []
-        final = self._state() in FINAL_STATES + ("lost",)  # read it first: lines written before it count
-        for path in sorted(glob.glob(os.path.join(self.job_dir, "metrics", "*.jsonl"))):
+        final = self._state() in jobdir.FINAL_STATES  # read it first: lines written before it count
+        for path in sorted(glob.glob(os.path.join(self.job_dir, jobdir.METRICS, "*.jsonl"))):
             if path not in self.tails:
                 self.tails[path] = _Tail(path)
         events: list[dict] = []
@@ -202,10 +195,10 @@ class JobDirSource:
         return self._done
 
     def info(self) -> dict:
-        spec = _load_json(os.path.join(self.job_dir, "spec.json"))
-        status = self._status()
+        spec = _load_json(os.path.join(self.job_dir, jobdir.SPEC))
+        status = jobdir.read_status(self.job_dir)
         info = {"name": spec.get("name") or os.path.basename(self.job_dir),
-                "state": "lost" if _lost(status) else status.get("state"),
+                "state": status.get("state"),
                 "skipped_lines": self.skipped}
         if isinstance(status.get("world_size"), int):
             info["world_size"] = status["world_size"]
@@ -221,32 +214,6 @@ class JobDirSource:
         if isinstance(total, int):
             info["total_steps"] = total
         return info
-
-
-def _pid_alive(pid) -> bool:
-    try:
-        os.kill(int(pid), 0)
-    except (ProcessLookupError, ValueError, TypeError, OverflowError):
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie is dead for our purpose
-        with open(f"/proc/{int(pid)}/stat") as f:
-            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
-    except OSError:
-        return True
-
-
-def _lost(status: dict) -> bool:
-    """A job whose status still says pending/running but whose launcher and ranks are all gone
-    (the kernel was killed): it will never write again."""
-    if status.get("state") not in ("pending", "running"):
-        return False
-    pids = status.get("pids")
-    if not isinstance(pids, list) or not pids:
-        return False
-    launcher = status.get("launcher_pid")
-    return not any(_pid_alive(p) for p in pids + ([launcher] if launcher else []))
 
 
 def _first(d: dict, *keys):

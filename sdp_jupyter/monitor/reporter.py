@@ -23,6 +23,8 @@ import time
 import warnings
 from typing import Any, Iterable, Iterator, TypeVar
 
+from sdp_jupyter import jobdir
+
 __all__ = ["report", "emit", "flush", "timed", "Reporter"]
 
 T = TypeVar("T")
@@ -59,7 +61,7 @@ class Reporter:
     def path(self) -> str | None:
         if not self.job_dir:
             return None
-        return os.path.join(self.job_dir, "metrics", f"rank-{self.rank}.jsonl")
+        return os.path.join(self.job_dir, jobdir.METRICS, f"rank-{self.rank}.jsonl")
 
     def _open(self):
         # Reopen after fork: a child must not share the parent's buffered file object.

@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 
-FINAL_STATES = {"succeeded", "failed", "stopped"}
+from sdp_jupyter import jobdir
 
 
 class NvmlSource:
@@ -112,11 +112,11 @@ class PsutilSource:
         """This node's ranks from status.json when they were forked by the warm pool: a forked rank's
         /proc environ is the pool's, so the scan above cannot see it (docs/warm.md)."""
         try:
-            with open(os.path.join(self.job_dir, "status.json")) as f:
+            with open(os.path.join(self.job_dir, jobdir.STATUS)) as f:
                 status = json.load(f)
             if status.get("start") != "warm":
                 return []
-            with open(os.path.join(self.job_dir, "spec.json")) as f:
+            with open(os.path.join(self.job_dir, jobdir.SPEC)) as f:
                 ppn = max(1, int(json.load(f).get("procs_per_node") or 1))
             pids = status.get("pids") or []
             return [int(p) for i, p in enumerate(pids) if i // ppn == self.node and self.psutil.pid_exists(int(p))]
@@ -172,7 +172,7 @@ def open_source(job_dir: str, node: int, pids: list[int] | None, force_cpu: bool
 def _job_finished(status_path: str) -> bool:
     try:
         with open(status_path, encoding="utf-8") as f:
-            return json.load(f).get("state") in FINAL_STATES
+            return json.load(f).get("state") in jobdir.FINAL_STATES
     except (OSError, ValueError, AttributeError):
         return False
 
@@ -181,9 +181,9 @@ def run(job_dir: str, node: int, pids: list[int] | None = None, interval: float 
         force_cpu: bool = False, stop: threading.Event | None = None) -> None:
     stop = stop or threading.Event()
     parent = os.getppid()
-    metrics_dir = os.path.join(job_dir, "metrics")
+    metrics_dir = os.path.join(job_dir, jobdir.METRICS)
     os.makedirs(metrics_dir, exist_ok=True)
-    status_path = os.path.join(job_dir, "status.json")
+    status_path = os.path.join(job_dir, jobdir.STATUS)
     source = open_source(job_dir, node, pids, force_cpu)
     print(f"[sdp sampler node {node}] {source.note}", file=sys.stderr, flush=True)
     path = os.path.join(metrics_dir, f"system-node-{node}.jsonl")

@@ -35,7 +35,7 @@ and ``ln_f``/``head`` after them, a ``forward`` that skips the parts that are ``
 """
 from __future__ import annotations
 
-from sdp_jupyter.advisor import ParallelConfig
+from sdp_jupyter.parallel_config import ParallelConfig
 from sdp_jupyter.parallel.data import average_gradients
 from sdp_jupyter.parallel.hybrid import Hybrid, build_mesh, setup
 from sdp_jupyter.parallel.memory import OffloadStats, apply_checkpointing, offload_saved_tensors

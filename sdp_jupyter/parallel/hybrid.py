@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from sdp_jupyter.advisor import ParallelConfig
+from sdp_jupyter.parallel_config import ParallelConfig
 from sdp_jupyter.parallel.data import average_gradients
 from sdp_jupyter.parallel.memory import Offloaded, OffloadStats, apply_checkpointing
 from sdp_jupyter.parallel.pipeline import split_for_pipeline

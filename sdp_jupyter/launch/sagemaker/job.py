@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sdp_jupyter.launch import jobdir
+from sdp_jupyter import jobdir
 from sdp_jupyter.launch.job import Job, JobError
 from sdp_jupyter.launch.sagemaker.aws import boto_session
 from sdp_jupyter.launch.sagemaker.engine import host_counts

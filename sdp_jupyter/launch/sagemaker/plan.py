@@ -8,7 +8,7 @@ import math
 import time
 from typing import Any
 
-from sdp_jupyter.launch import jobdir
+from sdp_jupyter import jobdir
 from sdp_jupyter.launch.options import SpecError
 from sdp_jupyter.launch.sagemaker.engine import choose_engine, host_counts
 from sdp_jupyter.launch.sagemaker.options import (CONTAINER_CHECKPOINT_DIR, DEFAULT_INSTANCE_TYPES, DEFAULT_MAX_RUN, MAX_NAME,

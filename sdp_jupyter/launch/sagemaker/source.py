@@ -12,7 +12,7 @@ import tarfile
 from pathlib import Path
 
 import sdp_jupyter
-from sdp_jupyter.launch import jobdir
+from sdp_jupyter import jobdir
 from sdp_jupyter.launch.options import SpecError
 from sdp_jupyter.launch.sagemaker.options import ENTRY_SCRIPT, SECRET_FILE, SOURCE_DIR
 

@@ -6,7 +6,7 @@ import json
 import time
 from pathlib import Path
 
-from sdp_jupyter.launch import jobdir
+from sdp_jupyter import jobdir
 from sdp_jupyter.launch.job import JobError
 from sdp_jupyter.launch.options import SpecError
 from sdp_jupyter.launch.sagemaker.aws import resolve_aws

@@ -69,6 +69,47 @@ def read_json(path: Path, default=None):
         return default
 
 
+def pid_alive(pid) -> bool:
+    """Whether a process still runs: one we may not signal runs; a zombie has ended."""
+    try:
+        os.kill(int(pid), 0)
+    except (ProcessLookupError, ValueError, TypeError, OverflowError):
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{int(pid)}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def seen_status(status: dict) -> dict:
+    """A status as every reader of the directory must take it (the job view, the dashboard, list_jobs).
+
+    A job whose status.json still says pending or running can never finish once its launcher is gone
+    (the kernel was killed): it reads as failed, saying so. Without a recorded launcher, the ranks'
+    pids decide (all gone: failed); with neither there is no telling, and the state stands."""
+    if status.get("state") not in ("pending", "running"):
+        return status
+    launcher, pids = status.get("launcher_pid"), status.get("pids")
+    if launcher:
+        if pid_alive(launcher):
+            return status
+        why = f"the launcher (pid {launcher}) is gone; the job did not finish"
+    elif isinstance(pids, list) and pids and not any(pid_alive(p) for p in pids):
+        why = "every process of the job is gone; the job did not finish"
+    else:
+        return status
+    return dict(status, state="failed", error=why)
+
+
+def read_status(job_dir: str | os.PathLike) -> dict:
+    """status.json of a job directory, as seen_status() takes it ({} when there is none yet)."""
+    status = read_json(Path(job_dir) / STATUS, {})
+    return seen_status(status if isinstance(status, dict) else {})
+
+
 def prepare(job_dir: Path) -> None:
     """Create the job directory, clearing what a previous run of the same name left behind.
 
