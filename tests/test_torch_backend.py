@@ -101,8 +101,22 @@ def test_one_node_secret_file_outlives_a_subgroups_set_up():
 def test_gather_scatter_all_to_all_coalesced_and_object_collectives_match_gloo():
     smddp = assert_all_ok(_run_workers("ops", 2, "smddp"))
     gloo = assert_all_ok(_run_workers("ops", 2, "gloo"))
+    assert [v.pop("messages") for v in smddp] == [0, 0]
     assert smddp == gloo
     assert smddp[1]["all_to_all_single"] == [2.0, 3.0, 102.0, 103.0]
+
+
+@pytest.mark.parametrize("world,per_node", [(3, 3), (4, 2)])
+def test_gather_scatter_all_to_all_in_many_chunks_match_gloo(world, per_node):
+    """One node: gather, scatter and all_to_all_single run in the engine's shared memory, here in
+    4 KiB chunks (many per call); two nodes: as messages. Every value equal to gloo's."""
+    env = {**_HELPERS_ENV, "SDP_CHUNK_BYTES": "4096"}
+    smddp = assert_all_ok(run_ranks("backend_workers:ops", world, per_node, args=("smddp",), env=env, timeout=150))
+    gloo = assert_all_ok(run_ranks("backend_workers:ops", world, per_node, args=("gloo",), env=env, timeout=150))
+    messages = [v.pop("messages") for v in smddp]
+    assert smddp == gloo
+    assert smddp[0]["big_gather"][0] is not None and smddp[world - 1]["big_gather"][1] is not None
+    assert (max(messages) == 0) == (per_node == world), messages
 
 
 @pytest.mark.parametrize("world,per_node", [(3, 3), (3, 1)])

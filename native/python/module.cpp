@@ -32,6 +32,31 @@ PYBIND11_MODULE(_engine, m) {
   m.attr("__version__") = "0.1.0";
   py::register_exception<Error>(m, "EngineError", PyExc_RuntimeError);
 
+  // The codes of common.h, bound once: sdp_jupyter.comm builds its tables from these.
+  py::enum_<DType>(m, "DType")
+      .value("float32", DType::F32)
+      .value("float64", DType::F64)
+      .value("float16", DType::F16)
+      .value("bfloat16", DType::BF16)
+      .value("int32", DType::I32)
+      .value("int64", DType::I64)
+      .value("uint8", DType::U8)
+      .value("int8", DType::I8);
+  py::enum_<ReduceOp>(m, "ReduceOp")
+      .value("sum", ReduceOp::SUM)
+      .value("avg", ReduceOp::AVG)
+      .value("max", ReduceOp::MAX)
+      .value("min", ReduceOp::MIN)
+      .value("product", ReduceOp::PRODUCT);
+  py::enum_<Coll>(m, "Coll")
+      .value("all_reduce", Coll::ALLREDUCE)
+      .value("broadcast", Coll::BROADCAST)
+      .value("all_gather", Coll::ALLGATHER)
+      .value("reduce_scatter", Coll::REDUCE_SCATTER)
+      .value("gather", Coll::GATHER)
+      .value("scatter", Coll::SCATTER)
+      .value("all_to_all", Coll::ALLTOALL);
+
   m.def("kernel_isa", &kernel_isa, "Which reduction kernels are in use: 'avx2+f16c' or 'portable'.");
   m.def("hmac_sha256", [](py::bytes key, py::bytes msg) {
     std::string k = key, s = msg;
@@ -73,11 +98,13 @@ PYBIND11_MODULE(_engine, m) {
       .def("connect", &Engine::connect, py::call_guard<py::gil_scoped_release>())
       .def(
           "submit",
-          [](Engine& e, int coll, uintptr_t ptr, size_t count, int dtype, int op, int root) {
-            if (coll < int(Coll::ALLREDUCE) || coll > int(Coll::REDUCE_SCATTER)) throw Error("invalid collective code");
-            return e.submit(Coll(coll), reinterpret_cast<void*>(ptr), count, to_dtype(dtype), to_op(op), root);
+          [](Engine& e, int coll, uintptr_t ptr, size_t count, int dtype, int op, int root, uintptr_t src) {
+            if (!valid_coll(coll)) throw Error("invalid collective code " + std::to_string(coll));
+            return e.submit(Coll(coll), reinterpret_cast<void*>(ptr), count, to_dtype(dtype), to_op(op), root,
+                            reinterpret_cast<const void*>(src));
           },
-          py::arg("coll"), py::arg("ptr"), py::arg("count"), py::arg("dtype"), py::arg("op") = 0, py::arg("root") = 0)
+          py::arg("coll"), py::arg("ptr"), py::arg("count"), py::arg("dtype"), py::arg("op") = 0, py::arg("root") = 0,
+          py::arg("src") = uintptr_t(0))
       .def("wait", &Engine::wait, py::arg("handle"), py::arg("timeout") = 0.0, py::call_guard<py::gil_scoped_release>())
       .def("test", &Engine::test)
       .def("shutdown", &Engine::shutdown, py::call_guard<py::gil_scoped_release>())

@@ -5,11 +5,13 @@
 
 namespace sdp {
 
+static bool has_root(Coll c) { return c == Coll::BROADCAST || c == Coll::GATHER || c == Coll::SCATTER; }
+
 std::string describe(const Work& w, uint64_t seq) {
   std::ostringstream d;
   d << coll_name(w.coll) << " #" << seq << " (" << w.count << " x " << dtype_name(w.dtype);
   if (w.coll == Coll::ALLREDUCE || w.coll == Coll::REDUCE_SCATTER) d << ", " << op_name(w.op);
-  else if (w.coll == Coll::BROADCAST) d << ", root " << w.root;
+  else if (has_root(w.coll)) d << ", root " << w.root;
   d << ")";
   return d.str();
 }
@@ -27,7 +29,7 @@ bool first_difference(const Described& a, const Described& b, std::string* field
   if (a.dtype != b.dtype) return set("dtype", dtype_name(DType(a.dtype)), dtype_name(DType(b.dtype)));
   if ((a.coll == uint8_t(Coll::ALLREDUCE) || a.coll == uint8_t(Coll::REDUCE_SCATTER)) && a.op != b.op)
     return set("reduce op", op_name(ReduceOp(a.op)), op_name(ReduceOp(b.op)));
-  if (a.coll == uint8_t(Coll::BROADCAST) && a.root != b.root)
+  if (has_root(Coll(a.coll)) && a.root != b.root)
     return set("root", std::to_string(a.root), std::to_string(b.root));
   return false;
 }

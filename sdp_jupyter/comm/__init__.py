@@ -27,10 +27,13 @@ from sdp_jupyter.comm.secret import (SecretError, check_secret, is_loopback, job
 
 EngineError = _engine.EngineError
 
-# Codes shared with native/include/sdp/common.h
-COLL_ALLREDUCE, COLL_BROADCAST, COLL_ALLGATHER, COLL_REDUCE_SCATTER = 1, 2, 3, 4
-DTYPES = {"float32": 0, "float64": 1, "float16": 2, "bfloat16": 3, "int32": 4, "int64": 5, "uint8": 6, "int8": 7}
-OPS = {"sum": 0, "avg": 1, "max": 2, "min": 3, "product": 4}
+# The engine's codes (native/include/sdp/common.h), as its module binds them: no copy to drift.
+DTYPES = {name: int(v) for name, v in _engine.DType.__members__.items()}
+OPS = {name: int(v) for name, v in _engine.ReduceOp.__members__.items()}
+_COLLS = {name: int(v) for name, v in _engine.Coll.__members__.items()}
+COLL_ALLREDUCE, COLL_BROADCAST, COLL_ALLGATHER, COLL_REDUCE_SCATTER = (
+    _COLLS["all_reduce"], _COLLS["broadcast"], _COLLS["all_gather"], _COLLS["reduce_scatter"])
+COLL_GATHER, COLL_SCATTER, COLL_ALLTOALL = _COLLS["gather"], _COLLS["scatter"], _COLLS["all_to_all"]
 _NUMPY_DTYPES = {np.dtype(k): v for k, v in DTYPES.items() if k != "bfloat16"}
 
 DEFAULT_TIMEOUT = 300.0

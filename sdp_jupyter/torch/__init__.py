@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from sdp_jupyter.comm import (COLL_ALLGATHER, COLL_ALLREDUCE, COLL_BROADCAST, COLL_REDUCE_SCATTER, DTYPES, OPS,
-                              Communicator, EngineError, SmddpError)
+from sdp_jupyter.comm import (COLL_ALLGATHER, COLL_ALLREDUCE, COLL_ALLTOALL, COLL_BROADCAST, COLL_GATHER,
+                              COLL_REDUCE_SCATTER, COLL_SCATTER, DTYPES, OPS, Communicator, EngineError, SmddpError)
 
 BACKEND_NAME = "smddp"
 
@@ -247,6 +247,9 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
             raise _backend_error(exc) from None
         self._engine = self.comm._engine
         self._mailbox = self.comm._mailbox
+        # gather, scatter and all_to_all_single go through the engine's shared memory when the
+        # whole group is on one node (the same answer on every rank), else as messages
+        self._one_node = world_size > 1 and self._engine.num_nodes == 1
         _register_name_carrier(self, rank, world_size)
         self._completer: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._complete_futures, name="smddp-futures", daemon=True)
@@ -270,9 +273,9 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
             work._settle_future()
 
     # ---- helpers
-    def _submit(self, coll: int, ptr: int, count: int, dtype: int, op: int = 0, root: int = 0) -> int:
+    def _submit(self, coll: int, ptr: int, count: int, dtype: int, op: int = 0, root: int = 0, src: int = 0) -> int:
         try:
-            return self._engine.submit(coll, ptr, count, dtype, op, root)
+            return self._engine.submit(coll, ptr, count, dtype, op, root, src)
         except (EngineError, SmddpError) as exc:
             raise _backend_error(exc) from None
 
@@ -469,6 +472,8 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
     def gather(self, output_lists, input_tensors, opts=None):
         root = opts.rootRank if opts is not None else 0
         inp = input_tensors[0]
+        if self._one_node:
+            return self._node_gather(root, output_lists, inp)
         if self._rank != root:
             return self._messages([(root, inp)], [], output_lists)
         outs = output_lists[0]
@@ -481,6 +486,8 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
     def scatter(self, output_tensors, input_lists, opts=None):
         root = opts.rootRank if opts is not None else 0
         out = output_tensors[0]
+        if self._one_node:
+            return self._node_scatter(root, output_tensors, input_lists)
         if self._rank != root:
             return self._messages([], [(root, out)], output_tensors)
         pieces = input_lists[0]
@@ -506,6 +513,10 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
                                  f"the world size {w} (or pass {what}_split_sizes)")
             return [rows // w] * w
         s_in, s_out = splits(input_split_sizes, rows_in, "input"), splits(output_split_sizes, rows_out, "output")
+        if self._one_node and not input_split_sizes and not output_split_sizes:
+            # equal blocks (no split sizes on any rank: torch passes none when the caller gave
+            # none; a rank that gives sizes where another gives none waits for the timeout)
+            return self._node_all_to_all(output, input)
         src = input.detach()
         if src.data_ptr() == output.data_ptr() and src.numel():
             src = src.clone()
@@ -515,6 +526,73 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
                               [output], [lambda: outs[me].copy_(ins[me])])
 
     all_to_all_single = alltoall_base
+
+    # ---- gather, scatter, all_to_all_single within one node: the engine's shared memory
+    def _check_blocks(self, what: str, tensors, like: torch.Tensor) -> None:
+        if len(tensors) != self._world:
+            raise ValueError(f"{what} needs {self._world} tensors (one per rank), got {len(tensors)}")
+        for t in tensors:
+            if t.numel() != like.numel() or t.dtype != like.dtype:
+                raise ValueError(f"{what}: every tensor must have {like.numel()} elements of {like.dtype} "
+                                 f"(got {t.numel()} of {t.dtype})")
+
+    @staticmethod
+    def _one_buffer(tensors):
+        """The contiguous CPU tensor the list's tensors are consecutive blocks of, or None (then
+        the caller stages a copy)."""
+        first = tensors[0]
+        if first.device.type != "cpu" or not all(t.is_contiguous() for t in tensors):
+            return None
+        step = first.numel() * first.element_size()
+        if any(t.data_ptr() != first.data_ptr() + r * step for r, t in enumerate(tensors)):
+            return None
+        base = first.detach().reshape(-1)
+        return base.as_strided((len(tensors) * first.numel(),), (1,), base.storage_offset())
+
+    def _node_gather(self, root, output_lists, inp):
+        src = self._send_buffer(inp)
+        code, n = _dtype_code(src), src.numel()
+        if self._rank != root:
+            h = self._submit(COLL_GATHER, src.data_ptr(), n, code, 0, root, src.data_ptr())
+            return SmddpWork(self, [h], output_lists, src)
+        outs = output_lists[0]
+        self._check_blocks("gather on the root", outs, src)
+        flat = self._one_buffer(outs)
+        finish = []
+        if flat is None:
+            flat = torch.empty(self._world * n, dtype=src.dtype)
+
+            def cut():
+                for r, o in enumerate(outs):
+                    o.copy_(flat[r * n:(r + 1) * n].view_as(o))
+            finish.append(cut)
+        h = self._submit(COLL_GATHER, flat.data_ptr(), n, code, 0, root, src.data_ptr())
+        return SmddpWork(self, [h], output_lists, [flat, src], finish)
+
+    def _node_scatter(self, root, output_tensors, input_lists):
+        buf, fin = _staged(output_tensors[0])
+        code, n = _dtype_code(buf), buf.numel()
+        src = buf
+        if self._rank == root:
+            pieces = input_lists[0]
+            self._check_blocks("scatter on the root", pieces, buf)
+            src = self._one_buffer(pieces)
+            if src is None:
+                src = torch.cat([p.detach().reshape(-1).cpu() for p in pieces])
+        h = self._submit(COLL_SCATTER, buf.data_ptr(), n, code, 0, root, src.data_ptr())
+        return SmddpWork(self, [h], output_tensors, [buf, src], (fin,))
+
+    def _node_all_to_all(self, output, input):
+        buf, fin = _staged(output)
+        src = self._send_buffer(input)
+        if src.numel() != buf.numel() or src.dtype != buf.dtype:
+            raise ValueError(f"all_to_all_single: input ({src.numel()} x {src.dtype}) and output ({buf.numel()} x "
+                             f"{buf.dtype}) must match")
+        if src.data_ptr() == buf.data_ptr() and src.numel():
+            src = src.clone()
+        h = self._submit(COLL_ALLTOALL, buf.data_ptr(), buf.numel() // self._world, _dtype_code(buf), 0, 0,
+                         src.data_ptr())
+        return SmddpWork(self, [h], [output], [buf, src], (fin,))
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
         w, me = self._world, self._rank

@@ -52,7 +52,46 @@ def ops(backend: str):
     c = torch.tensor([1.0 + rank, -1.0], dtype=torch.complex64)
     dist.all_reduce(c)
     out["complex_all_reduce"] = [complex(v) for v in c.tolist()]
+    out.update(_big_blocks(rank, world, backend))
     dist.destroy_process_group()
+    return out
+
+
+def _big_blocks(rank: int, world: int, backend: str) -> dict:
+    """gather, scatter and all_to_all_single of odd sizes that span many of the engine's chunks
+    (the test sets SDP_CHUNK_BYTES small): lists that are one buffer and lists that are not, every
+    element checked through a position-weighted sum; on smddp also a non-contiguous output (gloo
+    aborts the process on one), checked against the expected values."""
+    def check(t):
+        t = t.reshape(-1).to(torch.float64)
+        return float((t * torch.arange(1, t.numel() + 1, dtype=torch.float64)).sum())
+    from sdp_jupyter.comm import _live
+    out = {}
+    messages0 = sum(c.messages for c in list(_live))
+    n = 5003
+    big = torch.arange(n, dtype=torch.float64) * (rank + 1) + rank
+    separate = [torch.empty(n, dtype=torch.float64) for _ in range(world)] if rank == 0 else None
+    dist.gather(big, separate, dst=0)
+    one = torch.empty(world, n, dtype=torch.float64)
+    dist.gather(big, list(one.unbind(0)) if rank == world - 1 else None, dst=world - 1)
+    out["big_gather"] = ([check(t) for t in separate] if separate else None,
+                         check(one) if rank == world - 1 else None)
+    whole = torch.arange(world * n, dtype=torch.float32) + 0.5
+    s = torch.empty(n, dtype=torch.float32)
+    dist.scatter(s, list(whole.chunk(world)) if rank == 0 else None, src=0)
+    out["big_scatter"] = check(s)
+    if backend == "smddp":
+        cols = torch.empty(2, n, dtype=torch.float32).t()  # non-contiguous; the root's pieces not one buffer
+        dist.scatter(cols, [torch.full((n, 2), float(r)) + torch.arange(n).unsqueeze(1) for r in range(world)]
+                     if rank == world - 1 else None, src=world - 1)
+        assert torch.equal(cols, torch.full((n, 2), float(rank)) + torch.arange(n).unsqueeze(1)), cols
+    m = 1001
+    inp = torch.arange(world * m * 3, dtype=torch.int32).reshape(world * m, 3) + 100000 * rank
+    a2a = torch.empty(world * m, 3, dtype=torch.int32)
+    dist.all_to_all_single(a2a, inp)
+    out["big_all_to_all_single"] = check(a2a)
+    if backend == "smddp":  # the path taken: the engine within one node, messages across nodes
+        out["messages"] = sum(c.messages for c in list(_live)) - messages0
     return out
 
 

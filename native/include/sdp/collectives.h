@@ -1,6 +1,7 @@
 // The collectives, written against the peer links (post send / post receive / exchange) and
 // the shared-memory node (slots, barrier, descriptions) only: no socket, no thread, no queue.
-// One file per family: allreduce.cpp, broadcast.cpp, allgather.cpp, reducescatter.cpp.
+// One file per family: allreduce.cpp, broadcast.cpp, allgather.cpp, reducescatter.cpp,
+// gather_scatter.cpp.
 #pragma once
 #include <cstddef>
 #include <vector>
@@ -28,6 +29,10 @@ class Collectives {
   // In place on world_size blocks of w.count elements (see Coll).
   void all_gather(const Work& w);
   void reduce_scatter(const Work& w);
+  // Within one node only (gather_scatter.cpp; see Coll).
+  void gather(const Work& w);
+  void scatter(const Work& w);
+  void all_to_all(const Work& w);
 
  private:
   // Every node has exactly one rank: the paths that keep the data in the user's buffer. Decided
@@ -45,6 +50,8 @@ class Collectives {
   void node_reduce_scatter(const Work& w, double divisor);
   void tcp_reduce_scatter(const Work& w, double divisor);
   char* recv_slot(int set, int k);
+  // gather and scatter within one node (gather_scatter.cpp)
+  void rooted(const Work& w, bool to_root);
 
   const Topology& topo_;
   OpState& op_;

@@ -40,6 +40,7 @@ struct Work {
   DType dtype;
   ReduceOp op;
   int root;
+  const char* src;  // GATHER, SCATTER, ALLTOALL: the input (see Coll); null for the in-place collectives
 };
 
 // "all_reduce #12 (1000 x float32, SUM)": how messages name a collective.
