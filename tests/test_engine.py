@@ -80,8 +80,8 @@ def test_kernels_match_numpy(dtype, op, simd, monkeypatch):
     b = rank_data(1, 3001, dtype)
     c = rank_data(2, 3001, dtype)
     dst = np.empty_like(a)
-    _engine.reduce_buffers({"float32": 0, "float64": 1, "float16": 2, "int32": 4, "int64": 5, "uint8": 6, "int8": 7}[dtype],
-                           op, dst.ctypes.data, [a.ctypes.data, b.ctypes.data, c.ctypes.data], a.size)
+    _engine.reduce_buffers(int(_engine.DType.__members__[dtype]), op, dst.ctypes.data,
+                           [a.ctypes.data, b.ctypes.data, c.ctypes.data], a.size)
     f = [np.add, None, np.maximum, np.minimum, np.multiply][op]
     wide = np.float32 if dtype == "float16" else a.dtype
     expect = f(f(a.astype(wide), b.astype(wide)), c.astype(wide)).astype(a.dtype)
@@ -93,7 +93,8 @@ def test_portable_kernels_in_fresh_process(tmp_path):
         "import numpy as np; from sdp_jupyter import _engine as e\n"
         "assert e.kernel_isa() == 'portable'\n"
         "a = (np.arange(5000) % 37 / 7).astype(np.float16); b = a[::-1].copy(); d = np.empty_like(a)\n"
-        "e.reduce_buffers(2, 0, d.ctypes.data, [a.ctypes.data, b.ctypes.data], a.size)\n"
+        "e.reduce_buffers(int(e.DType.float16), int(e.ReduceOp.sum), d.ctypes.data, [a.ctypes.data, b.ctypes.data],"
+        " a.size)\n"
         "assert np.array_equal(d, (a.astype(np.float32) + b.astype(np.float32)).astype(np.float16))\n"
         "print('ok')\n"
     )
@@ -111,7 +112,8 @@ def test_bf16_conversion_rounds_to_nearest_even():
     a = x.to(torch.bfloat16)
     b = (x * 0.37).to(torch.bfloat16)
     d = torch.empty_like(a)
-    _engine.reduce_buffers(3, 0, d.data_ptr(), [a.data_ptr(), b.data_ptr()], a.numel())
+    _engine.reduce_buffers(int(_engine.DType.bfloat16), int(_engine.ReduceOp.sum), d.data_ptr(),
+                           [a.data_ptr(), b.data_ptr()], a.numel())
     assert torch.equal(d, (a.float() + b.float()).to(torch.bfloat16))
 
 
