@@ -100,9 +100,24 @@ def test_portable_kernels_in_fresh_process(tmp_path):
     )
     import subprocess
     import sys
-    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "SDP_NO_SIMD": "1"},
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "SDP_NO_SIMD": " On "},
                          capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "ok", out.stderr
+
+
+@pytest.mark.parametrize("value,isa", [("off", None), ("FALSE", None), ("0", None), ("maybe", "error")])
+def test_no_simd_reads_booleans_as_python_does(value, isa):
+    """The engine's SDP_NO_SIMD has _env.py's truth table ("false" keeps the SIMD kernels; it
+    used to mean 'on', as did anything not starting with 0), and garbage is refused by name."""
+    import subprocess
+    import sys
+    code = "from sdp_jupyter import _engine as e\ntry:\n print(e.kernel_isa())\nexcept e.EngineError as x:\n print(x)\n"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "SDP_NO_SIMD": value},
+                         capture_output=True, text=True, timeout=60).stdout.strip()
+    if isa == "error":
+        assert out == "SDP_NO_SIMD=maybe is not a boolean: use one of 1/0, true/false, yes/no, on/off", out
+    else:
+        assert out == _engine.kernel_isa(), out  # what this process (SDP_NO_SIMD unset) uses
 
 
 def test_bf16_conversion_rounds_to_nearest_even():

@@ -1,5 +1,6 @@
 #include "sdp/common.h"
 
+#include <cctype>
 #include <cerrno>
 #include <cstdlib>
 
@@ -61,6 +62,18 @@ long long env_int(const char* name, long long def, long long lo, long long hi) {
     throw Error(std::string(name) + "=" + v + " is not a whole number between " + std::to_string(lo) + " and " +
                 std::to_string(hi));
   return x;
+}
+
+bool env_bool(const char* name, bool def) {
+  const char* v = std::getenv(name);
+  std::string s;
+  for (const char* c = v ? v : ""; *c; ++c) s += char(std::tolower(static_cast<unsigned char>(*c)));
+  size_t a = s.find_first_not_of(" \t\n\r\f\v"), b = s.find_last_not_of(" \t\n\r\f\v");
+  if (a == std::string::npos) return def;
+  s = s.substr(a, b - a + 1);
+  if (s == "1" || s == "true" || s == "yes" || s == "on") return true;
+  if (s == "0" || s == "false" || s == "no" || s == "off") return false;
+  throw Error(std::string(name) + "=" + v + " is not a boolean: use one of 1/0, true/false, yes/no, on/off");
 }
 
 }  // namespace sdp

@@ -234,8 +234,7 @@ void scale_portable(DType t, void* dst, const void* src, size_t count, double di
 bool use_avx2() {
 #if SDP_HAVE_AVX2
   static const bool v = [] {
-    const char* off = std::getenv("SDP_NO_SIMD");
-    if (off && off[0] && off[0] != '0') return false;
+    if (env_bool("SDP_NO_SIMD", false)) return false;
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
   }();

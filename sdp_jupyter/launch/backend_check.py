@@ -30,6 +30,8 @@ import os
 import sys
 import threading
 
+from sdp_jupyter._env import env_int
+
 C10D = "torch.distributed.distributed_c10d"
 KIND = "backend"  # the metrics lines' kind (docs/jobs.md)
 OPTION = "--init-process-group"
@@ -214,7 +216,7 @@ def summary() -> dict:
                 total += _seq.get(name, 0)
         record = {"backend": _defaults[-1] if _defaults else None, "groups": dict(_groups),
                   "collectives": None if unknown and not total else total,
-                  "attempt": int(os.environ.get("SDP_RESTART", "0") or 0)}
+                  "attempt": env_int("SDP_RESTART", 0)}
         if len(_defaults) > 1:
             record["backends"] = list(_defaults)
         if engine["communicators"] and "smddp" not in _groups:

@@ -46,5 +46,8 @@ void log_warning(const std::string& msg);
 // An integer setting from the environment: `def` when unset or empty; anything but a whole
 // decimal number within [lo, hi] throws an Error naming the variable (no atoi: garbage is refused).
 long long env_int(const char* name, long long def, long long lo, long long hi);
+// A boolean setting, with sdp_jupyter/_env.py's truth table: 1/true/yes/on and 0/false/no/off in
+// any case; `def` when unset or empty; anything else throws an Error naming the variable.
+bool env_bool(const char* name, bool def);
 
 }  // namespace sdp
