@@ -11,7 +11,7 @@ from __future__ import annotations
 def _create(store, rank, world_size, timeout):
     import sdp_jupyter.torch as backend
 
-    return backend._create(store, rank, world_size, timeout)
+    return backend.create_process_group(store, rank, world_size, timeout)
 
 
 def autoload() -> None:

@@ -79,6 +79,7 @@ def graph():
         tree = ast.parse(path.read_text())
         is_pkg = path.name == "__init__.py"
         lazy_ok = {f"{m}.{fn}" for fn in LAZY_VIEWS.get(m, ())}
+        aliases: dict[str, str] = {}
         for st, where in _imports(tree, m):
             if where in lazy_ok:
                 continue  # the one allowed back-edge: a model's lazy import of its view
@@ -98,6 +99,12 @@ def graph():
                             private.add(f"{m} -> {base}.{n}")
                 else:
                     continue
+                for a in (st.names if isinstance(st, ast.Import) else []):
+                    if a.asname and a.name in mods:  # `import sdp_jupyter.x as y`: y._name below
+                        aliases[a.asname] = a.name
+                for a in (st.names if isinstance(st, ast.ImportFrom) else []):
+                    if f"{base}.{a.name}" in mods:  # `from sdp_jupyter import x`: x._name below
+                        aliases[a.asname or a.name] = f"{base}.{a.name}"
                 for t in targets:
                     # importing a.b.c runs a and a.b too
                     parts = t.split(".")
@@ -105,6 +112,11 @@ def graph():
                         dep = ".".join(parts[:i])
                         if dep in mods and dep != m and not m.startswith(dep + "."):
                             edges[m].add(dep)
+        for node in ast.walk(tree):  # module._name through an alias of another sdp_jupyter module
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+                    and node.attr.startswith("_") and not node.attr.startswith("__") and aliases[node.value.id] != m
+                    and node.attr != "_engine"):
+                private.add(f"{m} -> {aliases[node.value.id]}.{node.attr}")
     return edges, private
 
 

@@ -653,7 +653,9 @@ class _StoreAdapter:
         return bytes(self._store.get(key))
 
 
-def _create(store, rank, world_size, timeout):
+def create_process_group(store, rank, world_size, timeout):
+    """torch.distributed's creator for "smddp" (also called by sdp_jupyter.torch_plugin, the entry
+    point torch loads at `import torch`)."""
     return ProcessGroupSMDDP(store, rank, world_size, timeout)
 
 
@@ -661,7 +663,7 @@ def register() -> None:
     """Register "smddp" with torch.distributed (idempotent)."""
     if BACKEND_NAME in dist.Backend.backend_list:
         return
-    dist.Backend.register_backend(BACKEND_NAME, _create, devices=["cpu", "cuda"])
+    dist.Backend.register_backend(BACKEND_NAME, create_process_group, devices=["cpu", "cuda"])
 
 
 register()
