@@ -156,18 +156,21 @@ void Engine::connect(const std::vector<std::string>& addrs, const std::vector<in
   progress_ = std::thread([this] { progress_loop(); });
 }
 
-uint64_t Engine::submit(Coll c, void* buf, size_t count, DType t, ReduceOp op, int root, const void* src) {
+uint64_t Engine::submit(Coll c, void* buf, size_t count, DType t, ReduceOp op, int root, const void* src,
+                        std::vector<char*> blocks) {
   if (root < 0 || root >= world_size()) throw Error("root " + std::to_string(root) + " is not a rank of this group");
   bool node_only = c == Coll::GATHER || c == Coll::SCATTER || c == Coll::ALLTOALL;
   if (node_only && num_nodes() > 1)
     throw Error(std::string(coll_name(c)) + " runs in the engine only when every rank of the group is on one node "
                 "(across nodes it goes through the group's messages)");
-  if (node_only && !src && world_size() > 1) throw Error(std::string(coll_name(c)) + " needs its input buffer");
+  if (c == Coll::ALLTOALL && !src) throw Error("all_to_all needs its input buffer");
+  if ((c == Coll::GATHER || c == Coll::SCATTER) && rank() == root && blocks.size() != size_t(world_size()))
+    throw Error(std::string(coll_name(c)) + " on the root needs one buffer per rank");
   std::lock_guard<std::mutex> g(mu_);
   if (!connected_) throw Error("engine is not connected");
   if (stopping_) throw Error("the process group has been shut down");
   uint64_t id = next_id_++;
-  queue_.push_back(Work{id, c, static_cast<char*>(buf), count, t, op, root, static_cast<const char*>(src)});
+  queue_.push_back(Work{id, c, static_cast<char*>(buf), count, t, op, root, static_cast<const char*>(src), std::move(blocks)});
   work_cv_.notify_one();
   return id;
 }
@@ -279,10 +282,7 @@ void Engine::run(const Work& w) {
   seq++;
   desc = describe(w, seq);
   deadline = now_s() + cfg_.timeout_s;
-  if (world_size() == 1) {  // one rank: the in-place collectives leave the buffer as it is
-    if (w.src && w.src != w.buf) std::memcpy(w.buf, w.src, w.count * dtype_size(w.dtype));
-    return;
-  }
+  if (world_size() == 1) return colls_.one_rank(w);
   switch (w.coll) {
     case Coll::ALLREDUCE: colls_.all_reduce(w); break;
     case Coll::BROADCAST: colls_.broadcast(w); break;

@@ -9,37 +9,55 @@
 
 namespace sdp {
 
-// gather (to the root) and scatter (from it): each non-root rank's block goes through that rank's
-// slot, chunk by chunk; the root's own block goes straight from `src` to `buf`.
+// gather (to the root) and scatter (from it): each non-root rank's buffer goes through that
+// rank's slot, chunk by chunk, straight from or to the root's per-rank buffers; the root's own
+// block is one copy. Up to kSmallBytes, the small slots of the alternating set carry it with one
+// barrier (as the small all_reduce does: the set is refilled two collectives later, after a
+// barrier the reader has passed).
 void Collectives::rooted(const Work& w, bool to_root) {
   int L = topo_.local_size(), local = topo_.local;
   size_t esz = dtype_size(w.dtype), n = w.count;
-  size_t chunk = std::max<size_t>(1, chunk_bytes_ / esz);
   bool root = topo_.rank == w.root;
   const auto& ranks = topo_.ranks_of_node[topo_.node];
-  size_t own = size_t(w.root) * n * esz;
-  const char* own_src = to_root ? w.src : w.src + own;
-  char* own_dst = to_root ? w.buf + own : w.buf;
-  if (root && own_src != own_dst) std::memcpy(own_dst, own_src, n * esz);
-  for (size_t off = 0; off < n; off += chunk) {
-    size_t m = std::min(chunk, n - off);
-    auto at = [&](int l) { return (size_t(ranks[l]) * n + off) * esz; };  // chunk of local rank l's block
-    if (to_root && !root) std::memcpy(shm_.slot(local), w.src + off * esz, m * esz);
+  if (root && w.blocks[w.root] != w.buf) {
+    if (to_root) std::memcpy(w.blocks[w.root], w.buf, n * esz);
+    else std::memcpy(w.buf, w.blocks[w.root], n * esz);
+  }
+  // one round: `m` elements from element `off`, through slot(l) (or the small slots of `set`)
+  auto round = [&](size_t off, size_t m, int set) {
+    auto slot = [&](int l) { return set < 0 ? shm_.slot(l) : shm_.small_slot(set, l); };
+    if (to_root && !root) std::memcpy(slot(local), w.buf + off * esz, m * esz);
     if (!to_root && root)
       for (int l = 0; l < L; ++l)
-        if (l != local) std::memcpy(shm_.slot(l), w.src + at(l), m * esz);
-    if (off == 0) shm_.publish_desc(w, 2);
+        if (l != local) std::memcpy(slot(l), w.blocks[ranks[l]] + off * esz, m * esz);
+    if (off == 0) shm_.publish_desc(w, set < 0 ? 2 : set);
     shm_.barrier();
-    if (off == 0) shm_.check_descs(2);
+    if (off == 0) shm_.check_descs(set < 0 ? 2 : set);
     if (to_root && root)
       for (int l = 0; l < L; ++l)
-        if (l != local) std::memcpy(w.buf + at(l), shm_.slot(l), m * esz);
-    if (!to_root && !root) std::memcpy(w.buf + off * esz, shm_.slot(local), m * esz);
+        if (l != local) std::memcpy(w.blocks[ranks[l]] + off * esz, slot(l), m * esz);
+    if (!to_root && !root) std::memcpy(w.buf + off * esz, slot(local), m * esz);
+  };
+  if (n * esz <= kSmallBytes) {
+    small_set_ ^= 1;
+    round(0, n, small_set_);
+    return;
+  }
+  size_t chunk = std::max<size_t>(1, chunk_bytes_ / esz);
+  for (size_t off = 0; off < n; off += chunk) {
+    round(off, std::min(chunk, n - off), -1);
     shm_.barrier();  // a slot is refilled only when its reader is done with it
   }
 }
 
 void Collectives::gather(const Work& w) { rooted(w, true); }
+
+void Collectives::one_rank(const Work& w) {
+  size_t bytes = w.count * dtype_size(w.dtype);
+  if (w.coll == Coll::GATHER && w.blocks[0] != w.buf) std::memcpy(w.blocks[0], w.buf, bytes);
+  if (w.coll == Coll::SCATTER && w.blocks[0] != w.buf) std::memcpy(w.buf, w.blocks[0], bytes);
+  if (w.coll == Coll::ALLTOALL && w.src != w.buf) std::memcpy(w.buf, w.src, bytes);
+}
 void Collectives::scatter(const Work& w) { rooted(w, false); }
 
 void Collectives::all_to_all(const Work& w) {

@@ -273,9 +273,10 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
             work._settle_future()
 
     # ---- helpers
-    def _submit(self, coll: int, ptr: int, count: int, dtype: int, op: int = 0, root: int = 0, src: int = 0) -> int:
+    def _submit(self, coll: int, ptr: int, count: int, dtype: int, op: int = 0, root: int = 0, src: int = 0,
+                blocks=()) -> int:
         try:
-            return self._engine.submit(coll, ptr, count, dtype, op, root, src)
+            return self._engine.submit(coll, ptr, count, dtype, op, root, src, list(blocks))
         except (EngineError, SmddpError) as exc:
             raise _backend_error(exc) from None
 
@@ -536,51 +537,27 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
                 raise ValueError(f"{what}: every tensor must have {like.numel()} elements of {like.dtype} "
                                  f"(got {t.numel()} of {t.dtype})")
 
-    @staticmethod
-    def _one_buffer(tensors):
-        """The contiguous CPU tensor the list's tensors are consecutive blocks of, or None (then
-        the caller stages a copy)."""
-        first = tensors[0]
-        if first.device.type != "cpu" or not all(t.is_contiguous() for t in tensors):
-            return None
-        step = first.numel() * first.element_size()
-        if any(t.data_ptr() != first.data_ptr() + r * step for r, t in enumerate(tensors)):
-            return None
-        base = first.detach().reshape(-1)
-        return base.as_strided((len(tensors) * first.numel(),), (1,), base.storage_offset())
-
     def _node_gather(self, root, output_lists, inp):
         src = self._send_buffer(inp)
         code, n = _dtype_code(src), src.numel()
         if self._rank != root:
-            h = self._submit(COLL_GATHER, src.data_ptr(), n, code, 0, root, src.data_ptr())
+            h = self._submit(COLL_GATHER, src.data_ptr(), n, code, 0, root)
             return SmddpWork(self, [h], output_lists, src)
         outs = output_lists[0]
         self._check_blocks("gather on the root", outs, src)
-        flat = self._one_buffer(outs)
-        finish = []
-        if flat is None:
-            flat = torch.empty(self._world * n, dtype=src.dtype)
-
-            def cut():
-                for r, o in enumerate(outs):
-                    o.copy_(flat[r * n:(r + 1) * n].view_as(o))
-            finish.append(cut)
-        h = self._submit(COLL_GATHER, flat.data_ptr(), n, code, 0, root, src.data_ptr())
-        return SmddpWork(self, [h], output_lists, [flat, src], finish)
+        staged = [_staged(o) for o in outs]  # the engine writes straight into each output tensor
+        h = self._submit(COLL_GATHER, src.data_ptr(), n, code, 0, root, blocks=[b.data_ptr() for b, _ in staged])
+        return SmddpWork(self, [h], output_lists, [src, staged], [f for _, f in staged])
 
     def _node_scatter(self, root, output_tensors, input_lists):
         buf, fin = _staged(output_tensors[0])
         code, n = _dtype_code(buf), buf.numel()
-        src = buf
+        pieces = []
         if self._rank == root:
-            pieces = input_lists[0]
-            self._check_blocks("scatter on the root", pieces, buf)
-            src = self._one_buffer(pieces)
-            if src is None:
-                src = torch.cat([p.detach().reshape(-1).cpu() for p in pieces])
-        h = self._submit(COLL_SCATTER, buf.data_ptr(), n, code, 0, root, src.data_ptr())
-        return SmddpWork(self, [h], output_tensors, [buf, src], (fin,))
+            self._check_blocks("scatter on the root", input_lists[0], buf)
+            pieces = [self._send_buffer(p) for p in input_lists[0]]  # read straight from each tensor
+        h = self._submit(COLL_SCATTER, buf.data_ptr(), n, code, 0, root, blocks=[p.data_ptr() for p in pieces])
+        return SmddpWork(self, [h], output_tensors, [buf, pieces], (fin,))
 
     def _node_all_to_all(self, output, input):
         buf, fin = _staged(output)

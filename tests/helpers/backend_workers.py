@@ -68,7 +68,7 @@ def _big_blocks(rank: int, world: int, backend: str) -> dict:
     from sdp_jupyter.comm import _live
     out = {}
     messages0 = sum(c.messages for c in list(_live))
-    n = 5003
+    n = 20011  # above the 64 KiB one-barrier path in float64 and float32: the chunked path
     big = torch.arange(n, dtype=torch.float64) * (rank + 1) + rank
     separate = [torch.empty(n, dtype=torch.float64) for _ in range(world)] if rank == 0 else None
     dist.gather(big, separate, dst=0)

@@ -29,6 +29,8 @@ class Collectives {
   // In place on world_size blocks of w.count elements (see Coll).
   void all_gather(const Work& w);
   void reduce_scatter(const Work& w);
+  // A group of one rank: the in-place collectives leave the buffer as it is, the others copy.
+  void one_rank(const Work& w);
   // Within one node only (gather_scatter.cpp; see Coll).
   void gather(const Work& w);
   void scatter(const Work& w);

@@ -71,7 +71,8 @@ class Engine : private OpState {
   std::pair<int, std::string> prepare();
   void connect(const std::vector<std::string>& leader_addrs, const std::vector<int>& leader_ports);
 
-  uint64_t submit(Coll c, void* buf, size_t count, DType t, ReduceOp op, int root, const void* src = nullptr);
+  uint64_t submit(Coll c, void* buf, size_t count, DType t, ReduceOp op, int root, const void* src = nullptr,
+                  std::vector<char*> blocks = {});
   // Blocks until the handle's collective finished; throws Error if it (or an earlier one) failed.
   void wait(uint64_t handle, double timeout_s);
   bool test(uint64_t handle);

@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "sdp/common.h"
 
@@ -40,7 +41,8 @@ struct Work {
   DType dtype;
   ReduceOp op;
   int root;
-  const char* src;  // GATHER, SCATTER, ALLTOALL: the input (see Coll); null for the in-place collectives
+  const char* src;            // ALLTOALL: the input (see Coll); null for the in-place collectives
+  std::vector<char*> blocks;  // GATHER, SCATTER on the root: one buffer per rank (see Coll)
 };
 
 // "all_reduce #12 (1000 x float32, SUM)": how messages name a collective.
