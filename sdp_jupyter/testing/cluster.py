@@ -103,6 +103,7 @@ class Cluster:
         why = available()
         if why:
             raise RuntimeError(f"cannot make a test cluster: {why}")
+        clean()  # what a killed run left (its owner is gone): it would otherwise stay until someone runs `clean`
         _LIVE.add(self)
         self._up = True
         if self._old_term is None and _is_main_thread():
