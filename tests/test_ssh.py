@@ -84,6 +84,45 @@ def test_agent_frames_round_trip_and_refuse_garbage():
         agent.decode(io.BytesIO(frame[:-1]))
 
 
+class _LocalAgentLink(ssh_target.SSHLink):
+    """An SSH link whose 'ssh' is a local agent started `delay` seconds late, hearing nothing for 2 s
+    enough to stop (the real agent gives up after 15 s)."""
+
+    def __init__(self, node, inbox, delay):
+        import subprocess
+        import sys
+        import threading
+
+        remote.Link.__init__(self, node, f"local{node}", inbox)
+        self._send_lock = threading.Lock()
+        code = (f"import time, sys; time.sleep({delay}); import sdp_jupyter.launch.agent as a; "
+                "a.HEARTBEAT_TIMEOUT = 2.0; sys.exit(a.main())")
+        self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE)
+        self.connected.set()
+        threading.Thread(target=self._read, daemon=True).start()
+        self._err_thread = threading.Thread(target=self._read_stderr, daemon=True)
+        self._err_thread.start()
+
+
+def test_agents_that_said_hello_are_kept_alive_while_a_slow_host_starts():
+    # CI once failed a 4-node Ray job: 3 agents said hello, heard nothing while the 4th started (over
+    # 15 s on a loaded machine) and stopped (exit 3); the launcher pings every agent from the start
+    spec = JobSpec(code="x", target="ssh", nodes=3, ssh={"hosts": ["a", "b", "c"]})
+
+    class Run(ssh_target.SSHRun):
+        def open_links(self):
+            return [_LocalAgentLink(n, self.inbox, delay) for n, delay in enumerate([0, 0, 6])]
+
+    run = Run(spec, ["a", "b", "c"], ssh_target.SSHLauncher())
+    try:
+        run.preflight()
+        assert all(c.hello for c in run.conns) and all(c.proc.poll() is None for c in run.conns)
+    finally:
+        run.close_all()
+    assert [c.proc.wait(timeout=10) for c in run.conns] == [0, 0, 0]
+
+
 # ---------------------------------------------------------------------------------- real hosts
 @pytest.mark.slow
 def test_three_hosts_train_like_the_local_run(ssh_hosts, hosts, tmp_path, jobs_dir):

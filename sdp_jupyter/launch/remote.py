@@ -105,12 +105,14 @@ class RemoteRun(supervise.Run):
         self._files: dict = {}  # path -> open append handle (logs and metrics), closed when the job ends
         self.warm_choice = {"warm": True, "cold": False}.get(spec.start)  # --warm / --cold / auto
         self._starts: dict[int, tuple[bool, str | None]] = {}  # node -> (warm, why cold) this attempt
+        self._links_closed = threading.Event()  # set by close_all: the pings stop
         supervise.Run.__init__(self, f"sdp-{spec.target}-{spec.name}")
 
     # ---------------------------------------------------------------- before the job exists
     def preflight(self) -> JobSpec:
         """Start every host's agent at once and check its hello; one SpecError naming every bad host."""
         self.conns = self.open_links()
+        threading.Thread(target=self._keep_alive, daemon=True, name=f"sdp-{self.spec.target}-pings").start()
         spec = self.spec  # open_links may settle procs_per_node
         problems: dict[int, str] = {}
         waiting = set(range(len(self.conns)))
@@ -176,7 +178,7 @@ class RemoteRun(supervise.Run):
     def _warm_fields(self) -> dict[int, dict]:
         """Per node, the start frame's warm fields: its host's pool's address, or why its ranks start
         cold. Pools that are still starting (a --warm job, or new --preload modules) start at once on
-        every host and are waited for together, up to warm.READY_TIMEOUT, while the agents are pinged
+        every host and are waited for together, up to warm.READY_TIMEOUT, while _keep_alive pings the agents
         (an agent that hears nothing for its heartbeat timeout stops)."""
         from sdp_jupyter.launch import warm
 
@@ -188,8 +190,6 @@ class RemoteRun(supervise.Run):
         deadline = time.monotonic() + warm.READY_TIMEOUT
         for pool in pools.values():
             while not pool.started() and time.monotonic() < deadline and not self._stop.is_set():
-                for conn in self.conns:
-                    conn.send({"type": "ping"})
                 pool.ready(timeout=channel.HEARTBEAT_EVERY)
         fields = {}
         for node, pool in pools.items():
@@ -220,7 +220,16 @@ class RemoteRun(supervise.Run):
         for node in range(len(self.hosts)):
             self.warm_pool(node, preload)
 
+    def _keep_alive(self) -> None:
+        """Ping every agent each HEARTBEAT_EVERY from the links' start to close_all: an agent that hears
+        nothing for its heartbeat timeout stops, and the gaps are many (hellos from a slower host, the
+        job directory, warm pools starting, the port)."""
+        while not self._links_closed.wait(channel.HEARTBEAT_EVERY):
+            for conn in self.conns:
+                conn.send({"type": "ping"})
+
     def close_all(self) -> None:
+        self._links_closed.set()
         for conn in self.conns:
             conn.send({"type": "bye"})
         for conn in self.conns:
@@ -273,13 +282,11 @@ class RemoteRun(supervise.Run):
         codes: list = [None] * world
         done: set[int] = set()
         failure: str | None = None
-        next_ping = 0.0
+        next_check = 0.0
         while len(done) < len(self.conns):
             now = time.monotonic()
-            if now >= next_ping:
-                for conn in self.conns:
-                    conn.send({"type": "ping"})
-                next_ping = now + channel.HEARTBEAT_EVERY
+            if now >= next_check:
+                next_check = now + channel.HEARTBEAT_EVERY
                 for conn in self.conns:
                     if conn.node not in done and now - conn.last_heard > HEARTBEAT_TIMEOUT:
                         done.add(conn.node)  # lost: nobody to wait for there (its agent stops its own ranks)
