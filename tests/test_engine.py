@@ -227,6 +227,24 @@ def test_nodes_of_different_sizes(nodes):
     assert [v["node"] for v in vals] == list(nodes)
 
 
+@pytest.mark.parametrize("n, no_cma", [(10001, "0"), (10001, "1"), (100, "0")])
+def test_node_gather_scatter_all_to_all_through_the_engine(n, no_cma):
+    # 3 ranks on one node. 80 KB blocks: read straight from the peers' memory, or through the
+    # slots in 4 KiB chunks (SDP_NO_CMA=1); 800 bytes: the one-barrier small slots. The sanitized
+    # build runs this too (tests/test_native_builds.py).
+    w = 3
+    vals = assert_all_ok(run_ranks("engine_workers:node_blocks", w, w, args=(n,), timeout=120,
+                                   env={"SDP_CHUNK_BYTES": "4096", "SDP_NO_CMA": no_cma}))
+    ar = np.arange(n, dtype=np.float64)
+    assert vals[w - 1]["gather"] == [(ar + 1000.0 * r).tolist() for r in range(w)]
+    for r, v in enumerate(vals):
+        assert v["scatter"] == (7.0 * r + ar).tolist()
+        assert v["all_to_all"] == np.concatenate([ar + r * n + 1e6 * k for k in range(w)]).tolist()
+    read = [v["peer_read_bytes"] for v in vals]
+    # in blocks: the gather root (rank 2) reads 2, each scatter non-root 1, every rank 2 in all_to_all
+    assert read == ([8 * n * k for k in (2, 3, 5)] if no_cma == "0" and n > 1000 else [0] * w), read
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("coll", ["all_gather", "reduce_scatter"])
 @pytest.mark.parametrize("world,per_node", [(2, 2), (2, 1), (4, 2)])

@@ -106,17 +106,23 @@ def test_gather_scatter_all_to_all_coalesced_and_object_collectives_match_gloo()
     assert smddp[1]["all_to_all_single"] == [2.0, 3.0, 102.0, 103.0]
 
 
-@pytest.mark.parametrize("world,per_node", [(3, 3), (4, 2)])
-def test_gather_scatter_all_to_all_in_many_chunks_match_gloo(world, per_node):
-    """One node: gather, scatter and all_to_all_single run in the engine's shared memory, here in
-    4 KiB chunks (many per call); two nodes: as messages. Every value equal to gloo's."""
-    env = {**_HELPERS_ENV, "SDP_CHUNK_BYTES": "4096"}
+@pytest.mark.parametrize("world,per_node,no_cma_on", [(3, 3, None), (3, 3, 1), (4, 2, None)])
+def test_gather_scatter_all_to_all_in_many_chunks_match_gloo(world, per_node, no_cma_on):
+    """One node: gather, scatter and all_to_all_single run in the engine, the large ones read
+    straight from the peers' memory or, when any rank says SDP_NO_CMA=1 (here rank 1 alone: every
+    rank must follow it), through shared memory in 4 KiB chunks (many per call); two nodes: as
+    messages. Every value equal to gloo's."""
+    def env(rank):
+        return {**_HELPERS_ENV, "SDP_CHUNK_BYTES": "4096", "SDP_NO_CMA": "1" if rank == no_cma_on else "0"}
     smddp = assert_all_ok(run_ranks("backend_workers:ops", world, per_node, args=("smddp",), env=env, timeout=150))
     gloo = assert_all_ok(run_ranks("backend_workers:ops", world, per_node, args=("gloo",), env=env, timeout=150))
     messages = [v.pop("messages") for v in smddp]
+    read = [v.pop("peer_read_bytes") for v in smddp]
     assert smddp == gloo
     assert smddp[0]["big_gather"][0] is not None and smddp[world - 1]["big_gather"][1] is not None
     assert (max(messages) == 0) == (per_node == world), messages
+    # the path taken: this machine allows cross-memory reads between the ranks (no Yama here)
+    assert (max(read) > 0) == (min(read) > 0) == (per_node == world and no_cma_on is None), read
 
 
 @pytest.mark.parametrize("world,per_node", [(3, 3), (3, 1)])

@@ -119,6 +119,7 @@ PYBIND11_MODULE(_engine, m) {
              d["collectives"] = s.collectives;
              d["bytes"] = s.bytes;
              d["busy_s"] = s.busy_s;
+             d["peer_read_bytes"] = s.peer_read_bytes;
              return d;
            })
       .def_property_readonly("rank", &Engine::rank)

@@ -207,7 +207,9 @@ std::string Engine::broken_message() {
 
 Stats Engine::stats() {
   std::lock_guard<std::mutex> g(mu_);
-  return stats_;
+  Stats s = stats_;
+  s.peer_read_bytes = colls_.peer_read_bytes();
+  return s;
 }
 
 void Engine::execute_front(std::unique_lock<std::mutex>& lk) {

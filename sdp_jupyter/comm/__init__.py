@@ -228,7 +228,8 @@ class Communicator:
         return self._engine.local_size
 
     def stats(self) -> dict:
-        """The engine's counters (collectives, bytes, busy_s) and `messages`, the point-to-point
+        """The engine's counters (collectives, bytes, busy_s, peer_read_bytes: bytes read straight
+        from local peers' memory by large gather, scatter and all_to_all) and `messages`, the point-to-point
         operations posted."""
         return {**self._engine.stats(), "messages": self.messages}
 
@@ -236,9 +237,11 @@ class Communicator:
     # itself, to raise torch's DistBackendError instead of SmddpError; the engine's DDP wrapper goes
     # through torch.distributed)
     def submit(self, coll: int, ptr: int, count: int, dtype: int, op: int = 0, root: int = 0,
-               keepalive: Any = None, finish: Callable[[], None] | None = None) -> Work:
+               keepalive: Any = None, finish: Callable[[], None] | None = None, *, src: int = 0,
+               blocks=()) -> Work:
+        """`src`: all_to_all's input; `blocks`: the root's one buffer per rank of gather and scatter."""
         try:
-            h = self._engine.submit(coll, ptr, count, dtype, op, root)
+            h = self._engine.submit(coll, ptr, count, dtype, op, root, src, list(blocks))
         except EngineError as exc:
             raise SmddpError(str(exc)) from None
         return Work(self, h, keepalive, finish)

@@ -68,6 +68,7 @@ def _big_blocks(rank: int, world: int, backend: str) -> dict:
     from sdp_jupyter.comm import _live
     out = {}
     messages0 = sum(c.messages for c in list(_live))
+    read0 = sum(c.stats()["peer_read_bytes"] for c in list(_live)) if backend == "smddp" else 0
     n = 20011  # above the 64 KiB one-barrier path in float64 and float32: the chunked path
     big = torch.arange(n, dtype=torch.float64) * (rank + 1) + rank
     separate = [torch.empty(n, dtype=torch.float64) for _ in range(world)] if rank == 0 else None
@@ -92,6 +93,7 @@ def _big_blocks(rank: int, world: int, backend: str) -> dict:
     out["big_all_to_all_single"] = check(a2a)
     if backend == "smddp":  # the path taken: the engine within one node, messages across nodes
         out["messages"] = sum(c.messages for c in list(_live)) - messages0
+        out["peer_read_bytes"] = sum(c.stats()["peer_read_bytes"] for c in list(_live)) - read0
     return out
 
 

@@ -3,6 +3,7 @@
 // One file per family: allreduce.cpp, broadcast.cpp, allgather.cpp, reducescatter.cpp,
 // gather_scatter.cpp.
 #pragma once
+#include <atomic>
 #include <cstddef>
 #include <vector>
 
@@ -35,6 +36,7 @@ class Collectives {
   void gather(const Work& w);
   void scatter(const Work& w);
   void all_to_all(const Work& w);
+  uint64_t peer_read_bytes() const { return peer_read_bytes_.load(std::memory_order_relaxed); }
 
  private:
   // Every node has exactly one rank: the paths that keep the data in the user's buffer. Decided
@@ -54,6 +56,18 @@ class Collectives {
   char* recv_slot(int set, int k);
   // gather and scatter within one node (gather_scatter.cpp)
   void rooted(const Work& w, bool to_root);
+  // Large gather, scatter and all_to_all read straight from the peers' memory (Linux cross-memory
+  // attach, one copy instead of two through the slots), when a probe on first use shows every
+  // local rank can read every other (not with Yama ptrace_scope >= 1, separate PID namespaces or
+  // SDP_NO_CMA=1). Publishes this rank's record (pid, `addrs`) and the description, checks them;
+  // false: every local rank takes the slot path.
+  bool single_copy(const Work& w, const std::vector<const char*>& addrs);
+  bool probe_single_copy();
+  // Reads `bytes` at `addr` of local rank l's process into `dst`; fails the collective if it cannot.
+  void read_peer(int l, const char* addr, char* dst, size_t bytes);
+  // Field i of local rank l's record in its slot (pid, &nonce_, nonce_, probe verdict, addresses).
+  uint64_t rec(int l, size_t i) const;
+  void set_rec(size_t i, uint64_t v);
 
   const Topology& topo_;
   OpState& op_;
@@ -66,6 +80,9 @@ class Collectives {
   std::vector<const void*> srcs_;
   std::vector<char> rs_buf_;        // one rank per node: the other nodes' blocks for this rank
   int small_set_ = 0;
+  int single_copy_ = -1;            // -1: not probed yet; 0: the slots; 1: cross-memory reads
+  uint64_t nonce_ = 0;              // what peers must read at &nonce_ for the probe to pass
+  std::atomic<uint64_t> peer_read_bytes_{0};
 };
 
 }  // namespace sdp

@@ -54,6 +54,7 @@ struct Stats {
   uint64_t collectives = 0;
   uint64_t bytes = 0;        // bytes of user data reduced or broadcast
   double busy_s = 0;         // time the progress thread spent executing collectives
+  uint64_t peer_read_bytes = 0;  // bytes read straight from local peers' memory (single-copy path)
 };
 
 class Engine : private OpState {
