@@ -245,6 +245,13 @@ def test_node_gather_scatter_all_to_all_through_the_engine(n, no_cma):
     assert read == ([8 * n * k for k in (2, 3, 5)] if no_cma == "0" and n > 1000 else [0] * w), read
 
 
+def test_a_bad_no_cma_value_fails_set_up_by_name():
+    # read when the group is set up, so a typo fails init_process_group, not a later gather
+    results = run_ranks("engine_workers:just_init", 2, 2, timeout=60, env={"SDP_NO_CMA": "maybe"})
+    for r in results:
+        assert not r.ok and "SDP_NO_CMA=maybe is not a boolean" in r.error, r.error
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("coll", ["all_gather", "reduce_scatter"])
 @pytest.mark.parametrize("world,per_node", [(2, 2), (2, 1), (4, 2)])

@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "sdp/collectives.h"
+#include "sdp/common.h"
 #include "sdp/reduce.h"
 
 namespace sdp {
@@ -17,6 +18,7 @@ void Collectives::start() {
     if (N > 1 && one_rank_per_node()) small_buf_.assign(size_t(N + 1) * kSmallBytes, 0);
   }
   srcs_.resize(size_t(std::max(L, N) + 1));
+  no_cma_ = env_bool("SDP_NO_CMA", false);  // read at set-up: a bad value fails init, not a collective
 }
 
 // A shard of a chunk (plus slack for uneven splits), rounded to 64 bytes so every slot starts

@@ -53,7 +53,7 @@ void Collectives::read_peer(int l, const char* addr, char* dst, size_t bytes) {
 // vote, so every rank of the node takes the same path (SDP_NO_CMA=1 on any rank votes no).
 bool Collectives::probe_single_copy() {
   int L = topo_.local_size(), local = topo_.local;
-  bool ok = !env_bool("SDP_NO_CMA", false);
+  bool ok = !no_cma_;
   for (int l = 0; ok && l < L; ++l) {
     if (l == local) continue;
     uint64_t seen = 0;

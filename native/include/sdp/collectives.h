@@ -81,6 +81,7 @@ class Collectives {
   std::vector<char> rs_buf_;        // one rank per node: the other nodes' blocks for this rank
   int small_set_ = 0;
   int single_copy_ = -1;            // -1: not probed yet; 0: the slots; 1: cross-memory reads
+  bool no_cma_ = false;             // SDP_NO_CMA: this rank votes for the slots
   uint64_t nonce_ = 0;              // what peers must read at &nonce_ for the probe to pass
   std::atomic<uint64_t> peer_read_bytes_{0};
 };
