@@ -102,6 +102,7 @@ def test_gather_scatter_all_to_all_coalesced_and_object_collectives_match_gloo()
     smddp = assert_all_ok(_run_workers("ops", 2, "smddp"))
     gloo = assert_all_ok(_run_workers("ops", 2, "gloo"))
     assert [v.pop("messages") for v in smddp] == [0, 0]
+    assert min(v.pop("peer_read_bytes") for v in smddp) > 0  # the large blocks: straight from the peers' memory
     assert smddp == gloo
     assert smddp[1]["all_to_all_single"] == [2.0, 3.0, 102.0, 103.0]
 
@@ -148,6 +149,7 @@ def test_message_failures_name_the_peer_and_the_sizes_and_say_timed_out():
     v0, v1 = res[0].value, res[1].value
     assert "4 bytes" not in v1["mismatch"] and "16 bytes" in v1["mismatch"] and "20 bytes" in v1["mismatch"], v1
     assert "rank 0" in v1["mismatch"], v1["mismatch"]
+    assert f"{4 * ((1 << 23) - 1)} bytes" in v1["late_mismatch"] and f"{4 << 23} bytes" in v1["late_mismatch"], v1
     for v in (v0, v1):
         assert " Timed out " in v["timeout"] and v["timeout_is_dist_backend_error"], v
         assert "monitored_barrier" in v["monitored_barrier"], v  # torch reserves it for gloo

@@ -35,7 +35,7 @@ struct Mailbox::In {  // the connection rank `src` opened to send to this rank
   MessageHeader hdr{};
   size_t hdr_got = 0;
   std::shared_ptr<Op> cur;    // the receive the message in flight goes to (null: kept or dropped)
-  std::vector<char> spill;    // a message nobody waits for yet
+  std::vector<char> spill;    // a message nobody waits for yet: what has arrived of it so far
   bool keep = false;          // spill goes to unexpected_ when complete (else it is dropped)
   size_t got = 0;
 };
@@ -51,6 +51,7 @@ struct Mailbox::Out {  // this rank's connection to rank `dst`
 
 namespace {
 std::string tag_text(int64_t tag) { return "tag " + std::to_string(tag); }
+constexpr size_t kSpillStep = 1 << 20;  // bytes of an unmatched message kept per read
 }  // namespace
 
 Mailbox::Mailbox(int rank, int world_size, std::string secret, std::string bind_addr, double timeout_s)
@@ -289,6 +290,22 @@ void Mailbox::peer_closed_out(int dst, const std::string& why) {
   o.q.clear();
 }
 
+// A receive posted while message `c` arrives unmatched takes it: what has arrived is copied over
+// and the rest goes straight into the receive's buffer (a 64 MiB message no longer lands in a
+// fresh buffer first and is copied again). The oldest receive that fits, as at the header; if its
+// size differs it is left to fail, naming both sizes, when the message completes.
+void Mailbox::adopt(In& c, int src) {
+  auto it = std::find_if(posted_.begin(), posted_.end(), [&](const std::shared_ptr<Op>& r) {
+    return (r->peer == -1 || r->peer == src) && r->tag == c.hdr.tag;
+  });
+  if (it == posted_.end() || (*it)->nbytes != size_t(c.hdr.nbytes)) return;
+  c.cur = *it;
+  posted_.erase(it);
+  if (c.got) std::memcpy(c.cur->data, c.spill.data(), c.got);
+  std::vector<char>().swap(c.spill);
+  c.keep = false;
+}
+
 void Mailbox::io_loop() {
   std::vector<pollfd> pfds;
   std::vector<int> who_in, who_out;
@@ -358,13 +375,27 @@ void Mailbox::io_loop() {
           }
           if (!c.cur) {
             c.keep = !mismatch;
-            c.spill.assign(size_t(c.hdr.nbytes), 0);
+            c.spill.clear();
+            if (c.keep) c.spill.reserve(size_t(c.hdr.nbytes));  // address space only, filled as it arrives
           }
         }
         size_t total = size_t(c.hdr.nbytes);
         if (c.got < total) {
-          char* dst = c.cur ? c.cur->data : c.spill.data();
-          ssize_t r = ::recv(c.fd, dst + c.got, total - c.got, 0);
+          if (!c.cur && c.keep) adopt(c, src);
+          char* dst;
+          size_t want = total - c.got;
+          if (c.cur) {
+            dst = c.cur->data + c.got;
+          } else if (c.keep) {  // kept a piece at a time, so a receive posted meanwhile takes the rest
+            size_t upto = std::min(total, c.got + kSpillStep);
+            if (c.spill.size() < upto) c.spill.resize(upto);
+            dst = c.spill.data() + c.got;
+            want = upto - c.got;
+          } else {  // dropped (its receive timed out, or the sizes differ)
+            dst = drain.data();
+            want = std::min(want, drain.size());
+          }
+          ssize_t r = ::recv(c.fd, dst, want, 0);
           if (r == 0) { peer_closed_in(src, "closed its connection in the middle of a message"); break; }
           if (r < 0) {
             if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) break;
@@ -474,7 +505,7 @@ int Mailbox::wait(uint64_t handle, double timeout_s) {
         if (c->cur == op) {  // half received: the rest of the message is dropped
           c->cur.reset();
           c->keep = false;
-          c->spill.assign(size_t(c->hdr.nbytes), 0);
+          c->spill.clear();
         }
       }
     }

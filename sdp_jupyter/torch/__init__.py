@@ -446,17 +446,18 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
 
     def _messages(self, sends, recvs, result, also=()):
         """One work for several messages: sends (peer, tensor) and receives (peer, tensor), the
-        receives written back into their tensors when done."""
+        receives written back into their tensors when done. The receives are posted first, so
+        the peers' messages land straight in their tensors instead of being kept and copied."""
         handles, keep, finish = [], [], list(also)
-        for peer, t in sends:
-            buf = self._send_buffer(t)
-            handles.append(self._post(self._mailbox.isend, peer, _COLL_TAG, buf))
-            keep.append(buf)
         for peer, t in recvs:
             buf, fin = _staged(t)
             handles.append(self._post(self._mailbox.irecv, peer, _COLL_TAG, buf))
             keep.append(buf)
             finish.append(fin)
+        for peer, t in sends:
+            buf = self._send_buffer(t)
+            handles.append(self._post(self._mailbox.isend, peer, _COLL_TAG, buf))
+            keep.append(buf)
         return SmddpMessageWork(self, handles, result, keep, finish)
 
     def send(self, tensors, dst, tag=0):

@@ -146,8 +146,39 @@ def messages(backend: str):
     objs = [None] * world
     dist.all_gather_object(objs, {"r": rank})
     out["objects"] = objs
+    out.update(_big_messages(rank))
     dist.barrier()
     dist.destroy_process_group()
+    return out
+
+
+def _big_messages(rank: int) -> dict:
+    """64 MiB messages from rank 0 to rank 1: one kept whole while a later one is received first,
+    then one whose receive is most likely posted while it arrives (on smddp the rest then goes
+    straight into the tensor); every element checked through a position-weighted sum."""
+    n = 1 << 24
+
+    def check(t):
+        t = t.to(torch.float64)
+        return float((t * torch.arange(1, t.numel() + 1, dtype=torch.float64)).sum())
+    out = {}
+    if rank == 0:
+        works = [dist.isend(torch.arange(n, dtype=torch.float32), 1, tag=20), dist.isend(torch.tensor([5.0]), 1, tag=21)]
+        for w in works:
+            w.wait()
+        third = torch.arange(n, dtype=torch.float32) * -1.5
+        dist.barrier()
+        dist.send(third, 1, tag=22)
+    elif rank == 1:
+        small, first, second = torch.empty(1), torch.empty(n), torch.empty(n)
+        dist.recv(small, 0, tag=21)
+        dist.recv(first, 0, tag=20)
+        dist.barrier()
+        time.sleep(0.003)  # rank 0 has begun to send (64 MiB take longer): the receive meets it half-way
+        dist.recv(second, 0, tag=22)
+        out["big_messages"] = [small.tolist(), check(first), check(second)]
+    else:
+        dist.barrier()
     return out
 
 
@@ -163,6 +194,17 @@ def message_failures():
             out["mismatch"] = "no error"
         except Exception as exc:  # noqa: BLE001 - the test reads the message
             out["mismatch"] = f"{type(exc).__name__}: {exc}"
+    # the same with 32 MiB, the receive posted while the message arrives
+    dist.barrier()
+    if rank == 0:
+        dist.send(torch.zeros(1 << 23), 1, tag=4)
+    else:
+        time.sleep(0.002)
+        try:
+            dist.recv(torch.zeros((1 << 23) - 1), 0, tag=4)
+            out["late_mismatch"] = "no error"
+        except Exception as exc:  # noqa: BLE001
+            out["late_mismatch"] = f"{type(exc).__name__}: {exc}"
     try:
         w = dist.irecv(torch.zeros(1), 1 - rank, tag=99)
         w.wait(datetime.timedelta(seconds=1))

@@ -67,6 +67,7 @@ class Mailbox {
   void io_loop();
   void accept_loop();
   void deliver(const std::shared_ptr<Op>& op, int src, const char* data, size_t n);
+  void adopt(In& c, int src);
   void fail_op(const std::shared_ptr<Op>& op, const std::string& why);
   void peer_closed_in(int src, const std::string& why);
   void peer_closed_out(int dst, const std::string& why);
