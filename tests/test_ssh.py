@@ -123,6 +123,41 @@ def test_agents_that_said_hello_are_kept_alive_while_a_slow_host_starts():
     assert [c.proc.wait(timeout=10) for c in run.conns] == [0, 0, 0]
 
 
+def test_each_link_kind_has_its_own_time_to_connect(monkeypatch):
+    # a Ray link is 'connected' once Ray has started a worker for its actor, which on a busy node
+    # takes longer than an ssh connection: it waits for the hello's time and says what it waited for
+    from sdp_jupyter.launch import ray as ray_target
+
+    assert ray_target.RayLink.connect_timeout == remote.HELLO_TIMEOUT > remote.Link.connect_timeout
+    monkeypatch.setattr(remote, "HELLO_TIMEOUT", 6)
+
+    class Silent(remote.Link):  # never connects, never answers
+        def __init__(self, node, inbox, connect_timeout):
+            super().__init__(node, f"silent{node}", inbox)
+            self.connect_timeout = connect_timeout
+
+        def send(self, message):
+            return True
+
+        def close(self, wait=5.0):
+            pass
+
+        def unreachable(self):
+            return f"unreachable after {self.connect_timeout} s"
+
+    class Run(remote.RemoteRun):
+        def open_links(self):
+            return [Silent(0, self.inbox, 1), Silent(1, self.inbox, 60)]
+
+    run = Run(JobSpec(code="x", target="ssh", nodes=2, ssh={"hosts": ["a", "b"]}), ["a", "b"], ssh_target.SSHLauncher())
+    t0 = time.monotonic()
+    with pytest.raises(SpecError) as info:
+        run.preflight()
+    run.close_all()
+    assert "a: unreachable after 1 s" in str(info.value) and "b: unreachable after 60 s" in str(info.value), info.value
+    assert time.monotonic() - t0 < 10
+
+
 # ---------------------------------------------------------------------------------- real hosts
 @pytest.mark.slow
 def test_three_hosts_train_like_the_local_run(ssh_hosts, hosts, tmp_path, jobs_dir):

@@ -247,6 +247,9 @@ class PoolChannel:
 
 class RayLink(remote.Link):
     kind = "ray"
+    # `connected` comes with the actor's first answer, after Ray started a worker process for it:
+    # on a busy node that alone can take longer than a connection does, so it has the hello's time
+    connect_timeout = remote.HELLO_TIMEOUT
 
     def __init__(self, node: int, host: str, actor, inbox: queue.Queue):
         super().__init__(node, host, inbox)
@@ -280,6 +283,10 @@ class RayLink(remote.Link):
                 self.stderr.extend(stderr)
                 self.inbox.put((self.node, {"type": "eof", "why": "the agent ended", "code": ended}))
                 return
+
+    def unreachable(self) -> str:
+        return (f"Ray did not start its actor there within {self.connect_timeout} s (a node too busy to start a "
+                "worker, or lost?). Fix: `ray status` on the head shows the nodes and what they are running")
 
     def diagnose(self, code, python: str) -> str:
         said = " ".join(line for line in self.stderr if line)[-400:]

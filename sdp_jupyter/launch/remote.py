@@ -36,6 +36,7 @@ class Link:
     (before the interpreter starts); `stderr` keeps the link's and the agent's last words."""
 
     kind = "link"
+    connect_timeout = CONNECT_TIMEOUT  # seconds from opening the link until `connected` must be set
 
     def __init__(self, node: int, host: str, inbox: queue.Queue):
         self.node, self.host, self.inbox = node, host, inbox
@@ -116,13 +117,14 @@ class RemoteRun(supervise.Run):
         spec = self.spec  # open_links may settle procs_per_node
         problems: dict[int, str] = {}
         waiting = set(range(len(self.conns)))
-        deadline = time.monotonic() + HELLO_TIMEOUT
-        connect_by = time.monotonic() + CONNECT_TIMEOUT + 2
+        opened = time.monotonic()
+        deadline = opened + HELLO_TIMEOUT
         while waiting and time.monotonic() < deadline:
-            if time.monotonic() > connect_by:
-                for node in [n for n in waiting if not self.conns[n].connected.is_set()]:
-                    problems[node] = self.conns[node].unreachable()
-                    waiting.discard(node)
+            now = time.monotonic()
+            for node in [n for n in waiting if not self.conns[n].connected.is_set()
+                         and now > opened + self.conns[n].connect_timeout + 2]:
+                problems[node] = self.conns[node].unreachable()
+                waiting.discard(node)
             try:
                 node, message = self.inbox.get(timeout=0.2)
             except queue.Empty:
@@ -137,8 +139,10 @@ class RemoteRun(supervise.Run):
                 problems[node] = conn.diagnose(message.get("code"), self.python)
                 waiting.discard(node)
         for node in waiting:
-            problems[node] = (f"connected, but the agent did not start within {HELLO_TIMEOUT} s "
-                              f"({'; '.join(self.conns[node].stderr) or 'no output'})")
+            conn = self.conns[node]
+            problems[node] = conn.unreachable() if not conn.connected.is_set() else (
+                f"connected, but the agent did not start within {HELLO_TIMEOUT} s "
+                f"({'; '.join(conn.stderr) or 'no output'})")
         ours = channel.version()
         for conn in self.conns:
             if conn.hello is None or conn.node in problems:
