@@ -515,13 +515,13 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
                                  f"the world size {w} (or pass {what}_split_sizes)")
             return [rows // w] * w
         s_in, s_out = splits(input_split_sizes, rows_in, "input"), splits(output_split_sizes, rows_out, "output")
+        src = input.detach()
+        if src.data_ptr() == output.data_ptr() and src.numel():  # in place: peers read it while it is written
+            src = src.clone()
         if self._one_node and not input_split_sizes and not output_split_sizes:
             # equal blocks (no split sizes on any rank: torch passes none when the caller gave
             # none; a rank that gives sizes where another gives none waits for the timeout)
-            return self._node_all_to_all(output, input)
-        src = input.detach()
-        if src.data_ptr() == output.data_ptr() and src.numel():
-            src = src.clone()
+            return self._node_all_to_all(output, src)
         ins, outs = src.split(s_in), output.split(s_out)
         me = self._rank
         return self._messages([(r, ins[r]) for r in range(w) if r != me], [(r, outs[r]) for r in range(w) if r != me],
@@ -566,8 +566,6 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         if src.numel() != buf.numel() or src.dtype != buf.dtype:
             raise ValueError(f"all_to_all_single: input ({src.numel()} x {src.dtype}) and output ({buf.numel()} x "
                              f"{buf.dtype}) must match")
-        if src.data_ptr() == buf.data_ptr() and src.numel():
-            src = src.clone()
         h = self._submit(COLL_ALLTOALL, buf.data_ptr(), buf.numel() // self._world, _dtype_code(buf), 0, 0,
                          src.data_ptr())
         return SmddpWork(self, [h], [output], [buf, src], (fin,))
