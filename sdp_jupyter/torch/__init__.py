@@ -444,11 +444,12 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         t = t.detach()
         return t if t.device.type == "cpu" and t.is_contiguous() else t.to("cpu").contiguous()
 
-    def _messages(self, sends, recvs, result, also=()):
+    def _messages(self, sends, recvs, result, local=()):
         """One work for several messages: sends (peer, tensor) and receives (peer, tensor), the
         receives written back into their tensors when done. The receives are posted first, so
-        the peers' messages land straight in their tensors instead of being kept and copied."""
-        handles, keep, finish = [], [], list(also)
+        the peers' messages land straight in their tensors instead of being kept and copied;
+        `local` (this rank's own piece) is copied right after, while the I/O thread moves them."""
+        handles, keep, finish = [], [], []
         for peer, t in recvs:
             buf, fin = _staged(t)
             handles.append(self._post(self._mailbox.irecv, peer, _COLL_TAG, buf))
@@ -458,7 +459,17 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
             buf = self._send_buffer(t)
             handles.append(self._post(self._mailbox.isend, peer, _COLL_TAG, buf))
             keep.append(buf)
-        return SmddpMessageWork(self, handles, result, keep, finish)
+        work = SmddpMessageWork(self, handles, result, keep, finish)
+        try:
+            for copy in local:
+                copy()
+        except BaseException:
+            try:  # the posted messages belong to the peers' collective too: let them finish first
+                work.wait()
+            except Exception:  # noqa: BLE001 - the copy's error is the one to report
+                pass
+            raise
+        return work
 
     def send(self, tensors, dst, tag=0):
         buf = self._send_buffer(tensors[0])
@@ -495,8 +506,8 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         pieces = input_lists[0]
         if len(pieces) != self._world:
             raise ValueError(f"scatter on the root needs {self._world} input tensors, got {len(pieces)}")
-        out.copy_(pieces[root])
-        return self._messages([(r, p) for r, p in enumerate(pieces) if r != root], [], output_tensors)
+        return self._messages([(r, p) for r, p in enumerate(pieces) if r != root], [], output_tensors,
+                              [lambda: out.copy_(pieces[root])])
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         # every rank sends piece r of its input to rank r and receives piece r of its output from
