@@ -33,16 +33,12 @@ def _assert_same_weights(runs: dict[str, list[dict]]):
 sys.path.insert(0, HELPERS)
 
 
-@pytest.mark.xfail(strict=False, reason="known bug: in the full suite on a loaded 2-core machine, rank 0 of the smddp "
-                   "run once stayed alive for 180 s after Trainer.train() returned (not reproduced alone: "
-                   "4 runs passed, 4 more under load in the next round); a hang now prints every "
-                   "thread's stack into the rank's output (helpers.ranks.run_ranks)")
 def test_trainer_on_smddp_matches_gloo(tmp_path):
     pytest.importorskip("transformers")
     runs = {}
     for backend in ("smddp", "gloo"):
         vals = assert_all_ok(run_ranks("integration_workers:trainer", 2, 2, args=(backend, str(tmp_path / backend)),
-                                       env=ENV, timeout=180))
+                                       env=ENV, timeout=180), f"the {backend} run")
         for v in vals:
             assert v["backend"] == backend and v["world"] == 2 and v["parallel_mode"] == "ParallelMode.DISTRIBUTED"
         runs[backend] = [v["state"] for v in vals]

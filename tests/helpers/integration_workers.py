@@ -36,6 +36,16 @@ def _state(model) -> dict:
     return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
+# What holds a DDP Reducer (the Trainer, the prepared model) is kept until the process exits
+# with os._exit. Freeing it frees the Reducer's process group under the GIL, and torch's
+# ~ProcessGroupGloo joins its worker threads, one of which may still be dropping the last
+# Trainer all_gather's tensors and needs the GIL for that: a deadlock (pytorch/pytorch#56297),
+# seen here as the gloo reference rank of the Trainer test living on for 180 s after train()
+# (gdb: main thread in ~ProcessGroupGloo -> thread::join, pt_gloo_runloop in
+# ~AsyncAllgatherWork -> gil_scoped_acquire). smddp's group has no such thread.
+_KEEP: list = []
+
+
 def trainer(backend: str, out_dir: str):
     """The recipe: init_process_group(backend) before TrainingArguments, use_cpu=True."""
     from transformers import Trainer, TrainingArguments
@@ -50,6 +60,7 @@ def trainer(backend: str, out_dir: str):
     out = {"state": _state(model), "world": args.world_size, "backend": dist.get_backend(),
            "parallel_mode": str(args.parallel_mode)}
     dist.destroy_process_group()
+    _KEEP.append(t)  # rank_entry ends with os._exit: see _KEEP
     return out
 
 
@@ -71,6 +82,7 @@ def accelerate_main(backend: str, out_path: str) -> None:
     torch.save({"state": _state(acc.unwrap_model(model)), "backend": dist.get_backend(),
                 "world": acc.num_processes}, f"{out_path}.{dist.get_rank()}")
     dist.destroy_process_group()
+    _KEEP.extend((acc, model))  # the caller ends with os._exit: see _KEEP
 
 
 def ray_train_loop(config):
@@ -94,3 +106,6 @@ if __name__ == "__main__":  # accelerate launch integration_workers.py BACKEND O
     import sys
 
     accelerate_main(sys.argv[1], sys.argv[2])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # not through the interpreter's teardown, which would free _KEEP

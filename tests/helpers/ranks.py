@@ -105,7 +105,9 @@ def run_ranks(target: str, world: int, per_node: int, args=(), env=None, timeout
     return collect(procs, tmp, timeout)
 
 
-def assert_all_ok(results):
+def assert_all_ok(results, what: str = ""):
+    """The ranks' values; `what` (e.g. "the gloo run") starts each failed rank's line."""
     bad = [r for r in results if not r.ok]
-    assert not bad, "\n".join(f"rank {r.rank} (exit {r.returncode}): {r.error}\n{r.output[-3000:]}" for r in bad)
+    assert not bad, "\n".join(f"{what + ': ' if what else ''}rank {r.rank} (exit {r.returncode}): {r.error}\n"
+                               f"{r.output[-3000:]}" for r in bad)
     return [r.value for r in results]
