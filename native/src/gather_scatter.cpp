@@ -31,6 +31,10 @@ uint64_t Collectives::rec(int l, size_t i) const {
 
 void Collectives::set_rec(size_t i, uint64_t v) { std::memcpy(shm_.slot(topo_.local) + i * 8, &v, 8); }
 
+const char* Collectives::peer_addr(int l, size_t i) const {
+  return reinterpret_cast<const char*>(uintptr_t(rec(l, kRecHead + i)));
+}
+
 void Collectives::read_peer(int l, const char* addr, char* dst, size_t bytes) {
   pid_t pid = pid_t(rec(l, 0));
   while (bytes > 0) {
@@ -136,9 +140,9 @@ void Collectives::rooted(const Work& w, bool to_root) {
     int root_local = int(std::find(ranks.begin(), ranks.end(), w.root) - ranks.begin());
     if (to_root && root)
       for (int l = 0; l < L; ++l)
-        if (l != local) read_peer(l, reinterpret_cast<const char*>(uintptr_t(rec(l, kRecHead))), w.blocks[ranks[l]], n * esz);
+        if (l != local) read_peer(l, peer_addr(l, 0), w.blocks[ranks[l]], n * esz);
     if (!to_root && !root)
-      read_peer(root_local, reinterpret_cast<const char*>(uintptr_t(rec(root_local, kRecHead + size_t(local)))), w.buf, n * esz);
+      read_peer(root_local, peer_addr(root_local, size_t(local)), w.buf, n * esz);
     shm_.barrier();  // nobody returns (and frees what a peer reads) before every read is done
     return;
   }
@@ -171,7 +175,7 @@ void Collectives::all_to_all(const Work& w) {
   std::memcpy(w.buf + block(local), w.src + block(local), n * esz);
   if (n * esz * size_t(L) > kSmallBytes && single_copy(w, {w.src})) {
     for (int l = 0; l < L; ++l)  // my block of each peer's input, straight into my output
-      if (l != local) read_peer(l, reinterpret_cast<const char*>(uintptr_t(rec(l, kRecHead))) + block(local), w.buf + block(l), n * esz);
+      if (l != local) read_peer(l, peer_addr(l, 0) + block(local), w.buf + block(l), n * esz);
     shm_.barrier();
     return;
   }

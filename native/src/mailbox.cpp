@@ -243,16 +243,25 @@ void Mailbox::deliver(const std::shared_ptr<Op>& op, int src, const char* data, 
     return;
   }
   // Sending to itself: the oldest receive that fits, else kept.
-  for (auto it = posted_.begin(); it != posted_.end(); ++it) {
-    auto& r = *it;
-    if ((r->peer == -1 || r->peer == src) && r->tag == op->tag) {
-      auto rr = r;
-      posted_.erase(it);
-      deliver(rr, src, data, n);
-      return;
-    }
+  if (auto r = take_posted(src, op->tag)) {
+    deliver(r, src, data, n);
+    return;
   }
   unexpected_.push_back({src, op->tag, std::vector<char>(data, data + n)});
+}
+
+std::deque<std::shared_ptr<Mailbox::Op>>::iterator Mailbox::posted_for(int src, int64_t tag) {
+  return std::find_if(posted_.begin(), posted_.end(), [&](const std::shared_ptr<Op>& r) {
+    return (r->peer == -1 || r->peer == src) && r->tag == tag;
+  });
+}
+
+std::shared_ptr<Mailbox::Op> Mailbox::take_posted(int src, int64_t tag) {
+  auto it = posted_for(src, tag);
+  if (it == posted_.end()) return nullptr;
+  auto op = *it;
+  posted_.erase(it);
+  return op;
 }
 
 void Mailbox::fail_op(const std::shared_ptr<Op>& op, const std::string& why) {
@@ -295,9 +304,7 @@ void Mailbox::peer_closed_out(int dst, const std::string& why) {
 // fresh buffer first and is copied again). The oldest receive that fits, as at the header; if its
 // size differs it is left to fail, naming both sizes, when the message completes.
 void Mailbox::adopt(In& c, int src) {
-  auto it = std::find_if(posted_.begin(), posted_.end(), [&](const std::shared_ptr<Op>& r) {
-    return (r->peer == -1 || r->peer == src) && r->tag == c.hdr.tag;
-  });
+  auto it = posted_for(src, c.hdr.tag);
   if (it == posted_.end() || (*it)->nbytes != size_t(c.hdr.nbytes)) return;
   c.cur = *it;
   posted_.erase(it);
@@ -358,15 +365,8 @@ void Mailbox::io_loop() {
             break;
           }
           c.got = 0;
-          c.cur.reset();
           c.keep = false;
-          for (auto it = posted_.begin(); it != posted_.end(); ++it) {
-            if (((*it)->peer == -1 || (*it)->peer == src) && (*it)->tag == c.hdr.tag) {
-              c.cur = *it;
-              posted_.erase(it);
-              break;
-            }
-          }
+          c.cur = take_posted(src, c.hdr.tag);
           bool mismatch = c.cur && c.cur->nbytes != c.hdr.nbytes;
           if (mismatch) {  // the receive fails naming both sizes; the message is consumed
             auto op = c.cur;
@@ -413,12 +413,7 @@ void Mailbox::io_loop() {
           cv_.notify_all();
         } else if (c.keep) {
           // A receive may have been posted while this message was arriving: it takes it now.
-          auto it = std::find_if(posted_.begin(), posted_.end(), [&](const std::shared_ptr<Op>& r) {
-            return (r->peer == -1 || r->peer == src) && r->tag == c.hdr.tag;
-          });
-          if (it != posted_.end()) {
-            auto op = *it;
-            posted_.erase(it);
+          if (auto op = take_posted(src, c.hdr.tag)) {
             deliver(op, src, c.spill.data(), c.spill.size());
           } else {
             unexpected_.push_back({src, c.hdr.tag, std::move(c.spill)});

@@ -444,11 +444,12 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         t = t.detach()
         return t if t.device.type == "cpu" and t.is_contiguous() else t.to("cpu").contiguous()
 
-    def _messages(self, sends, recvs, result, local=()):
+    def _messages(self, sends, recvs, result, local=None):
         """One work for several messages: sends (peer, tensor) and receives (peer, tensor), the
         receives written back into their tensors when done. The receives are posted first, so
         the peers' messages land straight in their tensors instead of being kept and copied;
-        `local` (this rank's own piece) is copied right after, while the I/O thread moves them."""
+        `local` (this rank's own piece, a (destination, source) pair) is copied right after, while
+        the I/O thread moves them."""
         handles, keep, finish = [], [], []
         for peer, t in recvs:
             buf, fin = _staged(t)
@@ -461,8 +462,8 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
             keep.append(buf)
         work = SmddpMessageWork(self, handles, result, keep, finish)
         try:
-            for copy in local:
-                copy()
+            if local is not None:
+                local[0].copy_(local[1])
         except BaseException:
             try:  # the posted messages belong to the peers' collective too: let them finish first
                 work.wait()
@@ -492,9 +493,8 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         outs = output_lists[0]
         if len(outs) != self._world:
             raise ValueError(f"gather on the root needs {self._world} output tensors, got {len(outs)}")
-        mine = outs[root]
         return self._messages([], [(r, o) for r, o in enumerate(outs) if r != root], output_lists,
-                              [lambda: mine.copy_(inp)])
+                              (outs[root], inp))
 
     def scatter(self, output_tensors, input_lists, opts=None):
         root = opts.rootRank if opts is not None else 0
@@ -507,7 +507,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         if len(pieces) != self._world:
             raise ValueError(f"scatter on the root needs {self._world} input tensors, got {len(pieces)}")
         return self._messages([(r, p) for r, p in enumerate(pieces) if r != root], [], output_tensors,
-                              [lambda: out.copy_(pieces[root])])
+                              (out, pieces[root]))
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         # every rank sends piece r of its input to rank r and receives piece r of its output from
@@ -536,7 +536,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         ins, outs = src.split(s_in), output.split(s_out)
         me = self._rank
         return self._messages([(r, ins[r]) for r in range(w) if r != me], [(r, outs[r]) for r in range(w) if r != me],
-                              [output], [lambda: outs[me].copy_(ins[me])])
+                              [output], (outs[me], ins[me]))
 
     all_to_all_single = alltoall_base
 
@@ -589,7 +589,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
                for t, o in zip(input_tensors, output_tensors)]
         return self._messages([(r, ins[r]) for r in range(w) if r != me],
                               [(r, output_tensors[r]) for r in range(w) if r != me], output_tensors,
-                              [lambda: output_tensors[me].copy_(ins[me])])
+                              (output_tensors[me], ins[me]))
 
     def monitored_barrier(self, opts=None, wait_all_ranks=False):
         _unsupported("monitored_barrier (torch reserves it for gloo)", "use dist.barrier(), which has a "

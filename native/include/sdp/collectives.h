@@ -68,6 +68,8 @@ class Collectives {
   // Field i of local rank l's record in its slot (pid, &nonce_, nonce_, probe verdict, addresses).
   uint64_t rec(int l, size_t i) const;
   void set_rec(size_t i, uint64_t v);
+  // The i-th address local rank l published in its record (what it lets peers read).
+  const char* peer_addr(int l, size_t i) const;
 
   const Topology& topo_;
   OpState& op_;

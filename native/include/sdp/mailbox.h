@@ -68,6 +68,10 @@ class Mailbox {
   void accept_loop();
   void deliver(const std::shared_ptr<Op>& op, int src, const char* data, size_t n);
   void adopt(In& c, int src);
+  // The oldest posted receive that a message from `src` with `tag` goes to, or posted_.end() (mu_ held).
+  std::deque<std::shared_ptr<Op>>::iterator posted_for(int src, int64_t tag);
+  // The same receive, taken out of posted_ (null: none).
+  std::shared_ptr<Op> take_posted(int src, int64_t tag);
   void fail_op(const std::shared_ptr<Op>& op, const std::string& why);
   void peer_closed_in(int src, const std::string& why);
   void peer_closed_out(int dst, const std::string& why);
