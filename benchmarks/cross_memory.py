@@ -1,4 +1,4 @@
-"""What one cross-memory read costs against a memcpy on this machine (why large scatter is not 2x gloo).
+"""What one cross-memory read costs against a memcpy on this machine (the single-copy path's unit cost).
 
     python benchmarks/cross_memory.py            # 4 MiB and 32 MiB, median of 11
     python benchmarks/cross_memory.py --sizes 67108864
