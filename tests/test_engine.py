@@ -337,3 +337,16 @@ def test_engine_refuses_a_peer_with_another_secret(capfd):
     listener.shutdown()
     dialer.shutdown()
     assert "failed the job-secret challenge" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("spin", ["2000", "0"])
+def test_a_receive_reading_its_connection_keeps_others_messages_and_gives_it_back(spin):
+    """A waiting receive reads its source's connection itself (spinning first unless SDP_SPIN=0):
+    a message for another tag it meets is kept, a message nobody waits for is then read by the I/O
+    thread (no wait() called), and shutting down from another thread ends a reading receive."""
+    results = assert_all_ok(run_ranks("engine_workers:message_readers", 2, 2, env={"SDP_SPIN": spin}, timeout=90))
+    assert results[1]["kept"] == [[0, 1, 2], True, [0, 1, 2, 3, 4]], results[1]
+    assert results[1]["io_thread_took_it_back"] == [True, [7, 7, 7, 7]], results[1]
+    for v in results:
+        assert "shut down" in v["waiting"]["error"], v
+        assert v["waiting"]["after"] < 3 and v["shutdown_s"] < 3, v

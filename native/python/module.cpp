@@ -132,11 +132,11 @@ PYBIND11_MODULE(_engine, m) {
       .def_property_readonly("port", &Engine::listen_port);
 
   py::class_<Mailbox>(m, "Mailbox", "Point-to-point messages between the ranks of a group (mailbox.h).")
-      .def(py::init([](int rank, int world_size, py::bytes secret, std::string bind_addr, double timeout) {
-             return new Mailbox(rank, world_size, std::string(secret), std::move(bind_addr), timeout);
+      .def(py::init([](int rank, int world_size, py::bytes secret, std::string bind_addr, double timeout, bool spin) {
+             return new Mailbox(rank, world_size, std::string(secret), std::move(bind_addr), timeout, spin);
            }),
            py::arg("rank"), py::arg("world_size"), py::arg("secret"), py::arg("bind_addr") = "127.0.0.1",
-           py::arg("timeout") = 300.0)
+           py::arg("timeout") = 300.0, py::arg("spin") = true)
       .def("listen", &Mailbox::listen, py::call_guard<py::gil_scoped_release>())
       .def("set_peers", &Mailbox::set_peers)
       .def(

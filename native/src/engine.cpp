@@ -25,8 +25,10 @@ Engine::Engine(EngineConfig cfg)
   timeout_s = cfg_.timeout_s;
   // Measured on 2 cores with 2 ranks training (docs/benchmarks.md): spinning, then yielding,
   // beat going to sleep early, even though the machine is oversubscribed: a sleeping rank
-  // pays a wake-up and a trip through the run queue on every barrier.
+  // pays a wake-up and a trip through the run queue on every barrier (and on every frame
+  // awaited over TCP: the links poll before they sleep too).
   shm_.configure(cfg_.chunk_bytes, cfg_.spin >= 0 ? cfg_.spin : 2000);
+  links_.set_spin(cfg_.spin != 0);
   colls_.configure(cfg_.chunk_bytes, int(env_int("SDP_PIPELINE_DEPTH", 2, 1, 2)));
   local_fds_.assign(size_t(local_size()), -1);
   local_gone_.assign(size_t(local_size()), false);

@@ -1,6 +1,7 @@
 #include "sdp/peer.h"
 
 #include <poll.h>
+#include <sched.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -56,12 +57,15 @@ void Links::post_recv(int node, const FrameHeader& expect, char* dst) {
 void Links::exchange(int scatter_set) {
   std::vector<pollfd> pfds;
   std::vector<Peer*> who;
+  double spin_until = 0;  // polls without sleeping until then (see kSpinMaxBytes)
   for (;;) {
     pfds.clear();
     who.clear();
     bool reached = true;
+    bool small = spin_;
     for (auto& p : peers_) {
       if (p.fd < 0) continue;
+      small = small && (!p.send_active || p.slen <= kSpinMaxBytes) && (!p.recv_active || p.expect.nbytes <= kSpinMaxBytes);
       if (p.send_active) pump_send(p);
       if (p.recv_active) pump_recv(p);
       if (scatter_set < 0 ? (p.send_active || p.recv_active) : p.recvs_done < p.scatter_mark[scatter_set]) reached = false;
@@ -73,7 +77,15 @@ void Links::exchange(int scatter_set) {
     }
     if (reached) return;
     if (pfds.empty()) op_.fail("internal error in " + op_.desc + ": waiting for frames that were never posted");
-    int r = ::poll(pfds.data(), nfds_t(pfds.size()), 50);
+    if (!small) spin_until = 0;
+    else if (spin_until == 0) spin_until = now_s() + kSpinSeconds;
+    bool spinning = small && now_s() < spin_until;
+    int r = ::poll(pfds.data(), nfds_t(pfds.size()), spinning ? 0 : 50);
+    if (r > 0 && small) spin_until = now_s() + kSpinSeconds;
+    if (r == 0 && spinning) {
+      sched_yield();
+      continue;
+    }
     if (r == 0 || (r < 0 && errno == EINTR)) {
       op_.check_health();
       if (now_s() > op_.deadline) {

@@ -141,8 +141,9 @@ class Communicator:
 
         addr = bind_addr or bind_address()
         # Point-to-point messages (send/recv, gather, scatter, all_to_all) go through the
-        # mailbox: its listener is up before anyone learns its address.
-        self._mailbox = _engine.Mailbox(rank, world_size, secret, addr, self.timeout)
+        # mailbox: its listener is up before anyone learns its address. SDP_SPIN=0 also stops
+        # its receives from polling before they sleep.
+        self._mailbox = _engine.Mailbox(rank, world_size, secret, addr, self.timeout, spin != 0)
         self.messages = 0  # point-to-point operations posted (sends and receives)
         try:
             p2p_port = self._mailbox.listen()

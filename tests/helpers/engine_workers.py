@@ -399,3 +399,56 @@ def mismatch_gather_scatter(coll: str):
     finally:
         comm.shutdown()
     return "no error"
+
+
+def message_readers():
+    """A receive from one rank reads that rank's connection itself (mailbox.cpp, wait_reading):
+    what it does not want is left for others, the I/O thread reads the connection again once the
+    receive is done, and a shutdown from another thread ends a receive that is reading."""
+    import threading
+
+    c = comm.init(timeout=30)
+    out = {}
+    peer = 1 - c.rank
+    if c.rank == 0:
+        c.send(np.arange(5, dtype=np.int64), 1, tag=2)   # arrives before the receive that wants it
+        c.send(np.arange(3, dtype=np.int64), 1, tag=1)
+        c.barrier()
+        c.send(np.full(4, 7, dtype=np.int64), 1, tag=3)  # nobody waits: the I/O thread reads it
+        c.barrier()
+    else:
+        a, b = np.zeros(3, dtype=np.int64), np.zeros(5, dtype=np.int64)
+        c.recv(a, 0, tag=1)  # reads the tag-2 message first and keeps it
+        w = c.recv(b, 0, tag=2, async_op=True)
+        out["kept"] = [a.tolist(), bool(w.is_completed()), b.tolist()]
+        w.wait()
+        late = np.zeros(4, dtype=np.int64)
+        lw = c.recv(late, 0, tag=3, async_op=True)
+        c.barrier()
+        t0 = time.monotonic()
+        while not lw.is_completed() and time.monotonic() - t0 < 10:
+            time.sleep(0.01)
+        out["io_thread_took_it_back"] = [bool(lw.is_completed()), late.tolist()]
+        lw.wait()
+        c.barrier()
+    # every rank: a receive that nothing will ever match, ended by a shutdown from another thread
+    box = {}
+
+    def waiting():
+        t = time.monotonic()
+        try:
+            c.recv(np.zeros(1), peer, tag=99)
+            box["error"] = "no error"
+        except comm.SmddpError as exc:
+            box["error"] = str(exc)
+        box["after"] = time.monotonic() - t
+
+    th = threading.Thread(target=waiting)
+    th.start()
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    comm.shutdown()
+    out["shutdown_s"] = time.monotonic() - t0
+    th.join(10)
+    out["waiting"] = box
+    return out

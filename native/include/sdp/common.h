@@ -43,6 +43,14 @@ inline double now_s() {
 
 void log_warning(const std::string& msg);
 
+// Waiting on a socket: with spinning on (SDP_SPIN > 0), a wait for a transfer of up to
+// kSpinMaxBytes polls without sleeping for up to kSpinSeconds after the last event, yielding the
+// core in between, then sleeps in poll(). A wake-up from poll() costs tens of microseconds on a
+// busy host, which is most of a small message's time; a larger transfer sleeps at once (its
+// wake-ups are small against it, and a polling thread would take a core its sender needs).
+constexpr size_t kSpinMaxBytes = 256 << 10;
+constexpr double kSpinSeconds = 200e-6;
+
 // An integer setting from the environment: `def` when unset or empty; anything but a whole
 // decimal number within [lo, hi] throws an Error naming the variable (no atoi: garbage is refused).
 long long env_int(const char* name, long long def, long long lo, long long hi);

@@ -5,7 +5,8 @@
 // ordered queue. Every rank has a listener for the group's life; the first message from rank a
 // to rank b opens one authenticated connection a -> b (the same handshake as the engine's
 // links, role P2P), which then carries every later a -> b message in order. One I/O thread per
-// rank moves the bytes with non-blocking sockets and one poll loop.
+// rank moves the bytes with non-blocking sockets and one poll loop; a receive that waits for one
+// rank reads that rank's connection in its own thread meanwhile (no thread hand-off).
 //
 // Matching is MPI's: a message goes to the oldest posted receive whose source (or "any") and
 // tag fit; a message nobody waits for yet is kept until a receive takes it. A receive whose
@@ -39,7 +40,8 @@ struct MessageHeader {
 
 class Mailbox {
  public:
-  Mailbox(int rank, int world_size, std::string secret, std::string bind_addr, double timeout_s);
+  // spin: a waiting receive polls its connection without sleeping for a while (see wait_reading).
+  Mailbox(int rank, int world_size, std::string secret, std::string bind_addr, double timeout_s, bool spin = true);
   ~Mailbox();
   Mailbox(const Mailbox&) = delete;
   Mailbox& operator=(const Mailbox&) = delete;
@@ -66,6 +68,9 @@ class Mailbox {
   struct Out;
   void io_loop();
   void accept_loop();
+  void pump_in(int src);
+  void watch_in(int src, bool on);
+  void wait_reading(std::unique_lock<std::mutex>& lk, const Op& op, int src, double deadline);
   void deliver(const std::shared_ptr<Op>& op, int src, const char* data, size_t n);
   void adopt(In& c, int src);
   // The oldest posted receive that a message from `src` with `tag` goes to, or posted_.end() (mu_ held).
@@ -81,8 +86,12 @@ class Mailbox {
   int rank_, world_;
   std::string secret_, bind_addr_;
   double timeout_s_;
+  bool spin_;
   int listen_fd_ = -1;
   int wake_[2] = {-1, -1};
+  int ep_ = -1;       // epoll set of the incoming connections the I/O thread reads
+  int stop_fd_ = -1;  // eventfd, readable once shutdown starts
+  std::vector<char> drain_;  // where the bytes of a dropped message go (mu_ held)
   std::vector<std::string> addrs_;
   std::vector<int> ports_;
 

@@ -60,6 +60,9 @@ class Links {
 
   // After set-up: non-blocking, bulk buffers, keepalive.
   void start(double timeout_s);
+  // Whether exchange() polls before it sleeps while the frames in flight are small
+  // (SDP_SPIN > 0, the default; see kSpinMaxBytes).
+  void set_spin(bool on) { spin_ = on; }
   // Finishes the frame in flight on every link and sends an ERROR frame with `msg` (once).
   void send_error_frames(const std::string& msg);
   // Between collectives: raise a peer's error frame or lost connection; note goodbyes.
@@ -76,6 +79,7 @@ class Links {
   OpState& op_;
   std::vector<Peer> peers_;  // by node index (own node unused)
   bool error_frames_sent_ = false;
+  bool spin_ = true;
 };
 
 }  // namespace sdp
