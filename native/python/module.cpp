@@ -98,6 +98,16 @@ PYBIND11_MODULE(_engine, m) {
       .def("connect", &Engine::connect, py::call_guard<py::gil_scoped_release>())
       .def(
           "submit",
+          // The common call (all_reduce, broadcast, ...), with no default converted per call:
+          // a few microseconds count at 4 KiB.
+          [](Engine& e, int coll, uintptr_t ptr, size_t count, int dtype, int op, int root) {
+            if (!valid_coll(coll)) throw Error("invalid collective code " + std::to_string(coll));
+            return e.submit(Coll(coll), reinterpret_cast<void*>(ptr), count, to_dtype(dtype), to_op(op), root, nullptr, {});
+          },
+          py::arg("coll"), py::arg("ptr"), py::arg("count"), py::arg("dtype"), py::arg("op"), py::arg("root"))
+      .def(
+          "submit_buffers",
+          // gather/scatter (the root's one buffer per rank) and all_to_all (its input buffer)
           [](Engine& e, int coll, uintptr_t ptr, size_t count, int dtype, int op, int root, uintptr_t src,
              std::vector<uintptr_t> blocks) {
             if (!valid_coll(coll)) throw Error("invalid collective code " + std::to_string(coll));
@@ -106,8 +116,8 @@ PYBIND11_MODULE(_engine, m) {
             return e.submit(Coll(coll), reinterpret_cast<void*>(ptr), count, to_dtype(dtype), to_op(op), root,
                             reinterpret_cast<const void*>(src), std::move(b));
           },
-          py::arg("coll"), py::arg("ptr"), py::arg("count"), py::arg("dtype"), py::arg("op") = 0, py::arg("root") = 0,
-          py::arg("src") = uintptr_t(0), py::arg("blocks") = std::vector<uintptr_t>{})
+          py::arg("coll"), py::arg("ptr"), py::arg("count"), py::arg("dtype"), py::arg("op"), py::arg("root"),
+          py::arg("src"), py::arg("blocks"))
       .def("wait", &Engine::wait, py::arg("handle"), py::arg("timeout") = 0.0, py::call_guard<py::gil_scoped_release>())
       .def("test", &Engine::test)
       .def("shutdown", &Engine::shutdown, py::call_guard<py::gil_scoped_release>())

@@ -242,7 +242,8 @@ class Communicator:
                blocks=()) -> Work:
         """`src`: all_to_all's input; `blocks`: the root's one buffer per rank of gather and scatter."""
         try:
-            h = self._engine.submit(coll, ptr, count, dtype, op, root, src, list(blocks))
+            h = (self._engine.submit_buffers(coll, ptr, count, dtype, op, root, src, list(blocks)) if src or blocks
+                 else self._engine.submit(coll, ptr, count, dtype, op, root))
         except EngineError as exc:
             raise SmddpError(str(exc)) from None
         return Work(self, h, keepalive, finish)

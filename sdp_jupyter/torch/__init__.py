@@ -32,6 +32,7 @@ _DTYPES[torch.bool] = DTYPES["uint8"]  # reduced as bytes, with logical ops (see
 _OPS = {getattr(ReduceOp, name.upper()): code for name, code in OPS.items()}
 _OP_TYPES = {getattr(ReduceOp.RedOpType, name.upper()): code for name, code in OPS.items()}
 _LOGICAL = {OPS["sum"]: OPS["max"], OPS["product"]: OPS["min"]}  # bool: SUM is OR, PRODUCT is AND
+_AVG = OPS["avg"]
 _TORCH_DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 
 
@@ -66,7 +67,7 @@ def _op_code(op, dtype) -> int:
         raise ValueError(f"smddp supports SUM, AVG, MAX, MIN and PRODUCT, not {op}")
     if dtype == torch.bool:
         code = _LOGICAL.get(code, code)
-    elif code == OPS["avg"] and not dtype.is_floating_point:
+    elif code == _AVG and not dtype.is_floating_point:
         raise ValueError(f"ReduceOp.AVG needs a floating-point tensor, got {dtype}")
     return code
 
@@ -120,7 +121,7 @@ class SmddpWork(dist._Work):
         self._handles = handles
         self._keep = keep
         self._result = result
-        self._finish = [f for f in finish if f is not None]
+        self._finish = [f for f in finish if f is not None] if finish != (None,) else ()
         self._lock = threading.Lock()
         self._done = False
         self._error: BaseException | None = None
@@ -152,6 +153,9 @@ class SmddpWork(dist._Work):
             wait(h, 0.0)
 
     def wait(self, timeout=None) -> bool:
+        if timeout is None:  # what torch passes for a blocking call: the short way (small calls are us)
+            self._complete()
+            return True
         seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout or 0.0)
         self._complete(seconds if seconds > 0 else 0.0)
         return True
@@ -276,7 +280,8 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
     def _submit(self, coll: int, ptr: int, count: int, dtype: int, op: int = 0, root: int = 0, src: int = 0,
                 blocks=()) -> int:
         try:
-            return self._engine.submit(coll, ptr, count, dtype, op, root, src, list(blocks))
+            return (self._engine.submit_buffers(coll, ptr, count, dtype, op, root, src, list(blocks)) if src or blocks
+                    else self._engine.submit(coll, ptr, count, dtype, op, root))
         except (EngineError, SmddpError) as exc:
             raise _backend_error(exc) from None
 
@@ -301,11 +306,11 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
     # ---- collectives
     def allreduce(self, tensors, opts=None):
         op = opts.reduceOp if opts is not None else ReduceOp.SUM
-        if any(t.is_sparse for t in tensors):
-            return self._sparse_allreduce(tensors, op)
-        if len(tensors) == 1:  # the common case, without the list plumbing
+        if len(tensors) == 1 and not tensors[0].is_sparse:  # the common case, without the list plumbing
             h, buf, finish = self._allreduce_tensor(tensors[0], op)
             return SmddpWork(self, [h], tensors, buf, (finish,))
+        if any(t.is_sparse for t in tensors):
+            return self._sparse_allreduce(tensors, op)
         return self._work([self._allreduce_tensor(t, op) for t in tensors], tensors)
 
     def allreduce_coalesced(self, tensors, opts=None):
