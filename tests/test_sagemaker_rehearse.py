@@ -208,6 +208,28 @@ def test_smddp_job_rehearses_with_smddp_played_by_gloo(tmp_path):
     assert job.result() == {"sum": 3.0, "backend": "smddp", "provider": "smdistributed"}
 
 
+def test_a_poller_whose_set_up_fails_once_retries_instead_of_leaving_the_job_pending(tmp_path, monkeypatch):
+    """The job's poller creates its boto client in its own thread while the rehearsal's submit may
+    still be restoring os.environ (boto iterates it: a KeyError once, in a full run). A failure
+    there is retried like a failed poll; the job ends (it stayed "pending" for good)."""
+    original, failed = sm.SageMakerJob._boto, []
+
+    def flaky(job):
+        import threading
+        if threading.current_thread().name.startswith("sdp-sagemaker-") and not failed:
+            failed.append(True)
+            raise KeyError("AWS_ACCESS_KEY_ID")  # what os.environ's iterator raised
+        return original(job)
+
+    monkeypatch.setattr(sm.SageMakerJob, "_boto", flaky)
+    s = spec(tmp_path, "flaky-poller", code=SMDDP_CELL, backend="smddp",
+             sagemaker={"instance_type": "ml.p4d.24xlarge", "inputs": []})
+    job = launch(s)
+    assert job.wait(120) == "succeeded", (job.state, job.error, job.sagemaker.get("poll_error"))
+    assert failed  # the set-up did fail once (the poll error is cleared by the next good poll)
+    assert job.result()["sum"] == 3.0
+
+
 def test_init_process_group_option_reaches_the_sagemaker_hosts(tmp_path):
     """--init-process-group on SageMaker: the container entry makes the default group with the job's
     backend before the script, so a script that never calls init_process_group (as Trainer expects

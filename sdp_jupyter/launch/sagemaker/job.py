@@ -238,16 +238,22 @@ class SageMakerRun:
         job = self.job
         sm = job.sagemaker
         self._parse, self._prefix = parse_log_line, LINE_PREFIX.strip()
-        boto = job._boto()
-        client = boto.client("sagemaker")
-        logs = LogFollower(job.training_job_name, session=boto)
-        metrics = HostMetrics(job.training_job_name, job.hosts, sm.get("instance_type"), session=boto,
-                              start=job.status.get("created"))
-        metrics.counts = host_counts(sm.get("instance_type") or "", sm.get("region")) or metrics.counts
+        client = logs = metrics = None
         next_metrics = 0.0
         try:
             while not self._stop.is_set():
                 try:
+                    if client is None:
+                        # Set up inside the retried block: a failure here (the network, or boto
+                        # reading os.environ while another thread changes it, as a rehearsal's
+                        # submit does) is retried like a poll, never a dead poller and a job
+                        # left pending for good.
+                        boto = job._boto()
+                        client = boto.client("sagemaker")
+                        logs = LogFollower(job.training_job_name, session=boto)
+                        metrics = HostMetrics(job.training_job_name, job.hosts, sm.get("instance_type"),
+                                              session=boto, start=job.status.get("created"))
+                        metrics.counts = host_counts(sm.get("instance_type") or "", sm.get("region")) or metrics.counts
                     desc = client.describe_training_job(TrainingJobName=job.training_job_name)
                     final = desc.get("TrainingJobStatus") in _FINAL_STATES
                     self._lines(logs.poll())
