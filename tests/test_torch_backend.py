@@ -126,6 +126,25 @@ def test_gather_scatter_all_to_all_in_many_chunks_match_gloo(world, per_node, no
     assert (max(read) > 0) == (min(read) > 0) == (per_node == world and no_cma_on is None), read
 
 
+@pytest.mark.parametrize("world,per_node", [(4, 2), (3, 2), (2, 1)])
+def test_all_to_all_across_nodes_moves_same_node_blocks_in_shared_memory(world, per_node):
+    """Several nodes, equal blocks: each rank sends messages only to the ranks of other nodes (two
+    per such rank: a send and a receive); the blocks between ranks of one node go through the
+    engine, the large ones read from the peer's memory (nothing to read for a rank alone on its
+    node). Every element right, with nodes of 2 ranks, of 2 and 1, and of 1."""
+    results = assert_all_ok(run_ranks("backend_workers:split_all_to_all", world, per_node,
+                                      env={**_HELPERS_ENV, "SDP_TIMEOUT": "60"}, timeout=120))
+    for rank, v in enumerate(results):
+        node = rank // per_node
+        others = sum(1 for r in range(world) if r // per_node != node)
+        mates = sum(1 for r in range(world) if r // per_node == node) - 1
+        for size in ("small", "large"):
+            assert v[size]["equal"], (rank, size, v)
+            assert v[size]["messages"] == 2 * others, (rank, size, v)
+        assert v["small"]["peer_read_bytes"] == 0, (rank, v)
+        assert v["large"]["peer_read_bytes"] == mates * (1 << 17) * 4, (rank, v)
+
+
 @pytest.mark.parametrize("world,per_node", [(3, 3), (3, 1)])
 def test_messages_and_uneven_all_to_all_and_sparse_match_gloo(world, per_node):
     """send/recv with tags, any source, batch_isend_irecv, uneven all_to_all, sparse all_reduce:

@@ -161,7 +161,7 @@ void Engine::connect(const std::vector<std::string>& addrs, const std::vector<in
 uint64_t Engine::submit(Coll c, void* buf, size_t count, DType t, ReduceOp op, int root, const void* src,
                         std::vector<char*> blocks) {
   if (root < 0 || root >= world_size()) throw Error("root " + std::to_string(root) + " is not a rank of this group");
-  bool node_only = c == Coll::GATHER || c == Coll::SCATTER || c == Coll::ALLTOALL;
+  bool node_only = c == Coll::GATHER || c == Coll::SCATTER;
   if (node_only && num_nodes() > 1)
     throw Error(std::string(coll_name(c)) + " runs in the engine only when every rank of the group is on one node "
                 "(across nodes it goes through the group's messages)");

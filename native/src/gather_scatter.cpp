@@ -2,8 +2,9 @@
 // slots (one copy in, one copy out, no socket); large ones read straight from the peers' memory
 // (process_vm_readv: one copy, every reader at once) where the node allows it, else through the
 // slots chunk by chunk. Either way with the same description check and barriers as the other
-// collectives. Across nodes the torch backend sends messages instead (Engine::submit refuses these
-// there).
+// collectives. Across nodes the torch backend sends gather and scatter as messages (Engine::submit
+// refuses them there); all_to_all runs here for the blocks between ranks of the same node while
+// the other blocks travel as messages.
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -165,14 +166,17 @@ void Collectives::one_rank(const Work& w) {
 void Collectives::scatter(const Work& w) { rooted(w, false); }
 
 void Collectives::all_to_all(const Work& w) {
-  // Each round moves a piece of every block: rank l's slot holds L pieces, piece j for the rank
-  // at local index j; after the barrier each rank takes its piece from every other slot.
+  // The blocks between the ranks of this node (all of them when the group is one node; across
+  // nodes the torch backend sends the other blocks as messages meanwhile). Each round moves a
+  // piece of every block: rank l's slot holds L pieces, piece j for the rank at local index j;
+  // after the barrier each rank takes its piece from every other slot.
   int L = topo_.local_size(), local = topo_.local;
   size_t esz = dtype_size(w.dtype), n = w.count;
   size_t piece = std::max<size_t>(1, chunk_bytes_ / esz / size_t(L));
   const auto& ranks = topo_.ranks_of_node[topo_.node];
   auto block = [&](int l) { return size_t(ranks[l]) * n * esz; };  // byte offset of local rank l's block
   std::memcpy(w.buf + block(local), w.src + block(local), n * esz);
+  if (L == 1) return;  // alone on its node: no shared memory, nothing else to move here
   if (n * esz * size_t(L) > kSmallBytes && single_copy(w, {w.src})) {
     for (int l = 0; l < L; ++l)  // my block of each peer's input, straight into my output
       if (l != local) read_peer(l, peer_addr(l, 0) + block(local), w.buf + block(l), n * esz);

@@ -229,6 +229,31 @@ class SmddpMessageWork(SmddpWork):
         return self._source
 
 
+class SmddpSplitWork(SmddpMessageWork):
+    """A collective split between the engine (the node's part, through shared memory) and messages
+    (the parts for other nodes), running at once: done when both are."""
+
+    def __init__(self, pg, handles, engine_handle: int, result, keep=None, finish=()):
+        super().__init__(pg, handles, result, keep, finish)
+        self._engine_handle = engine_handle
+
+    def _wait_handles(self, timeout_s: float) -> None:
+        # The engine's part always runs to its end before the buffers may go (peers read them),
+        # even when a message failed; the first error is the one raised.
+        try:
+            super()._wait_handles(timeout_s)
+        finally:
+            self._pg._engine.wait(self._engine_handle, 0.0)
+
+    def is_completed(self) -> bool:
+        if not super().is_completed():
+            return False
+        try:
+            return self._pg._engine.test(self._engine_handle)
+        except (EngineError, SmddpError) as exc:
+            raise _backend_error(exc) from None
+
+
 # Collectives built on messages use this tag; messages between two ranks keep their order, so
 # successive collectives never take each other's pieces.
 _COLL_TAG = -(1 << 62)
@@ -466,16 +491,22 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
             handles.append(self._post(self._mailbox.isend, peer, _COLL_TAG, buf))
             keep.append(buf)
         work = SmddpMessageWork(self, handles, result, keep, finish)
+        if local is not None:
+            self._after_posting(work, lambda: local[0].copy_(local[1]))
+        return work
+
+    @staticmethod
+    def _after_posting(work: SmddpWork, step):
+        """step() once `work`'s messages are posted; if it fails, the messages (which belong to the
+        peers' collective too) finish before its error is raised, so no buffer goes while in use."""
         try:
-            if local is not None:
-                local[0].copy_(local[1])
+            return step()
         except BaseException:
-            try:  # the posted messages belong to the peers' collective too: let them finish first
+            try:
                 work.wait()
-            except Exception:  # noqa: BLE001 - the copy's error is the one to report
+            except Exception:  # noqa: BLE001 - step's error is the one to report
                 pass
             raise
-        return work
 
     def send(self, tensors, dst, tag=0):
         buf = self._send_buffer(tensors[0])
@@ -534,7 +565,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         src = input.detach()
         if src.data_ptr() == output.data_ptr() and src.numel():  # in place: peers read it while it is written
             src = src.clone()
-        if self._one_node and not input_split_sizes and not output_split_sizes:
+        if not input_split_sizes and not output_split_sizes:
             # equal blocks (no split sizes on any rank: torch passes none when the caller gave
             # none; a rank that gives sizes where another gives none waits for the timeout)
             return self._node_all_to_all(output, src)
@@ -577,14 +608,25 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         return SmddpWork(self, [h], output_tensors, [buf, pieces], (fin,))
 
     def _node_all_to_all(self, output, input):
+        """Equal blocks: the blocks between ranks of one node through the engine's shared memory;
+        across nodes the blocks for other nodes' ranks go as messages at the same time."""
         buf, fin = _staged(output)
         src = self._send_buffer(input)
         if src.numel() != buf.numel() or src.dtype != buf.dtype:
             raise ValueError(f"all_to_all_single: input ({src.numel()} x {src.dtype}) and output ({buf.numel()} x "
                              f"{buf.dtype}) must match")
-        h = self._submit(COLL_ALLTOALL, buf.data_ptr(), buf.numel() // self._world, _dtype_code(buf), 0, 0,
-                         src.data_ptr())
-        return SmddpWork(self, [h], [output], [buf, src], (fin,))
+        n = buf.numel() // self._world
+        if self._one_node:
+            h = self._submit(COLL_ALLTOALL, buf.data_ptr(), n, _dtype_code(buf), 0, 0, src.data_ptr())
+            return SmddpWork(self, [h], [output], [buf, src], (fin,))
+        nodes, me = self.comm.node_of_rank, self._rank
+        remote = [r for r in range(self._world) if nodes[r] != nodes[me]]
+        flat_in, flat_out = src.reshape(-1), buf.reshape(-1)
+        messages = self._messages([(r, flat_in[r * n:(r + 1) * n]) for r in remote],
+                                  [(r, flat_out[r * n:(r + 1) * n]) for r in remote], [output])
+        h = self._after_posting(messages, lambda: self._submit(COLL_ALLTOALL, buf.data_ptr(), n, _dtype_code(buf), 0, 0,
+                                                                src.data_ptr()))
+        return SmddpSplitWork(self, messages._handles, h, [output], [buf, src, messages._keep], (fin,))
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
         w, me = self._world, self._rank

@@ -101,6 +101,29 @@ def _big_blocks(rank: int, world: int, backend: str) -> dict:
     return out
 
 
+def split_all_to_all():
+    """all_to_all_single with equal blocks in a group of several nodes: the blocks between ranks of
+    one node through the engine (large ones read from the peer's memory), the others as messages,
+    both at once. Checks every element (block d of rank r's input holds 1e6 * r + 1e3 * d + i) and
+    returns what the split took: messages posted and bytes read from peers, per call."""
+    from sdp_jupyter.comm import _live
+    rank, world = _init("smddp")
+    comms = list(_live)
+    out = {}
+    for name, per_block in (("small", 5), ("large", 1 << 17)):  # 20 B and 512 KiB of float32 per block
+        inp = torch.cat([torch.arange(per_block, dtype=torch.float32) + 1e6 * rank + 1e3 * d for d in range(world)])
+        got = torch.full((world * per_block,), -1.0)
+        messages0 = sum(c.messages for c in comms)
+        read0 = sum(c.stats()["peer_read_bytes"] for c in comms)
+        dist.all_to_all_single(got, inp)
+        want = torch.cat([torch.arange(per_block, dtype=torch.float32) + 1e6 * d + 1e3 * rank for d in range(world)])
+        out[name] = {"equal": bool(torch.equal(got, want)),
+                     "messages": sum(c.messages for c in comms) - messages0,
+                     "peer_read_bytes": sum(c.stats()["peer_read_bytes"] for c in comms) - read0}
+    dist.destroy_process_group()
+    return out
+
+
 def messages(backend: str):
     """Point-to-point traffic and what rides on it, through torch's public API: values only (the
     test compares them with gloo's)."""
