@@ -82,6 +82,17 @@ def backend_runs(script: str, ranks: list[int], args: list[str], backends=("smdd
             yield world, layout, {b: run_ranks(script, world, per_node, ["--backend", b, *args]) for b in backends}
 
 
+def agree(value: float) -> float:
+    """The largest `value` over the ranks of torch.distributed's default group: from it every rank
+    derives the same number of calls (collectives whose count differs between ranks mismatch)."""
+    import torch
+    import torch.distributed as dist
+
+    a = torch.tensor([float(value)], dtype=torch.float64)
+    dist.all_reduce(a, op=dist.ReduceOp.MAX)
+    return a.item()
+
+
 def median_time(fn, budget: float, agree) -> float:
     """fn's median time in seconds after a warm-up; the iteration count (3..100, about `budget`
     seconds) comes from agree(first time), which must give every rank the same number."""

@@ -26,6 +26,7 @@ def worker(backend: str, sizes: list[int], dtypes: list[str], budget: float) -> 
     import torch.distributed as dist
 
     import sdp_jupyter.torch  # noqa: F401
+    from _spawn import agree
 
     dist.init_process_group(backend)
     world = dist.get_world_size()
@@ -39,12 +40,11 @@ def worker(backend: str, sizes: list[int], dtypes: list[str], budget: float) -> 
             t0 = time.perf_counter()
             dist.all_reduce(t)
             # Every rank must run the same number of collectives: agree on the slowest estimate.
-            est = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-            dist.all_reduce(est, op=dist.ReduceOp.MAX)
-            iters = int(min(200, max(3, budget / max(est.item(), 1e-6))))
+            est = agree(time.perf_counter() - t0)
+            iters = int(min(200, max(3, budget / max(est, 1e-6))))
             # Warm up for about 0.1 s (at most 50 calls): right after set-up a rank's other threads
             # (the mailbox's listener, torch's) are still starting, and one call did not cover it.
-            for _ in range(int(min(50, max(1, 0.1 / max(est.item(), 1e-6))))):
+            for _ in range(int(min(50, max(1, 0.1 / max(est, 1e-6))))):
                 dist.all_reduce(t)
             dist.barrier()
             times = []

@@ -14,6 +14,7 @@ single runs cannot answer this; interleaved medians can, to a few percent. Write
 """
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import sys
@@ -30,13 +31,12 @@ def worker(size: int, dtype: str, budget: float) -> None:
     import torch.distributed as dist
 
     import sdp_jupyter.torch  # noqa: F401  (registers smddp; from the tree on PYTHONPATH)
+    from _spawn import agree
 
     dist.init_process_group("smddp")
     t = torch.ones(size // torch.empty(0, dtype=getattr(torch, dtype)).element_size(), dtype=getattr(torch, dtype))
     def agreed(count: float) -> int:  # every rank makes the same number of calls
-        n = torch.tensor([max(3, int(count))], dtype=torch.int64)
-        dist.all_reduce(n, op=dist.ReduceOp.MAX)
-        return int(n.item())
+        return max(3, int(agree(count)))
 
     t0 = time.perf_counter()
     for _ in range(3):
@@ -68,8 +68,8 @@ def main() -> None:
     ap.add_argument("--dtypes", default="float32,float16")
     ap.add_argument("--rounds", type=int, default=4, help="runs of each build per row")
     ap.add_argument("--budget", type=float, default=0.5, help="seconds of timed calls per run")
-    ap.add_argument("--size", type=int, help=argparse_hidden())
-    ap.add_argument("--dtype", help=argparse_hidden())
+    ap.add_argument("--size", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--dtype", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=os.path.join(HERE, "results", "allreduce_ab.json"))
     a = ap.parse_args()
     if a.worker:
@@ -109,11 +109,6 @@ def main() -> None:
                       f"{min(row['A_runs_us']):.0f}-{max(row['A_runs_us']):.0f}, B "
                       f"{min(row['B_runs_us']):.0f}-{max(row['B_runs_us']):.0f} us", flush=True)
     write_results(a.out, info, rows, trees=trees, rounds=a.rounds, budget_s=a.budget)
-
-
-def argparse_hidden():
-    import argparse
-    return argparse.SUPPRESS
 
 
 if __name__ == "__main__":

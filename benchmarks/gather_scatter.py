@@ -47,10 +47,8 @@ def worker(backend: str, sizes: list[int], budget: float) -> None:
         dist.init_process_group("gloo")
         world, rank = dist.get_world_size(), dist.get_rank()
 
-        def agree(t):
-            a = torch.tensor([t], dtype=torch.float64)
-            dist.all_reduce(a, op=dist.ReduceOp.MAX)
-            return a.item()
+        from _spawn import agree
+
         for size in sizes:
             n = size // 4 // world
             big, small = torch.ones(n * world), torch.ones(n)

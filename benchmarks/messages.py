@@ -27,18 +27,13 @@ def worker(backend: str, sizes: list[int], budget: float) -> None:
     import torch.distributed as dist
 
     import sdp_jupyter.torch  # noqa: F401  (registers smddp)
-    from _spawn import median_time
+    from _spawn import agree, median_time
 
     dist.init_process_group(backend)
     world, rank = dist.get_world_size(), dist.get_rank()
     half = world // 2
     lower = rank < half
     peer = rank + half if lower else rank - half
-
-    def agree(t):  # every rank runs the same number of iterations
-        a = torch.tensor([t], dtype=torch.float64)
-        dist.all_reduce(a, op=dist.ReduceOp.MAX)
-        return a.item()
 
     out = []
     for size in sizes:

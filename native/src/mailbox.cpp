@@ -551,12 +551,11 @@ void Mailbox::wait_reading(std::unique_lock<std::mutex>& lk, const Op& op, int s
   c.reader = true;
   watch_in(src, false);
   pump_in(src);
-  const bool spin = spin_;
-  double spin_until = spin ? now_s() + kSpinSeconds : 0;
+  SpinWindow spin(spin_);
   while (!op.finished && !shut_ && c.fd == fd) {
     double now = now_s();
     if (now >= deadline) break;
-    bool spinning = now < spin_until;
+    bool spinning = spin.spinning();
     int ms = spinning ? 0 : int(std::min(deadline - now, 1.0) * 1000) + 1;
     lk.unlock();
     pollfd p[2] = {{fd, POLLIN, 0}, {stop_fd_, POLLIN, 0}};
@@ -565,7 +564,7 @@ void Mailbox::wait_reading(std::unique_lock<std::mutex>& lk, const Op& op, int s
     lk.lock();
     if (n > 0 && p[0].revents && c.fd == fd) {
       pump_in(src);
-      if (spin) spin_until = now_s() + kSpinSeconds;
+      spin.progress();
     }
   }
   if (c.fd == fd) watch_in(src, true);  // the I/O thread reads it again (at once if data waits)

@@ -57,15 +57,21 @@ void Links::post_recv(int node, const FrameHeader& expect, char* dst) {
 void Links::exchange(int scatter_set) {
   std::vector<pollfd> pfds;
   std::vector<Peer*> who;
-  double spin_until = 0;  // polls without sleeping until then (see kSpinMaxBytes)
+  bool small = spin_;  // every frame posted is small: poll before sleeping (kSpinMaxBytes)
+  for (const auto& p : peers_) {
+    if (!small) break;
+    if (p.send_active) small = p.slen <= kSpinMaxBytes;
+    if (p.recv_active) small = small && p.expect.nbytes <= kSpinMaxBytes;
+    for (const auto& o : p.sendq) small = small && o.h.nbytes <= kSpinMaxBytes;
+    for (const auto& i : p.recvq) small = small && i.expect.nbytes <= kSpinMaxBytes;
+  }
+  SpinWindow spin(small);
   for (;;) {
     pfds.clear();
     who.clear();
     bool reached = true;
-    bool small = spin_;
     for (auto& p : peers_) {
       if (p.fd < 0) continue;
-      small = small && (!p.send_active || p.slen <= kSpinMaxBytes) && (!p.recv_active || p.expect.nbytes <= kSpinMaxBytes);
       if (p.send_active) pump_send(p);
       if (p.recv_active) pump_recv(p);
       if (scatter_set < 0 ? (p.send_active || p.recv_active) : p.recvs_done < p.scatter_mark[scatter_set]) reached = false;
@@ -77,11 +83,9 @@ void Links::exchange(int scatter_set) {
     }
     if (reached) return;
     if (pfds.empty()) op_.fail("internal error in " + op_.desc + ": waiting for frames that were never posted");
-    if (!small) spin_until = 0;
-    else if (spin_until == 0) spin_until = now_s() + kSpinSeconds;
-    bool spinning = small && now_s() < spin_until;
+    bool spinning = spin.spinning();
     int r = ::poll(pfds.data(), nfds_t(pfds.size()), spinning ? 0 : 50);
-    if (r > 0 && small) spin_until = now_s() + kSpinSeconds;
+    if (r > 0) spin.progress();
     if (r == 0 && spinning) {
       sched_yield();
       continue;

@@ -44,6 +44,16 @@ class SmddpError(RuntimeError):
     """A collective failed on this rank: mismatch, dead or stalled peer, bad secret, timeout."""
 
 
+def submit_to(engine, coll: int, ptr: int, count: int, dtype: int, op: int = 0, root: int = 0, src: int = 0,
+              blocks=()) -> int:
+    """Queue one collective on `engine` and return its handle. The common call has a binding of its
+    own (nothing for pybind to convert per call: microseconds count at 4 KiB); gather/scatter's
+    per-rank buffers and all_to_all's input take `submit_buffers`."""
+    if src or blocks:
+        return engine.submit_buffers(coll, ptr, count, dtype, op, root, src, list(blocks))
+    return engine.submit(coll, ptr, count, dtype, op, root)
+
+
 def node_key() -> str:
     """What identifies this rank's node: GROUP_RANK as launchers set it, else the host name."""
     group = (os.environ.get("GROUP_RANK") or "").strip()
@@ -242,8 +252,7 @@ class Communicator:
                blocks=()) -> Work:
         """`src`: all_to_all's input; `blocks`: the root's one buffer per rank of gather and scatter."""
         try:
-            h = (self._engine.submit_buffers(coll, ptr, count, dtype, op, root, src, list(blocks)) if src or blocks
-                 else self._engine.submit(coll, ptr, count, dtype, op, root))
+            h = submit_to(self._engine, coll, ptr, count, dtype, op, root, src, blocks)
         except EngineError as exc:
             raise SmddpError(str(exc)) from None
         return Work(self, h, keepalive, finish)

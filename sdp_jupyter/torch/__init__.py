@@ -22,7 +22,8 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from sdp_jupyter.comm import (COLL_ALLGATHER, COLL_ALLREDUCE, COLL_ALLTOALL, COLL_BROADCAST, COLL_GATHER,
-                              COLL_REDUCE_SCATTER, COLL_SCATTER, DTYPES, OPS, Communicator, EngineError, SmddpError)
+                              COLL_REDUCE_SCATTER, COLL_SCATTER, DTYPES, OPS, Communicator, EngineError, SmddpError,
+                              submit_to)
 
 BACKEND_NAME = "smddp"
 
@@ -121,7 +122,7 @@ class SmddpWork(dist._Work):
         self._handles = handles
         self._keep = keep
         self._result = result
-        self._finish = [f for f in finish if f is not None] if finish != (None,) else ()
+        self._finish = [f for f in finish if f is not None]
         self._lock = threading.Lock()
         self._done = False
         self._error: BaseException | None = None
@@ -276,8 +277,9 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
             raise _backend_error(exc) from None
         self._engine = self.comm._engine
         self._mailbox = self.comm._mailbox
-        # gather, scatter and all_to_all_single go through the engine's shared memory when the
-        # whole group is on one node (the same answer on every rank), else as messages
+        # gather and scatter go through the engine's shared memory when the whole group is on one
+        # node (the same answer on every rank), else as messages; all_to_all_single with equal
+        # blocks splits across nodes (the node's blocks in the engine, the others as messages)
         self._one_node = world_size > 1 and self._engine.num_nodes == 1
         _register_name_carrier(self, rank, world_size)
         self._completer: queue.SimpleQueue = queue.SimpleQueue()
@@ -305,8 +307,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
     def _submit(self, coll: int, ptr: int, count: int, dtype: int, op: int = 0, root: int = 0, src: int = 0,
                 blocks=()) -> int:
         try:
-            return (self._engine.submit_buffers(coll, ptr, count, dtype, op, root, src, list(blocks)) if src or blocks
-                    else self._engine.submit(coll, ptr, count, dtype, op, root))
+            return submit_to(self._engine, coll, ptr, count, dtype, op, root, src, blocks)
         except (EngineError, SmddpError) as exc:
             raise _backend_error(exc) from None
 

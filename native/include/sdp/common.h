@@ -51,6 +51,21 @@ void log_warning(const std::string& msg);
 constexpr size_t kSpinMaxBytes = 256 << 10;
 constexpr double kSpinSeconds = 200e-6;
 
+// That policy for one wait: poll with timeout 0 (yielding the core after an empty poll) while
+// spinning(), sleep in poll() after; progress() after every event restarts the window.
+class SpinWindow {
+ public:
+  explicit SpinWindow(bool on) : on_(on), until_(on ? now_s() + kSpinSeconds : 0) {}
+  bool spinning() const { return on_ && now_s() < until_; }
+  void progress() {
+    if (on_) until_ = now_s() + kSpinSeconds;
+  }
+
+ private:
+  bool on_;
+  double until_;
+};
+
 // An integer setting from the environment: `def` when unset or empty; anything but a whole
 // decimal number within [lo, hi] throws an Error naming the variable (no atoi: garbage is refused).
 long long env_int(const char* name, long long def, long long lo, long long hi);

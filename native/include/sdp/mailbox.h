@@ -5,8 +5,9 @@
 // ordered queue. Every rank has a listener for the group's life; the first message from rank a
 // to rank b opens one authenticated connection a -> b (the same handshake as the engine's
 // links, role P2P), which then carries every later a -> b message in order. One I/O thread per
-// rank moves the bytes with non-blocking sockets and one poll loop; a receive that waits for one
-// rank reads that rank's connection in its own thread meanwhile (no thread hand-off).
+// rank moves the bytes with non-blocking sockets and one poll loop; a small receive (up to
+// kSpinMaxBytes) that waits for one rank reads that rank's connection in its own thread
+// meanwhile (no thread hand-off; see wait_reading).
 //
 // Matching is MPI's: a message goes to the oldest posted receive whose source (or "any") and
 // tag fit; a message nobody waits for yet is kept until a receive takes it. A receive whose
@@ -40,7 +41,7 @@ struct MessageHeader {
 
 class Mailbox {
  public:
-  // spin: a waiting receive polls its connection without sleeping for a while (see wait_reading).
+  // spin: a receive reading its connection polls before it sleeps (SpinWindow; SDP_SPIN=0 turns it off).
   Mailbox(int rank, int world_size, std::string secret, std::string bind_addr, double timeout_s, bool spin = true);
   ~Mailbox();
   Mailbox(const Mailbox&) = delete;
