@@ -161,10 +161,9 @@ void Engine::connect(const std::vector<std::string>& addrs, const std::vector<in
 uint64_t Engine::submit(Coll c, void* buf, size_t count, DType t, ReduceOp op, int root, const void* src,
                         std::vector<char*> blocks) {
   if (root < 0 || root >= world_size()) throw Error("root " + std::to_string(root) + " is not a rank of this group");
-  bool node_only = c == Coll::GATHER || c == Coll::SCATTER;
-  if (node_only && num_nodes() > 1)
-    throw Error(std::string(coll_name(c)) + " runs in the engine only when every rank of the group is on one node "
-                "(across nodes it goes through the group's messages)");
+  if (c == Coll::GATHER && num_nodes() > 1)
+    throw Error("gather runs in the engine only when every rank of the group is on one node (across nodes the "
+                "torch backend sends every block to the root as a message)");
   if (c == Coll::ALLTOALL && !src) throw Error("all_to_all needs its input buffer");
   if ((c == Coll::GATHER || c == Coll::SCATTER) && rank() == root && blocks.size() != size_t(world_size()))
     throw Error(std::string(coll_name(c)) + " on the root needs one buffer per rank");

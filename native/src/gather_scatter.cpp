@@ -1,10 +1,11 @@
-// gather, scatter and all_to_all within one node. Small ones go through the ranks' shared-memory
+// gather, scatter and all_to_all between the ranks of one node. Small ones go through the ranks' shared-memory
 // slots (one copy in, one copy out, no socket); large ones read straight from the peers' memory
 // (process_vm_readv: one copy, every reader at once) where the node allows it, else through the
 // slots chunk by chunk. Either way with the same description check and barriers as the other
-// collectives. Across nodes the torch backend sends gather and scatter as messages (Engine::submit
-// refuses them there); all_to_all runs here for the blocks between ranks of the same node while
-// the other blocks travel as messages.
+// collectives. In a group of several nodes, scatter runs here for the root's node (the other
+// nodes' ranks submit it too, which keeps every rank's sequence in step, and return at once) and
+// all_to_all for each node's blocks, while the torch backend sends the other blocks as messages;
+// gather across nodes is all messages (Engine::submit refuses it).
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -104,6 +105,7 @@ void Collectives::rooted(const Work& w, bool to_root) {
   size_t esz = dtype_size(w.dtype), n = w.count;
   bool root = topo_.rank == w.root;
   const auto& ranks = topo_.ranks_of_node[topo_.node];
+  if (topo_.node_of_rank[size_t(w.root)] != topo_.node) return;  // the root's blocks for this node go as messages
   auto own_block = [&] {  // the root's own block: one copy, touching only the root's buffers
     if (!root || w.blocks[w.root] == w.buf) return;
     if (to_root) std::memcpy(w.blocks[w.root], w.buf, n * esz);
@@ -124,6 +126,7 @@ void Collectives::rooted(const Work& w, bool to_root) {
         if (l != local) std::memcpy(w.blocks[ranks[l]] + off * esz, slot(l), m * esz);
     if (!to_root && !root) std::memcpy(w.buf + off * esz, slot(local), m * esz);
   };
+  if (L == 1) return own_block();  // the root alone on its node: the other blocks are messages
   if (n * esz <= kSmallBytes) {
     own_block();
     small_set_ ^= 1;

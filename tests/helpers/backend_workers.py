@@ -124,6 +124,74 @@ def split_all_to_all():
     return out
 
 
+def split_gather_scatter():
+    """gather and scatter in a group of several nodes, root 0 and the last rank (scatter: the blocks
+    between ranks of the root's node through the engine, large ones read from the root's memory,
+    the others as messages; gather: all messages). Checks every element (rank r's block holds 1e6 * r + i) and returns, per
+    call, the messages this rank posted and the bytes it read from peers."""
+    from sdp_jupyter.comm import _live
+    rank, world = _init("smddp")
+    comms = list(_live)
+    out = {}
+
+    def taken(fn):
+        messages0, read0 = sum(c.messages for c in comms), sum(c.stats()["peer_read_bytes"] for c in comms)
+        equal = fn()
+        return {"equal": equal, "messages": sum(c.messages for c in comms) - messages0,
+                "peer_read_bytes": sum(c.stats()["peer_read_bytes"] for c in comms) - read0}
+    for name, per_block in (("small", 5), ("large", 1 << 17)):  # 20 B and 512 KiB of float32 per block
+        def block(r):
+            return torch.arange(per_block, dtype=torch.float32) + 1e6 * r
+        for root in (0, world - 1):
+            def gather():
+                got = [torch.full((per_block,), -1.0) for _ in range(world)] if rank == root else None
+                dist.gather(block(rank), got, dst=root)
+                return rank != root or all(torch.equal(got[r], block(r)) for r in range(world))
+
+            def scatter():
+                got = torch.full((per_block,), -1.0)
+                dist.scatter(got, [block(r) for r in range(world)] if rank == root else None, src=root)
+                return bool(torch.equal(got, block(rank)))
+            out[f"gather_{name}_{root}"] = taken(gather)
+            out[f"scatter_{name}_{root}"] = taken(scatter)
+    dist.destroy_process_group()
+    return out
+
+
+def parked_messages():
+    """A 64 MiB message that arrives while its receiver has no receive from the sender posted stays
+    in the socket (the send is not complete a second later) and lands in the receive once posted;
+    a receive for a message behind a parked one, and a receive from any source, still get theirs."""
+    rank, world = _init("smddp")
+    out: dict = {}
+    big = torch.arange(1 << 24, dtype=torch.float32)
+    if rank == 0:
+        w = dist.isend(big, 1, tag=1)
+        time.sleep(1.0)
+        out["sent_before_posted"] = w.is_completed()
+        dist.barrier()  # rank 1 posts its receive after this
+        w.wait()
+        later = [dist.isend(big, 1, tag=2), dist.isend(torch.ones(4), 1, tag=3)]
+        for h in later:
+            h.wait()
+        dist.send(big, 1, tag=4)
+    else:
+        time.sleep(1.0)
+        dist.barrier()
+        got = torch.empty_like(big)
+        dist.recv(got, 0, tag=1)
+        out["first"] = bool(torch.equal(got, big))
+        small, got = torch.empty(4), torch.empty_like(big)
+        dist.recv(small, 0, tag=3)  # the 64 MiB message of tag 2 comes first on the connection
+        dist.recv(got, 0, tag=2)
+        out["behind"] = small.tolist() == [1.0] * 4 and bool(torch.equal(got, big))
+        got = torch.empty_like(big)
+        out["any_source"] = [dist.recv(got, tag=4), bool(torch.equal(got, big))]
+    dist.barrier()
+    dist.destroy_process_group()
+    return out
+
+
 def messages(backend: str):
     """Point-to-point traffic and what rides on it, through torch's public API: values only (the
     test compares them with gloo's)."""

@@ -32,7 +32,7 @@ class Collectives {
   void reduce_scatter(const Work& w);
   // A group of one rank: the in-place collectives leave the buffer as it is, the others copy.
   void one_rank(const Work& w);
-  // Within one node only (gather_scatter.cpp; see Coll).
+  // The blocks between ranks of one node (gather_scatter.cpp; see Coll).
   void gather(const Work& w);
   void scatter(const Work& w);
   void all_to_all(const Work& w);
@@ -54,7 +54,7 @@ class Collectives {
   void node_reduce_scatter(const Work& w, double divisor);
   void tcp_reduce_scatter(const Work& w, double divisor);
   char* recv_slot(int set, int k);
-  // gather and scatter within one node (gather_scatter.cpp)
+  // gather (one node) and scatter (the root's node) (gather_scatter.cpp)
   void rooted(const Work& w, bool to_root);
   // Large gather, scatter and all_to_all read straight from the peers' memory (Linux cross-memory
   // attach, one copy instead of two through the slots), when a probe on first use shows every

@@ -14,11 +14,12 @@ enum class ReduceOp : uint8_t { SUM = 0, AVG = 1, MAX = 2, MIN = 3, PRODUCT = 4 
 // collectives are caught before anything is reduced.
 // ALLGATHER and REDUCE_SCATTER work in place on world_size blocks of `count` elements each:
 // block r belongs to rank r (all_gather: rank r's input is block r; reduce_scatter: rank r's
-// result lands in block r). GATHER and SCATTER run within one node only (the torch backend sends
-// messages across nodes): GATHER copies every rank's `buf` (count elements) to the root's block
-// r = `blocks[r]`; SCATTER copies the root's `blocks[r]` to rank r's `buf`. ALLTOALL sends block r
-// of every rank's `src` to block `rank` of rank r's `buf` (world_size blocks of count elements on
-// every rank) for every r on the same node as `rank`; across nodes the caller moves the others.
+// result lands in block r). GATHER copies every rank's `buf` (count elements) to the root's block
+// r = `blocks[r]` (one node only); SCATTER copies the root's `blocks[r]` to rank r's `buf`, for
+// the ranks of the root's node (every rank submits it; on other nodes it returns at once). ALLTOALL
+// sends block r of every rank's `src` to block `rank` of rank r's `buf` (world_size blocks of count
+// elements on every rank) for every r on the same node as `rank`. Across nodes the caller moves
+// the other blocks.
 enum class Coll : uint8_t { ALLREDUCE = 1, BROADCAST = 2, ALLGATHER = 3, REDUCE_SCATTER = 4, GATHER = 5, SCATTER = 6,
                             ALLTOALL = 7 };
 
