@@ -255,6 +255,10 @@ class SmddpSplitWork(SmddpMessageWork):
             raise _backend_error(exc) from None
 
 
+# Below this a block of scatter across nodes goes as a message also to the root's node: an engine
+# call for a few KiB costs more than it saves (the engine's one-barrier path also ends here).
+_SPLIT_MIN_BYTES = 64 << 10
+
 # Collectives built on messages use this tag; messages between two ranks keep their order, so
 # successive collectives never take each other's pieces.
 _COLL_TAG = -(1 << 62)
@@ -598,17 +602,29 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         return SmddpWork(self, [h], output_lists, [src, staged], [f for _, f in staged])
 
     def scatter(self, output_tensors, input_lists, opts=None):
-        """The blocks of the root's node through the engine's shared memory (large ones read by
-        each rank from the root's memory, all at once); the root sends the other nodes' blocks as
-        messages meanwhile, and their ranks submit the engine's scatter too (which keeps every
-        rank's engine sequence in step; it returns at once there)."""
+        """One node: the engine's scatter. Several nodes, blocks over 64 KiB and other ranks on the
+        root's node: those ranks read their blocks from the root's memory through the engine while
+        the root sends the other nodes' blocks as messages, and the other nodes' ranks submit the
+        engine's scatter too (which keeps every rank's engine sequence in step; it returns at once
+        there). Otherwise across nodes all messages: an engine call that moves a few KiB, or
+        nothing, costs more than it saves. Every rank takes the same path (equal blocks)."""
         root = opts.rootRank if opts is not None else 0
-        buf, fin = _staged(output_tensors[0])
-        code, n = _dtype_code(buf), buf.numel()
-        sends, recvs, pieces = [], [(r, buf) for r in self._remote([root])], []
+        out = output_tensors[0]
         if self._rank == root:
-            self._check_blocks("scatter on the root", input_lists[0], buf)
-            pieces = [self._send_buffer(p) for p in input_lists[0]]  # read straight from each tensor
+            self._check_blocks("scatter on the root", input_lists[0], out)
+        nodes = self.comm.node_of_rank
+        if self._engine.num_nodes > 1 and (out.numel() * out.element_size() <= _SPLIT_MIN_BYTES
+                                           or nodes.count(nodes[root]) == 1):
+            if self._rank != root:
+                return self._messages([], [(root, out)], output_tensors)
+            pieces = input_lists[0]
+            return self._messages([(r, p) for r, p in enumerate(pieces) if r != root], [], output_tensors,
+                                  (out, pieces[root]))
+        buf, fin = _staged(out)
+        code, n = _dtype_code(buf), buf.numel()
+        pieces = [self._send_buffer(p) for p in input_lists[0]] if self._rank == root else []  # read in place
+        sends, recvs = [], [(r, buf) for r in self._remote([root])]
+        if self._rank == root:
             sends, recvs = [(r, pieces[r]) for r in self._remote(range(self._world))], []
         return self._split(sends, recvs, lambda: self._submit(COLL_SCATTER, buf.data_ptr(), n, code, 0, root,
                                                               blocks=[p.data_ptr() for p in pieces]),
