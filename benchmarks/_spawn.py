@@ -93,9 +93,12 @@ def agree(value: float) -> float:
     return a.item()
 
 
-def median_time(fn, budget: float, agree) -> float:
-    """fn's median time in seconds after a warm-up; the iteration count (3..100, about `budget`
-    seconds) comes from agree(first time), which must give every rank the same number."""
+def call_times(fn, budget: float, agree) -> tuple[float, float]:
+    """(median time of one call, mean time per call over the whole timed loop) in seconds, after a
+    warm-up; the iteration count (3..100, about `budget` seconds) comes from agree(first time),
+    which must give every rank the same number. Calls run back to back, so where one call's work
+    can spill into the next (a send that returns before its bytes arrive), the median can hide
+    what the mean, the throughput of a stream of calls, shows."""
     import time
 
     fn()  # warm-up: connections, first touch
@@ -103,12 +106,19 @@ def median_time(fn, budget: float, agree) -> float:
     fn()
     iters = int(min(100, max(3, budget / max(agree(time.perf_counter() - t0), 1e-6))))
     times = []
+    start = time.perf_counter()
     for _ in range(iters):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
+    total = time.perf_counter() - start
     times.sort()
-    return times[len(times) // 2]
+    return times[len(times) // 2], total / iters
+
+
+def median_time(fn, budget: float, agree) -> float:
+    """fn's median time in seconds (see call_times)."""
+    return call_times(fn, budget, agree)[0]
 
 
 def slowest(results: list[dict], i: int, key: str) -> float:

@@ -152,8 +152,8 @@ def test_scatter_across_nodes_moves_the_roots_node_blocks_in_shared_memory_gathe
     """Several nodes, root 0 and the last rank. scatter of blocks over 64 KiB with other ranks on
     the root's node: only the blocks of ranks on another node travel as messages (the root posts
     one per such rank, each of them one); the ranks of the root's node read theirs from the root's
-    memory. Small blocks, a root alone on its node, and gather: every block is a message (faster
-    there, docs/benchmarks.md §11). Every element right, with nodes of 2 ranks, of 2 and 1, and of 1."""
+    memory. Small blocks, a root alone on its node, and gather: every block is a message
+    (docs/benchmarks.md §11). Every element right, with nodes of 2 ranks, of 2 and 1, and of 1."""
     results = assert_all_ok(run_ranks("backend_workers:split_gather_scatter", world, per_node,
                                       env={**_HELPERS_ENV, "SDP_TIMEOUT": "60"}, timeout=120))
     block = (1 << 17) * 4
@@ -185,6 +185,16 @@ def test_messages_and_uneven_all_to_all_and_sparse_match_gloo(world, per_node):
     assert smddp[1]["ring"] == [[0.0] * 4, [100.0] * 2]
     assert smddp[0]["sparse"] == [2.0 * world + 1] + [1.0] * (world - 1)
     assert smddp[2]["uneven_all_to_all"][:1] == [[2.0, 2.0]]
+
+
+def test_a_large_message_nobody_waits_for_stays_in_the_socket_until_a_receive_is_posted():
+    """Instead of being read into a fresh buffer and copied again later, a 64 MiB message with no
+    receive from its sender posted waits in the socket: its send is not complete a second later
+    (it was: the receiver's I/O thread read it all). Then it lands in its receive; a receive for a
+    message behind a waiting one, and one from any source, get theirs."""
+    v0, v1 = assert_all_ok(_run_workers("parked_messages", 2, env={"SDP_TIMEOUT": "60"}, timeout=120))
+    assert v0 == {"sent_before_posted": False}, v0
+    assert v1 == {"first": True, "behind": True, "any_source": [0, True]}, v1
 
 
 def test_message_failures_name_the_peer_and_the_sizes_and_say_timed_out():

@@ -42,6 +42,7 @@ struct Mailbox::In {  // the connection rank `src` opened to send to this rank
   bool keep = false;          // spill goes to unexpected_ when complete (else it is dropped)
   size_t got = 0;
   bool reader = false;        // a waiting receive reads this connection itself (out of the epoll set)
+  bool parked = false;        // a large message waits in the socket for a receive (out of the epoll set)
 };
 
 struct Mailbox::Out {  // this rank's connection to rank `dst`
@@ -56,6 +57,9 @@ struct Mailbox::Out {  // this rank's connection to rank `dst`
 namespace {
 std::string tag_text(int64_t tag) { return "tag " + std::to_string(tag); }
 constexpr size_t kSpillStep = 1 << 20;  // bytes of an unmatched message kept per read
+// A message above this that arrives with no receive from its sender posted waits in the socket
+// (parked) instead of being read into a fresh buffer and copied again when its receive comes.
+constexpr size_t kParkMinBytes = kSpinMaxBytes;
 }  // namespace
 
 Mailbox::Mailbox(int rank, int world_size, std::string secret, std::string bind_addr, double timeout_s, bool spin)
@@ -243,6 +247,13 @@ uint64_t Mailbox::irecv(int src, int64_t tag, void* data, size_t nbytes) {
     return h;
   }
   posted_.push_back(op);
+  // A parked message from this source is read again: straight into this receive if it fits, else
+  // kept as before (this receive may wait for a message behind it on the same connection).
+  for (int r = 0; r < world_; ++r)
+    if ((src == -1 || r == src) && in_[size_t(r)]->parked) {
+      in_[size_t(r)]->parked = false;
+      if (!in_[size_t(r)]->reader) watch_in(r, true);  // level-triggered: the I/O thread reads it at once
+    }
   return h;
 }
 
@@ -336,7 +347,7 @@ void Mailbox::pump_in(int src) {
   // the matched receive's buffer (or kept for a later receive). mu_ held; called by the I/O
   // thread, or by a receive that waits for src and reads its connection itself (wait_reading).
   In& c = *in_[size_t(src)];
-  while (c.fd >= 0) {
+  while (c.fd >= 0 && !c.parked) {
     if (c.hdr_got < sizeof(MessageHeader)) {
       ssize_t r = ::recv(c.fd, reinterpret_cast<char*>(&c.hdr) + c.hdr_got, sizeof(MessageHeader) - c.hdr_got, 0);
       if (r == 0) { peer_closed_in(src, c.hdr_got ? "closed its connection in the middle of a message" : "closed its connection (it left the group or died)"); break; }
@@ -363,6 +374,15 @@ void Mailbox::pump_in(int src) {
       if (!c.cur) {
         c.keep = !mismatch;
         c.spill.clear();
+        bool waited_for = std::any_of(posted_.begin(), posted_.end(),
+                                      [&](const std::shared_ptr<Op>& r) { return r->peer == -1 || r->peer == src; });
+        if (c.keep && size_t(c.hdr.nbytes) > kParkMinBytes && !waited_for) {
+          // Nobody waits for this rank: its message stays in the socket until a receive is posted
+          // (irecv puts the connection back), as gloo's sends wait for their receives.
+          c.parked = true;
+          if (!c.reader) watch_in(src, false);
+          break;
+        }
         if (c.keep) c.spill.reserve(size_t(c.hdr.nbytes));  // address space only, filled as it arrives
       }
     }
@@ -443,7 +463,7 @@ void Mailbox::io_loop() {
       for (int i = 0; i < ready; ++i) {
         int src = int(evs[i].data.u32);
         In& c = *in_[size_t(src)];
-        if (c.fd >= 0 && !c.reader) pump_in(src);  // a waiting receive may be reading it itself
+        if (c.fd >= 0 && !c.reader && !c.parked) pump_in(src);  // a waiting receive may be reading it itself
       }
     }
     for (int dst : who_out) {
@@ -567,7 +587,7 @@ void Mailbox::wait_reading(std::unique_lock<std::mutex>& lk, const Op& op, int s
       spin.progress();
     }
   }
-  if (c.fd == fd) watch_in(src, true);  // the I/O thread reads it again (at once if data waits)
+  if (c.fd == fd && !c.parked) watch_in(src, true);  // the I/O thread reads it again (at once if data waits)
   c.reader = false;
   cv_.notify_all();  // shutdown waits for readers to let go before closing the connections
 }

@@ -581,9 +581,8 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
     def gather(self, output_lists, input_tensors, opts=None):
         """One node: the engine's gather (shared memory; large blocks read by the root from each
         rank's memory). Several nodes: every rank sends its block to the root as a message, also
-        from the root's node: the root, which takes in everything, copies a block out of a socket
-        faster than it reads one from a peer's memory (4 ranks on 2 nodes, 64 MiB: 11-14 ms as
-        messages, 15-16 ms with the root's node through the engine)."""
+        from the root's node (the root's node through the engine measured no faster: 4 ranks on 2
+        nodes, 64 MiB, 16-19 ms either way; docs/benchmarks.md §11)."""
         root = opts.rootRank if opts is not None else 0
         src = self._send_buffer(input_tensors[0])
         code, n = _dtype_code(src), src.numel()

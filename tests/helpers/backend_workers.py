@@ -158,6 +158,40 @@ def split_gather_scatter():
     return out
 
 
+def parked_messages():
+    """A 64 MiB message that arrives while its receiver has no receive from the sender posted stays
+    in the socket (the send is not complete a second later) and lands in the receive once posted;
+    a receive for a message behind a parked one, and a receive from any source, still get theirs."""
+    rank, world = _init("smddp")
+    out: dict = {}
+    big = torch.arange(1 << 24, dtype=torch.float32)
+    if rank == 0:
+        w = dist.isend(big, 1, tag=1)
+        time.sleep(1.0)
+        out["sent_before_posted"] = w.is_completed()
+        dist.barrier()  # rank 1 posts its receive after this
+        w.wait()
+        later = [dist.isend(big, 1, tag=2), dist.isend(torch.ones(4), 1, tag=3)]
+        for h in later:
+            h.wait()
+        dist.send(big, 1, tag=4)
+    else:
+        time.sleep(1.0)
+        dist.barrier()
+        got = torch.empty_like(big)
+        dist.recv(got, 0, tag=1)
+        out["first"] = bool(torch.equal(got, big))
+        small, got = torch.empty(4), torch.empty_like(big)
+        dist.recv(small, 0, tag=3)  # the 64 MiB message of tag 2 comes first on the connection
+        dist.recv(got, 0, tag=2)
+        out["behind"] = small.tolist() == [1.0] * 4 and bool(torch.equal(got, big))
+        got = torch.empty_like(big)
+        out["any_source"] = [dist.recv(got, tag=4), bool(torch.equal(got, big))]
+    dist.barrier()
+    dist.destroy_process_group()
+    return out
+
+
 def messages(backend: str):
     """Point-to-point traffic and what rides on it, through torch's public API: values only (the
     test compares them with gloo's)."""
