@@ -374,6 +374,7 @@ void Mailbox::pump_in(int src) {
       if (!c.cur) {
         c.keep = !mismatch;
         c.spill.clear();
+        if (c.keep) c.spill.reserve(size_t(c.hdr.nbytes));  // address space only, filled as it arrives
         bool waited_for = std::any_of(posted_.begin(), posted_.end(),
                                       [&](const std::shared_ptr<Op>& r) { return r->peer == -1 || r->peer == src; });
         if (c.keep && size_t(c.hdr.nbytes) > kParkMinBytes && !waited_for) {
@@ -383,7 +384,6 @@ void Mailbox::pump_in(int src) {
           if (!c.reader) watch_in(src, false);
           break;
         }
-        if (c.keep) c.spill.reserve(size_t(c.hdr.nbytes));  // address space only, filled as it arrives
       }
     }
     size_t total = size_t(c.hdr.nbytes);

@@ -10,10 +10,12 @@
 // meanwhile (no thread hand-off; see wait_reading).
 //
 // Matching is MPI's: a message goes to the oldest posted receive whose source (or "any") and
-// tag fit; a message nobody waits for yet is kept until a receive takes it. A receive whose
-// size differs from the message fails naming both sizes. Every wait has a deadline; a wait
-// that times out withdraws its operation, and a rank that closes its connection fails the
-// receives that wait for it, naming it.
+// tag fit; a message nobody waits for yet is kept until a receive takes it, except that one over
+// kSpinMaxBytes arriving while no receive from its sender is posted stays in the socket until one
+// is (parked: no fresh buffer to fill and copy again; its send completes when the receiver
+// posts, as gloo's do). A receive whose size differs from the message fails naming both sizes.
+// Every wait has a deadline; a wait that times out withdraws its operation, and a rank that
+// closes its connection fails the receives that wait for it, naming it.
 #pragma once
 #include <atomic>
 #include <condition_variable>
