@@ -1,8 +1,8 @@
 // gather, scatter and all_to_all between the ranks of one node. Small ones go through the ranks'
 // shared-memory slots (one copy in, one copy out, no socket); large ones read straight from the
 // peers' memory (process_vm_readv: one copy, every reader at once) where the node allows it, else
-// through the slots chunk by chunk. Either way with the same description check and barriers as the other
-// collectives. In a group of several nodes, scatter runs here for the root's node (the other
+// through the slots chunk by chunk. Either way with the same description check and barriers as
+// the other collectives. In a group of several nodes, scatter runs here for the root's node (the other
 // nodes' ranks submit it too, which keeps every rank's sequence in step, and return at once) and
 // all_to_all for each node's blocks, while the torch backend sends the other blocks as messages;
 // gather across nodes is all messages (Engine::submit refuses it).

@@ -255,8 +255,8 @@ class SmddpSplitWork(SmddpMessageWork):
             raise _backend_error(exc) from None
 
 
-# Below this a block of scatter across nodes goes as a message also to the root's node: an engine
-# call for a few KiB costs more than it saves (the engine's one-barrier path also ends here).
+# Up to this a block of scatter across nodes goes as a message also to the root's node: an engine
+# call for a few KiB costs more than it saves (the engine's kSmallBytes, native/include/sdp/shm_node.h).
 _SPLIT_MIN_BYTES = 64 << 10
 
 # Collectives built on messages use this tag; messages between two ranks keep their order, so
@@ -281,9 +281,6 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
             raise _backend_error(exc) from None
         self._engine = self.comm._engine
         self._mailbox = self.comm._mailbox
-        # scatter and all_to_all_single with equal blocks move the blocks between ranks of one node
-        # through the engine's shared memory and, across nodes, the others as messages at the same
-        # time (_split); gather does so in one node, across nodes it is all messages
         _register_name_carrier(self, rank, world_size)
         self._completer: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._complete_futures, name="smddp-futures", daemon=True)
@@ -621,10 +618,11 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
                                   (out, pieces[root]))
         buf, fin = _staged(out)
         code, n = _dtype_code(buf), buf.numel()
-        pieces = [self._send_buffer(p) for p in input_lists[0]] if self._rank == root else []  # read in place
-        sends, recvs = [], [(r, buf) for r in self._remote([root])]
         if self._rank == root:
+            pieces = [self._send_buffer(p) for p in input_lists[0]]  # read in place
             sends, recvs = [(r, pieces[r]) for r in self._remote(range(self._world))], []
+        else:
+            pieces, sends, recvs = [], [], [(r, buf) for r in self._remote([root])]
         return self._split(sends, recvs, lambda: self._submit(COLL_SCATTER, buf.data_ptr(), n, code, 0, root,
                                                               blocks=[p.data_ptr() for p in pieces]),
                            output_tensors, [buf, pieces], (fin,))
