@@ -249,11 +249,17 @@ uint64_t Mailbox::irecv(int src, int64_t tag, void* data, size_t nbytes) {
   posted_.push_back(op);
   // A parked message from this source is read again: straight into this receive if it fits, else
   // kept as before (this receive may wait for a message behind it on the same connection).
-  for (int r = 0; r < world_; ++r)
-    if ((src == -1 || r == src) && in_[size_t(r)]->parked) {
-      in_[size_t(r)]->parked = false;
-      if (!in_[size_t(r)]->reader) watch_in(r, true);  // level-triggered: the I/O thread reads it at once
-    }
+  auto unpark = [this](int r) {
+    In& c = *in_[size_t(r)];
+    if (!c.parked) return;
+    c.parked = false;
+    if (!c.reader) watch_in(r, true);  // level-triggered: the I/O thread reads it at once
+  };
+  if (src >= 0) {
+    unpark(src);  // one flag on the common path, not a loop over the group
+  } else {
+    for (int r = 0; r < world_; ++r) unpark(r);
+  }
   return h;
 }
 
