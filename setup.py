@@ -11,15 +11,24 @@ Build switches (environment variables at build time):
   SDP_BUILD_JOBS=N compile N files at once (default: one per CPU).
   SDP_SANITIZE=1   AddressSanitizer + UndefinedBehaviorSanitizer (-O1, frame pointers): the test
                    suite builds this once into a separate folder and runs the engine tests under it.
+CC/CXX/LDFLAGS work as for any setuptools build (tools/build_matrix.py builds with clang and with
+LDFLAGS=-static-libstdc++).
+
+Whatever the toolchain, the object exports only PyInit__engine (native/exports.map, and
+--exclude-libs,ALL for a C++ runtime linked in statically), and the build is checked right after
+linking: an object that would export std:: symbols into a process beside torch's libstdc++ fails
+the build with the cause and the fix (sdp_jupyter/_native_check.py).
 """
 import glob
+import importlib.util
 import os
+import sys
 
 from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext
 from setuptools import setup
 
 compile_args = ["-O3", "-pthread", "-fno-strict-aliasing"]
-link_args = ["-pthread", "-lrt"]
+link_args = ["-pthread", "-lrt", "-Wl,--version-script=native/exports.map", "-Wl,--exclude-libs,ALL"]
 macros = []
 if os.environ.get("SDP_PORTABLE", "") not in ("", "0"):
     macros.append(("SDP_NO_INTRINSICS", "1"))
@@ -40,5 +49,27 @@ ext = Pybind11Extension(
     extra_link_args=link_args,
 )
 
+
+
+def _native_check():
+    spec = importlib.util.spec_from_file_location("_native_check", os.path.join("sdp_jupyter", "_native_check.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclass looks itself up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class checked_build_ext(build_ext):
+    """build_ext, then the check that the engine keeps any C++ runtime copy to itself."""
+
+    def build_extension(self, ext):
+        super().build_extension(ext)
+        report = _native_check().inspect(self.get_ext_fullpath(ext.name))
+        problem = report.problem()
+        if problem:
+            raise SystemExit("error: " + problem)
+        print(f"[sdp_jupyter] engine built: {report.summary()}")
+
+
 ParallelCompile("SDP_BUILD_JOBS", default=0).install()
-setup(ext_modules=[ext], cmdclass={"build_ext": build_ext})
+setup(ext_modules=[ext], cmdclass={"build_ext": checked_build_ext})

@@ -1,5 +1,7 @@
 #include "sdp/common.h"
 
+#include <pthread.h>
+
 #include <cctype>
 #include <cerrno>
 #include <cstdlib>
@@ -75,5 +77,7 @@ bool env_bool(const char* name, bool def) {
   if (s == "0" || s == "false" || s == "no" || s == "off") return false;
   throw Error(std::string(name) + "=" + v + " is not a boolean: use one of 1/0, true/false, yes/no, on/off");
 }
+
+void name_this_thread(const char* name) { pthread_setname_np(pthread_self(), name); }
 
 }  // namespace sdp

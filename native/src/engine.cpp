@@ -43,7 +43,10 @@ std::pair<int, std::string> Engine::prepare() {
     if (local_size() > 1) shm_.create();
     if (num_nodes() > 1 || local_size() > 1) {
       listen_fd_ = listen_on(cfg_.bind_addr, &port_);
-      acceptor_ = std::thread([this] { acceptor_loop(); });
+      acceptor_ = std::thread([this] {
+        name_this_thread("sdp-accept");
+        acceptor_loop();
+      });
     }
   }
   return {port_, shm_.name()};
@@ -155,7 +158,10 @@ void Engine::connect(const std::vector<std::string>& addrs, const std::vector<in
   }
   colls_.start();
   connected_ = true;
-  progress_ = std::thread([this] { progress_loop(); });
+  progress_ = std::thread([this] {
+    name_this_thread("sdp-progress");
+    progress_loop();
+  });
 }
 
 uint64_t Engine::submit(Coll c, void* buf, size_t count, DType t, ReduceOp op, int root, const void* src,
@@ -242,8 +248,9 @@ void Engine::execute_front(std::unique_lock<std::mutex>& lk) {
   queue_.pop_front();
   if (failed && !failed_from_) {
     failed_from_ = w.id;
-    broken_ = err.empty() ? "rank " + std::to_string(cfg_.rank) + ": " + desc + " failed (its message was lost)" : err;
+    broken_ = err.empty() ? "rank " + std::to_string(cfg_.rank) + ": " + desc() + " failed (its message was lost)" : err;
   }
+  running = nullptr;
   if (!failed_from_) {
     completed_ = w.id;
     stats_.collectives++;
@@ -283,7 +290,7 @@ void Engine::progress_loop() {
 
 void Engine::run(const Work& w) {
   seq++;
-  desc = describe(w, seq);
+  running = &w;
   deadline = now_s() + cfg_.timeout_s;
   if (world_size() == 1) return colls_.one_rank(w);
   switch (w.coll) {
@@ -301,7 +308,7 @@ void Engine::run(const Work& w) {
 
 void Engine::fail(const std::string& msg, bool remote) {
   std::string final_msg = shm_.active() ? shm_.latch_error(msg, &remote) : msg;
-  if (final_msg.empty()) final_msg = "rank " + std::to_string(cfg_.rank) + " failed in " + desc + " (its message was lost)";
+  if (final_msg.empty()) final_msg = "rank " + std::to_string(cfg_.rank) + " failed in " + desc() + " (its message was lost)";
   if (is_leader() && !remote) links_.send_error_frames(final_msg);
   throw Error(final_msg);
 }
@@ -328,7 +335,7 @@ void Engine::check_health() {
     if (n == 1) return;
     bool clean = gone_flag && *gone_flag;
     fail(topo_.rank_name(who_rank) + (clean ? " had shut down its process group" : " exited or closed its connection") +
-         (desc.empty() ? std::string(" while this rank was idle") : " during " + desc));
+         (running ? " during " + desc() : std::string(" while this rank was idle")));
   };
   if (is_leader()) {
     for (int l = 1; l < local_size(); ++l) {
@@ -343,16 +350,9 @@ void Engine::check_health() {
 
 void Engine::idle_check() {
   // Between collectives: notice dead ranks and error frames early, so the next call fails fast.
-  std::string saved = desc;
-  desc.clear();
-  try {
-    check_health();
-    if (is_leader()) links_.idle_check();
-  } catch (...) {
-    desc = saved;
-    throw;
-  }
-  desc = saved;
+  // (running is null here, so an error says "while this rank was idle").
+  check_health();
+  if (is_leader()) links_.idle_check();
 }
 
 // ---------------------------------------------------------------- shutdown

@@ -1,6 +1,5 @@
 #include "sdp/frame.h"
 
-#include <sstream>
 #include <utility>
 
 namespace sdp {
@@ -8,12 +7,11 @@ namespace sdp {
 static bool has_root(Coll c) { return c == Coll::BROADCAST || c == Coll::GATHER || c == Coll::SCATTER; }
 
 std::string describe(const Work& w, uint64_t seq) {
-  std::ostringstream d;
-  d << coll_name(w.coll) << " #" << seq << " (" << w.count << " x " << dtype_name(w.dtype);
-  if (w.coll == Coll::ALLREDUCE || w.coll == Coll::REDUCE_SCATTER) d << ", " << op_name(w.op);
-  else if (has_root(w.coll)) d << ", root " << w.root;
-  d << ")";
-  return d.str();
+  std::string d = std::string(coll_name(w.coll)) + " #" + std::to_string(seq) + " (" + std::to_string(w.count) + " x " +
+                  dtype_name(w.dtype);
+  if (w.coll == Coll::ALLREDUCE || w.coll == Coll::REDUCE_SCATTER) d += std::string(", ") + op_name(w.op);
+  else if (has_root(w.coll)) d += ", root " + std::to_string(w.root);
+  return d + ")";
 }
 
 bool first_difference(const Described& a, const Described& b, std::string* field, std::string* va, std::string* vb) {

@@ -43,10 +43,12 @@ void Collectives::read_peer(int l, const char* addr, char* dst, size_t bytes) {
     iovec mine{dst, bytes}, theirs{const_cast<char*>(addr), bytes};
     ssize_t got = process_vm_readv(pid, &mine, 1, &theirs, 1, 0);
     if (got < 0 && errno == EINTR) continue;
-    if (got <= 0)
+    if (got <= 0) {
+      const char* why = got < 0 ? std::strerror(errno) : "nothing read";  // before desc() allocates
       op_.fail("reading " + std::to_string(bytes) + " bytes from " + topo_.rank_name(topo_.ranks_of_node[topo_.node][l]) +
-               "'s memory failed in " + op_.desc + ": " + (got < 0 ? std::strerror(errno) : "nothing read") +
+               "'s memory failed in " + op_.desc() + ": " + why +
                " (SDP_NO_CMA=1 sends large gather, scatter and all_to_all through shared memory instead)");
+    }
     addr += got;
     dst += got;
     bytes -= size_t(got);

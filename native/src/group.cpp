@@ -1,9 +1,10 @@
 #include "sdp/group.h"
 
 #include <algorithm>
-#include <sstream>
+#include <cstdio>
 
 #include "sdp/common.h"
+#include "sdp/frame.h"
 
 namespace sdp {
 
@@ -41,9 +42,11 @@ std::string Topology::ranks_list(const std::vector<int>& ranks) {
 }
 
 std::string fmt_seconds(double s) {
-  std::ostringstream o;
-  o << s;
-  return o.str();
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%g", s);
+  return buf;
 }
+
+std::string OpState::desc() const { return running ? describe(*running, seq) : std::string(); }
 
 }  // namespace sdp

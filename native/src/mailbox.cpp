@@ -87,8 +87,14 @@ int Mailbox::listen() {
   ep_ = ::epoll_create1(EPOLL_CLOEXEC);
   stop_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   if (ep_ < 0 || stop_fd_ < 0) throw Error(std::string("mailbox: epoll/eventfd: ") + std::strerror(errno));
-  io_ = std::thread([this] { io_loop(); });
-  acceptor_ = std::thread([this] { accept_loop(); });
+  io_ = std::thread([this] {
+    name_this_thread("sdp-mbox-io");
+    io_loop();
+  });
+  acceptor_ = std::thread([this] {
+    name_this_thread("sdp-mbox-accept");
+    accept_loop();
+  });
   return port;
 }
 

@@ -82,7 +82,7 @@ void Links::exchange(int scatter_set) {
       }
     }
     if (reached) return;
-    if (pfds.empty()) op_.fail("internal error in " + op_.desc + ": waiting for frames that were never posted");
+    if (pfds.empty()) op_.fail("internal error in " + op_.desc() + ": waiting for frames that were never posted");
     bool spinning = spin.spinning();
     int r = ::poll(pfds.data(), nfds_t(pfds.size()), spinning ? 0 : 50);
     if (r > 0) spin.progress();
@@ -95,7 +95,7 @@ void Links::exchange(int scatter_set) {
       if (now_s() > op_.deadline) {
         std::string late;
         for (Peer* p : who) late += (late.empty() ? "" : ", ") + topo_.rank_name(p->rank);
-        op_.fail("timed out after " + fmt_seconds(op_.timeout_s) + " s in " + op_.desc + " waiting for node leader " + late +
+        op_.fail("timed out after " + fmt_seconds(op_.timeout_s) + " s in " + op_.desc() + " waiting for node leader " + late +
                  " (that host is unreachable or stalled, or a rank there is not calling this collective)");
       }
     }
@@ -119,7 +119,8 @@ bool Links::pump_send(Peer& p) {
     ssize_t r = ::sendmsg(p.fd, &mh, MSG_NOSIGNAL);
     if (r < 0) {
       if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return false;
-      op_.fail("connection to " + topo_.rank_name(p.rank) + " failed during " + op_.desc + " (" + std::strerror(errno) +
+      const char* why = std::strerror(errno);  // before desc() allocates
+      op_.fail("connection to " + topo_.rank_name(p.rank) + " failed during " + op_.desc() + " (" + why +
                "): that rank exited or its host is unreachable");
     }
     p.sdone += size_t(r);
@@ -145,29 +146,29 @@ void Links::check_frame(const Peer& p) {
   std::string field, va, vb;
   if (first_difference(Described{e.seq, e.count, e.root, e.coll, e.dtype, e.op},
                        Described{g.seq, g.count, g.root, g.coll, g.dtype, g.op}, &field, &va, &vb))
-    op_.fail("collective mismatch at " + op_.desc + ": " + field + " differs: rank " + std::to_string(topo_.rank) + " has " +
+    op_.fail("collective mismatch at " + op_.desc() + ": " + field + " differs: rank " + std::to_string(topo_.rank) + " has " +
              va + ", " + topo_.rank_name(p.rank) + " has " + vb + "; nothing was reduced");
   if (g.offset != e.offset || g.nbytes != e.nbytes)
-    op_.fail("protocol error in " + op_.desc + ": " + topo_.rank_name(p.rank) + " sent bytes " + std::to_string(g.offset) +
+    op_.fail("protocol error in " + op_.desc() + ": " + topo_.rank_name(p.rank) + " sent bytes " + std::to_string(g.offset) +
              "+" + std::to_string(g.nbytes) + " where " + std::to_string(e.offset) + "+" + std::to_string(e.nbytes) +
              " was expected");
 }
 
 bool Links::pump_recv(Peer& p) {
-  const std::string& desc = op_.desc;
   for (;;) {
     if (p.rhdr_done < sizeof(FrameHeader)) {
       ssize_t r = ::recv(p.fd, reinterpret_cast<char*>(&p.rhdr) + p.rhdr_done, sizeof(FrameHeader) - p.rhdr_done, 0);
-      if (r == 0) op_.fail(topo_.rank_name(p.rank) + " exited or closed its connection during " + desc);
+      if (r == 0) op_.fail(topo_.rank_name(p.rank) + " exited or closed its connection during " + op_.desc());
       if (r < 0) {
         if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return false;
-        op_.fail("connection to " + topo_.rank_name(p.rank) + " failed during " + desc + " (" + std::strerror(errno) + ")");
+        const char* why = std::strerror(errno);  // before desc() allocates
+        op_.fail("connection to " + topo_.rank_name(p.rank) + " failed during " + op_.desc() + " (" + why + ")");
       }
       p.rhdr_done += size_t(r);
       if (p.rhdr_done < sizeof(FrameHeader)) continue;
       const FrameHeader& g = p.rhdr;
       if (g.magic != kFrameMagic)
-        op_.fail("protocol error: " + topo_.rank_name(p.rank) + " sent a malformed frame during " + desc);
+        op_.fail("protocol error: " + topo_.rank_name(p.rank) + " sent a malformed frame during " + op_.desc());
       if (g.type == uint8_t(FrameType::ERROR)) {
         std::string m(std::min<uint64_t>(g.nbytes, 4096), '\0');
         if (m.empty() || !read_all(p.fd, m.data(), m.size(), now_s() + 2.0) || m.find_first_not_of('\0') == std::string::npos)
@@ -180,12 +181,12 @@ bool Links::pump_recv(Peer& p) {
       }
       if (g.type == uint8_t(FrameType::BYE)) {
         p.bye = true;
-        op_.fail(topo_.rank_name(p.rank) + " shut down its process group while this rank was in " + desc);
+        op_.fail(topo_.rank_name(p.rank) + " shut down its process group while this rank was in " + op_.desc());
       }
       if (g.type != uint8_t(FrameType::DATA))
-        op_.fail("protocol error: " + topo_.rank_name(p.rank) + " sent an unknown frame type during " + desc);
+        op_.fail("protocol error: " + topo_.rank_name(p.rank) + " sent an unknown frame type during " + op_.desc());
       if (!p.recv_active)
-        op_.fail("protocol error: " + topo_.rank_name(p.rank) + " sent data this rank did not expect during " + desc);
+        op_.fail("protocol error: " + topo_.rank_name(p.rank) + " sent data this rank did not expect during " + op_.desc());
       check_frame(p);
     }
     if (!p.recv_active) return true;
@@ -203,10 +204,11 @@ bool Links::pump_recv(Peer& p) {
       continue;
     }
     ssize_t r = ::recv(p.fd, p.rdata + p.rdone, want, 0);
-    if (r == 0) op_.fail(topo_.rank_name(p.rank) + " exited or closed its connection during " + desc);
+    if (r == 0) op_.fail(topo_.rank_name(p.rank) + " exited or closed its connection during " + op_.desc());
     if (r < 0) {
       if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return false;
-      op_.fail("connection to " + topo_.rank_name(p.rank) + " failed during " + desc + " (" + std::strerror(errno) + ")");
+      const char* why = std::strerror(errno);  // before desc() allocates
+      op_.fail("connection to " + topo_.rank_name(p.rank) + " failed during " + op_.desc() + " (" + why + ")");
     }
     p.rdone += size_t(r);
   }

@@ -194,7 +194,7 @@ void ShmNode::check_descs(int set) {
     std::string field, va, vb;
     if (first_difference(Described{a.seq, a.count, a.root, a.coll, a.dtype, a.op},
                          Described{b.seq, b.count, b.root, b.coll, b.dtype, b.op}, &field, &va, &vb))
-      op_.fail("collective mismatch at " + op_.desc + ": " + field + " differs: rank " + std::to_string(ranks[0]) + " has " +
+      op_.fail("collective mismatch at " + op_.desc() + ": " + field + " differs: rank " + std::to_string(ranks[0]) + " has " +
                va + ", rank " + std::to_string(ranks[l]) + " has " + vb + "; nothing was reduced");
   }
 }
@@ -249,7 +249,7 @@ void ShmNode::barrier() {
         futex_wait(&hdr_->wake, w, 2000);
         continue;
       }
-      op_.fail("timed out after " + fmt_seconds(op_.timeout_s) + " s in " + op_.desc + " waiting for rank(s) " +
+      op_.fail("timed out after " + fmt_seconds(op_.timeout_s) + " s in " + op_.desc() + " waiting for rank(s) " +
                Topology::ranks_list(late) + " of node " + std::to_string(topo_.node) +
                " (stalled or not calling this collective)");
     }

@@ -31,6 +31,10 @@ bool valid_dtype(int t);
 bool valid_op(int op);
 bool valid_coll(int c);
 
+// Names the calling thread ("sdp-progress", ...; at most 15 characters) so that a crash report,
+// gdb, py-spy or top -H says which of the engine's threads it was.
+void name_this_thread(const char* name);
+
 // Every failure the engine reports to Python. The message is complete and names ranks.
 class Error : public std::runtime_error {
  public:

@@ -45,7 +45,8 @@ struct Work {
   std::vector<char*> blocks;  // GATHER, SCATTER on the root: one buffer per rank (see Coll)
 };
 
-// "all_reduce #12 (1000 x float32, SUM)": how messages name a collective.
+// "all_reduce #12 (1000 x float32, SUM)": how messages name a collective. Only for errors
+// (OpState::desc() calls it when one is raised), never on a collective's success path.
 std::string describe(const Work& w, uint64_t seq);
 
 // What two ranks said about the collective they are running.

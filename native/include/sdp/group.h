@@ -7,6 +7,8 @@
 
 namespace sdp {
 
+struct Work;
+
 struct Topology {
   int rank = 0;
   std::vector<int> node_of_rank;               // node index of every rank
@@ -31,8 +33,12 @@ struct Topology {
 class OpState {
  public:
   virtual ~OpState() = default;
-  std::string desc;       // describe() of the running collective ("" when idle)
+  // The running collective (null when idle). Its description ("all_reduce #12 (...)") is built
+  // only when an error needs it: formatting text on every collective cost an allocation and, in
+  // a build that carried its own copy of the C++ runtime, crashed beside torch's (locale code).
+  const Work* running = nullptr;
   uint64_t seq = 0;       // its sequence number
+  std::string desc() const;  // describe(*running, seq), "" when idle
   double deadline = 0;    // when it times out (now_s() clock)
   double timeout_s = 0;   // the configured per-collective timeout, for messages
   [[noreturn]] virtual void fail(const std::string& msg, bool remote = false) = 0;
@@ -40,6 +46,7 @@ class OpState {
   virtual void check_health() = 0;
 };
 
+// "2.5", "300", "0.001": a number of seconds for a message (printf's %g; no iostreams).
 std::string fmt_seconds(double s);
 
 }  // namespace sdp
