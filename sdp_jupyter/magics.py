@@ -247,6 +247,17 @@ class SdpMagics(Magics):
         else:
             print("the next %%sdp_train jobs of this kernel start warm (--cold: fresh interpreters)")
 
+    @magic_arguments.magic_arguments()
+    @magic_arguments.argument("--no-smoke", action="store_true", help="skip the 2-rank all_reduce runs")
+    @line_magic
+    def sdp_doctor(self, line: str = ""):
+        """Will it work on this machine? The report of `python -m sdp_jupyter.doctor` (run in a fresh
+        process: the kernel never imports torch), one line per check with the fix for anything not OK."""
+        from sdp_jupyter.doctor import report_in_subprocess
+
+        args = parse_line(self.sdp_doctor, line)
+        print(report_in_subprocess(smoke=not args.no_smoke).text())
+
     @line_magic
     @_with_setup_options
     def sdp_setup(self, line: str = ""):

@@ -5,7 +5,8 @@ through %%sdp_train), then, in the same kernel, `%sdp_warm` and the training and
 more (added to the executed copy only, under a note): the first run of the cell is the kernel's first
 job and starts cold, the second starts warm (docs/warm.md). It writes the executed copy to
 notebooks/executed/01_quickstart.ipynb and prints the cold and the warm training cell's wall time,
-the test accuracy line and the job directory.
+the test accuracy line and the job directory, then the one-line summary of `python -m
+sdp_jupyter.doctor` (run after the notebook, so it takes no CPU from the timed cells).
 """
 from __future__ import annotations
 
@@ -77,6 +78,20 @@ def cell_seconds(cell) -> float | None:
     return (end - start).total_seconds()
 
 
+def doctor_line(timeout: float = 90.0) -> str:
+    """`python -m sdp_jupyter.doctor`'s one-line summary (smoke all_reduce included), run in a fresh
+    process after the notebook, so it takes no CPU from the timed cells; it costs a few seconds and
+    at most `timeout`."""
+    t0 = time.monotonic()
+    try:
+        from sdp_jupyter.doctor import report_in_subprocess, summary_line
+
+        line = summary_line(report_in_subprocess(timeout=timeout))
+    except Exception as e:  # noqa: BLE001 - the doctor's own failure must not fail the main job
+        line = f"doctor: could not run ({type(e).__name__}: {e})"
+    return f"{line} [{time.monotonic() - t0:.1f} s; the whole report: python -m sdp_jupyter.doctor]"
+
+
 def main() -> int:
     out_dir = REPO / "notebooks" / "executed"
     print(f"[main] executing {NOTEBOOK.relative_to(REPO)} headless (nbclient, fresh kernel)")
@@ -86,6 +101,7 @@ def main() -> int:
     except Exception as e:
         print(f"[main] the notebook failed: {type(e).__name__}: {str(e)[-2000:]}", file=sys.stderr)
         print(f"[main] partial executed copy: {out_dir / NOTEBOOK.name}", file=sys.stderr)
+        print(f"[main] {doctor_line()}", file=sys.stderr)
         return 1
     said = set()
     times = []
@@ -107,6 +123,7 @@ def main() -> int:
     print(f"[main] whole notebook: {time.monotonic() - t0:.1f} s")
     print(f"[main] executed copy: {out_dir / NOTEBOOK.name}")
     print(f"[main] job directory: {REPO / 'notebooks' / 'sdp_jobs' / 'quickstart'}")
+    print(f"[main] {doctor_line()}")
     return 0
 
 
