@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import secrets
 import subprocess
 import sys
 import tempfile
@@ -136,11 +135,18 @@ def select(names: list[str], patterns, exclude=EXCLUDE) -> list[str]:
 
 
 def _suite_env(backend: str, world: int, tmp: str) -> dict:
-    env = dict(os.environ)
+    """The suite's environment as torch's own runner sets it: no job secret, no RANK (the suite
+    passes each rank to init_process_group), a file:// rendezvous."""
+    env = {k: v for k, v in os.environ.items() if k not in _JOB_VARIABLES}
     env.update({_ENV_BACKEND: backend, "BACKEND": backend, "WORLD_SIZE": str(world), "TEMP_DIR": tmp or "/tmp",
-                "INIT_METHOD": f"file://{tmp or '/tmp'}/init", "SDP_JOB_SECRET": env.get("SDP_JOB_SECRET") or
-                secrets.token_hex(16)})
+                "INIT_METHOD": f"file://{tmp or '/tmp'}/init"})
     return env
+
+
+# What a launcher would have set and torch's runner does not: dropped, so the suite starts its
+# ranks exactly as it does for gloo.
+_JOB_VARIABLES = ("SDP_JOB_SECRET", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+                  "MASTER_PORT")
 
 
 def run_backend(backend: str, world: int, names: list[str], budget_s: float, log_dir: str) -> dict[str, dict]:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 
@@ -218,18 +219,18 @@ def test_secret_rules(monkeypatch, capfd):
 
     monkeypatch.setenv("SDP_JOB_SECRET", "")
     with pytest.raises(sec.SecretError, match="empty"):
-        sec.job_secret()
+        sec.env_secret().value
     monkeypatch.setenv("SDP_JOB_SECRET", "short")
     with pytest.raises(sec.SecretError, match="at least 16 bytes"):
-        sec.job_secret()
+        sec.env_secret().value
     monkeypatch.delenv("SDP_JOB_SECRET")
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setenv("MASTER_ADDR", "10.213.0.1")
     with pytest.raises(sec.SecretError, match="SDP_JOB_SECRET"):
-        sec.job_secret()
+        sec.env_secret().value
     monkeypatch.setenv("SDP_ALLOW_UNAUTHENTICATED", "1")
-    assert len(sec.job_secret()) >= 16
+    assert len(sec.env_secret().value) >= 16
     assert "WITHOUT authentication" in capfd.readouterr().err
 
 
@@ -245,13 +246,91 @@ def test_one_node_secret_file_is_private(monkeypatch, tmp_path):
     monkeypatch.setenv("MASTER_PORT", "4242")
     import tempfile
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    s0 = sec.publish_local_secret()
-    f = sec._secret_file()
+    s0 = sec.publish_local_secret("127.0.0.1:4242")
+    f = sec.secret_file("127.0.0.1:4242")
     assert stat.S_IMODE(f.stat().st_mode) == 0o600 and stat.S_IMODE(f.parent.stat().st_mode) == 0o700
-    assert sec.read_local_secret(1.0) == s0
+    assert sec.read_local_secret("127.0.0.1:4242", 1.0).value == s0.value
     f.chmod(0o644)
     with pytest.raises(sec.SecretError, match="0600"):
-        sec.read_local_secret(1.0)
+        sec.read_local_secret("127.0.0.1:4242", 1.0)
+    s0.released()
+    assert not f.exists()
+
+
+class _BlockingStore:
+    """A store with torch's blocking get, for ranks run as threads."""
+
+    def __init__(self):
+        self.d, self.cond = {}, threading.Condition()
+
+    def set(self, k, v):
+        with self.cond:
+            self.d[k] = v
+            self.cond.notify_all()
+
+    def get(self, k):
+        with self.cond:
+            if not self.cond.wait_for(lambda: k in self.d, timeout=10):
+                raise TimeoutError(k)
+            return self.d[k]
+
+
+def test_group_secret_names_another_host_instead_of_waiting(monkeypatch, tmp_path):
+    """One-host secrets through the group's store: a rank on another host than the group's rank 0
+    (and no SDP_JOB_SECRET) is refused at once with both hosts named."""
+    import json
+
+    from sdp_jupyter.comm import secret as sec
+
+    for v in ("SDP_JOB_SECRET", "XDG_RUNTIME_DIR", "LOCAL_WORLD_SIZE", "MASTER_ADDR"):
+        monkeypatch.delenv(v, raising=False)
+    monkeypatch.setattr(__import__("tempfile"), "tempdir", str(tmp_path))
+    store = _BlockingStore()
+    made = sec.group_secret(0, store, "g/secret-file", 2.0)
+    record = json.loads(store.d["g/secret-file"])
+    assert made.source == sec.FROM_FILE and made.value not in store.d["g/secret-file"]
+    assert sec.group_secret(1, store, "g/secret-file", 2.0).value == made.value
+    made.released()
+    assert not list(tmp_path.glob("sdp-*/secret-*"))
+    store.d["g/secret-file"] = json.dumps({**record, "host": "elsewhere/x"}).encode()
+    with pytest.raises(sec.SecretError, match="not on rank 0's host \\(elsewhere\\)"):
+        sec.group_secret(1, store, "g/secret-file", 2.0)
+    # rank 0 has SDP_JOB_SECRET, rank 1 not: rank 1 says so instead of waiting for a file
+    monkeypatch.setenv("SDP_JOB_SECRET", "c" * 32)
+    assert sec.group_secret(0, store, "h/secret-file", 2.0).source == sec.FROM_ENV
+    monkeypatch.delenv("SDP_JOB_SECRET")
+    with pytest.raises(sec.SecretError, match="took its secret from SDP_JOB_SECRET and rank 1 has none"):
+        sec.group_secret(1, store, "h/secret-file", 2.0)
+
+
+@pytest.mark.parametrize("case", ["env_differs", "mixed"])
+def test_a_signature_mismatch_says_which_case_it_is(monkeypatch, case):
+    from sdp_jupyter import comm
+    from sdp_jupyter.comm import secret as sec
+
+    monkeypatch.delenv("SDP_JOB_SECRET", raising=False)
+    store = _BlockingStore()
+    secrets_of = {"env_differs": [sec.JobSecret(b"a" * 32, sec.FROM_ENV), sec.JobSecret(b"b" * 32, sec.FROM_ENV)],
+                  "mixed": [None, sec.JobSecret(b"a" * 32, sec.FROM_ENV)]}[case]
+    errors = {}
+
+    def rank(r):
+        try:
+            comm.Communicator(r, 2, store, secret=secrets_of[r], timeout=3).close()
+        except comm.SmddpError as exc:
+            errors[r] = str(exc)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert set(errors) == {0, 1}, errors
+    if case == "env_differs":
+        assert "SDP_JOB_SECRET differs between ranks" in errors[0]
+    else:
+        assert "came from SDP_JOB_SECRET, this rank's from the one-host secret file" in errors[0], errors[0]
+        assert "came from the one-host secret file, this rank's from SDP_JOB_SECRET" in errors[1], errors[1]
 
 
 def test_plain_torchrun_style_job_without_secret(tmp_path):
@@ -285,7 +364,8 @@ def test_signed_rendezvous_values_refuse_tampering():
     store.d[key] = store.d[key][:32] + b"host-evil"
     c2 = comm.Communicator.__new__(comm.Communicator)
     c2._secret, c2._prefix, c2._store = SECRET, "sdp", store
-    with pytest.raises(comm.SmddpError, match="wrong signature"):
+    c2._job_secret = comm.JobSecret(SECRET, "the secret passed by the caller")
+    with pytest.raises(comm.SmddpError, match=r"wrong signature\): another program wrote it"):
         c2._take("node-of/0")
 
 

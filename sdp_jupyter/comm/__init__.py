@@ -22,8 +22,8 @@ import numpy as np
 
 from sdp_jupyter import _engine
 from sdp_jupyter._env import env_float, env_int
-from sdp_jupyter.comm.secret import (SecretError, check_secret, is_loopback, job_secret, release_local_secret,
-                                     uses_local_file)
+from sdp_jupyter.comm.secret import (FROM_CALLER, FROM_ENV, FROM_FILE, JobSecret, SecretError, check_secret,
+                                     env_secret, group_secret, is_loopback)
 
 EngineError = _engine.EngineError
 
@@ -129,7 +129,7 @@ class Communicator:
     """
 
     def __init__(self, rank: int, world_size: int, store, *, node: str | None = None,
-                 secret: bytes | str | None = None, prefix: str = "sdp", timeout: float | None = None,
+                 secret: bytes | str | JobSecret | None = None, prefix: str = "sdp", timeout: float | None = None,
                  chunk_bytes: int | None = None, bind_addr: str | None = None, close_store: bool = False):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside a world of {world_size}")
@@ -145,10 +145,25 @@ class Communicator:
         node = node if node is not None else node_key()
         self._prefix = prefix
         # No secret in the store, ever: it comes from the launcher (SDP_JOB_SECRET) or, on one
-        # node, from a 0600 file (sdp_jupyter.comm.secret).
-        secret = check_secret(secret, "the job secret") if secret is not None else job_secret(self.timeout)
-        self._secret = secret
+        # host, from a 0600 file that this group's rank 0 writes (sdp_jupyter.comm.secret).
+        if isinstance(secret, JobSecret):
+            self._job_secret = secret
+        elif secret is not None:
+            self._job_secret = JobSecret(check_secret(secret, "the job secret"), FROM_CALLER)
+        else:
+            try:
+                self._job_secret = group_secret(rank, store, f"{prefix}/secret-file", self.timeout)
+            except SecretError as exc:
+                raise SmddpError(str(exc)) from None
+        self._secret = self._job_secret.value
+        try:
+            self._connect(rank, world_size, store, node, bind_addr, chunk, spin)
+        finally:
+            self._job_secret.released()  # failed: the one-host file must not outlive the attempt
+        _opened(self)
 
+    def _connect(self, rank, world_size, store, node, bind_addr, chunk, spin) -> None:
+        secret = self._secret
         addr = bind_addr or bind_address()
         # Point-to-point messages (send/recv, gather, scatter, all_to_all) go through the
         # mailbox: its listener is up before anyone learns its address. SDP_SPIN=0 also stops
@@ -162,9 +177,16 @@ class Communicator:
             raise SmddpError(str(exc)) from None
 
         # Who lives where: every rank publishes its node key (and its mailbox); nodes are
-        # numbered by first rank.
-        self._put(f"node-of/{rank}", json.dumps({"node": node, "addr": addr, "port": p2p_port}).encode())
-        ranks = [json.loads(self._take(f"node-of/{r}")) for r in range(world_size)]
+        # numbered by first rank. The secret's source rides along for the error message when
+        # two ranks' secrets differ.
+        self._put(f"node-of/{rank}", json.dumps({"node": node, "addr": addr, "port": p2p_port,
+                                                 "secret": self._job_secret.source}).encode())
+        try:
+            ranks = [json.loads(self._take(f"node-of/{r}")) for r in range(world_size)]
+        except SmddpError:
+            self._mailbox.shutdown()
+            raise
+        self._job_secret.released()  # every rank signed its record: all of them have the secret
         keys = [str(d["node"]) for d in ranks]
         order: dict[str, int] = {}
         for k in keys:
@@ -180,11 +202,10 @@ class Communicator:
             leaders = [json.loads(self._take(f"leader/{n}")) for n in range(self._engine.num_nodes)]
             self._engine.connect([str(d["addr"]) for d in leaders], [int(d["port"]) for d in leaders])
             self._finish_setup()
-        except EngineError as exc:
+        except (EngineError, SmddpError) as exc:
             self._engine.shutdown()
             self._mailbox.shutdown()
             raise SmddpError(str(exc)) from None
-        _opened(self)
 
     # ---- the rendezvous: every value is signed with the job secret, so a store that is not
     # ours (torch's TCPStore under plain torchrun) cannot be used to redirect a rank
@@ -199,15 +220,36 @@ class Communicator:
         mac, value = raw[:32], raw[32:]
         if len(raw) < 32 or not hmac.compare_digest(mac, self._sign(key, value)):
             raise SmddpError(f"the rendezvous value '{self._prefix}/{key}' was not written by a rank of this job "
-                             "(wrong signature): SDP_JOB_SECRET differs between ranks, or someone else wrote it")
+                             f"(wrong signature): {self._why_unsigned(value)}")
         return value
+
+    def _why_unsigned(self, value: bytes) -> str:
+        """Which case a signature mismatch is, from what the other rank says its secret was (its
+        words are not trusted for anything but this message)."""
+        mine = self._job_secret.source
+        try:
+            theirs = str(json.loads(value)["secret"])
+        except (ValueError, KeyError, TypeError):
+            theirs = None
+        if theirs is None:
+            return ("another program wrote it, or a rank of another version of sdp_jupyter; "
+                    "if this is your job, SDP_JOB_SECRET differs between ranks")
+        if theirs != mine:
+            return (f"that rank's secret came from {theirs}, this rank's from {mine}. Fix: set the same "
+                    "SDP_JOB_SECRET on every rank, or on none of them (one host)")
+        if mine == FROM_ENV:
+            return ("SDP_JOB_SECRET differs between ranks (fix: the same value on every rank), or another job "
+                    "uses the same rendezvous (MASTER_ADDR:MASTER_PORT or init_method)")
+        if mine == FROM_FILE:
+            return ("the ranks read different one-host secrets: another job on this machine uses the same "
+                    "rendezvous (init_method file or MASTER_PORT), or an earlier job's record was left in it. "
+                    "Fix: a fresh init_method, or the same SDP_JOB_SECRET on every rank")
+        return "the ranks were given different secrets"
 
     def _finish_setup(self) -> None:
         """Every rank says it is connected; then rank 0 stops serving the store (nobody needs it
-        any more, and a store that is closed can be reached by nobody) and lets the one-node secret
-        file go (secret.release_local_secret: now, or at exit when this group is not the whole job)."""
-        file_secret = uses_local_file()
-        if not (self._close_store or file_secret):
+        any more, and a store that is closed can be reached by nobody)."""
+        if not self._close_store:
             return  # the caller owns the store (and may set up more groups through it)
         self._put(f"ready/{self.rank}", b"1")
         if self.rank == 0:
@@ -215,8 +257,6 @@ class Communicator:
                 self._take(f"ready/{r}")
             if self._close_store and hasattr(self._store, "close_server"):
                 self._store.close_server()
-            if file_secret:
-                release_local_secret(self.world_size)
         if self._close_store and hasattr(self._store, "close") and self.rank != 0:
             self._store.close()
             self._close_store = False
@@ -453,11 +493,11 @@ def init(*, timeout: float | None = None, chunk_bytes: int | None = None) -> Com
     rank, world = env_int("RANK", 0, min=0), env_int("WORLD_SIZE", 1, min=1)
     t = timeout if timeout is not None else env_float("SDP_TIMEOUT", DEFAULT_TIMEOUT, min=0.001)
     try:
-        secret = job_secret(t)
+        secret = env_secret(t)
     except SecretError as exc:
         raise SmddpError(str(exc)) from None
     store = TCPKeyValueStore(os.environ["MASTER_ADDR"], env_int("MASTER_PORT", 0, min=1), server=rank == 0, timeout=t,
-                             secret=secret)
+                             secret=secret.value)
     _default = Communicator(rank, world, store, timeout=t, chunk_bytes=chunk_bytes, close_store=True, secret=secret)
     return _default
 

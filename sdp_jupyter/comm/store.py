@@ -162,9 +162,9 @@ class TCPKeyValueStore:
     def __init__(self, host: str, port: int, server: bool = False, timeout: float = 300.0,
                  secret: bytes | None = None):
         if secret is None:
-            from sdp_jupyter.comm.secret import job_secret
+            from sdp_jupyter.comm.secret import env_secret
 
-            secret = job_secret()
+            secret = env_secret().value
         if not math.isfinite(timeout) or timeout <= 0:
             raise ValueError(f"store timeout must be a positive finite number of seconds, not {timeout!r}")
         self.timeout = timeout
