@@ -333,3 +333,29 @@ def test_restarts_run_out_and_the_job_fails(tmp_path, jobs_dir):
     assert [line for line in log.splitlines() if line.startswith("attempt")] == \
         ["attempt 0 rank 1", "attempt 1 rank 1", "attempt 2 rank 1"]
     assert "[sdp_jupyter] restart 2 of 2 after: rank 1" in log
+
+
+CRASH_IN_A_COLLECTIVE = """
+import ctypes, os, threading, time
+import torch, torch.distributed as dist
+dist.init_process_group("smddp")
+if dist.get_rank() == 1:
+    # rank 1's main thread waits in all_reduce (rank 0 is late) when another thread of it crashes
+    threading.Thread(target=lambda: (time.sleep(1.0), ctypes.string_at(0)), daemon=True).start()
+else:
+    time.sleep(30)
+dist.all_reduce(torch.ones(4))
+"""
+
+
+def test_a_crashed_rank_names_its_collective_and_leaves_its_stacks(tmp_path, jobs_dir):
+    """A rank killed by a signal is never silent: its log holds the crashing thread's native frames
+    and every thread's Python stack, and the job's error names the collective and the log."""
+    job = launch(write(tmp_path / "crash.py", CRASH_IN_A_COLLECTIVE), nodes=2, backend="smddp", name="segv")
+    assert job.wait(120) == "failed", job.summary()
+    assert job.error.startswith("rank 1 (node 1, local rank 0) was killed by signal SIGSEGV"), job.error
+    assert "during torch.distributed.all_reduce" in job.error, job.error
+    assert str(job.dir / "logs" / "rank-1.log") in job.error and "sdp_jupyter.doctor" in job.error
+    log = job.logs(1)
+    assert "[sdp_jupyter] fatal signal 11 (SIGSEGV) in thread" in log and "_engine" in log, log[-3000:]
+    assert "Fatal Python error: Segmentation fault" in log and "in all_reduce" in log, log[-3000:]

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "sdp/crash.h"
 #include "sdp/engine.h"
 #include "sdp/hmac.h"
 #include "sdp/mailbox.h"
@@ -57,6 +58,9 @@ PYBIND11_MODULE(_engine, m) {
       .value("scatter", Coll::SCATTER)
       .value("all_to_all", Coll::ALLTOALL);
 
+  m.def("install_crash_report", &install_crash_report,
+        "On a fatal signal, print the thread's name and native frames to stderr, then run the handler that was "
+        "there before (call after faulthandler.enable()).");
   m.def("kernel_isa", &kernel_isa, "Which reduction kernels are in use: 'avx2+f16c' or 'portable'.");
   m.def("hmac_sha256", [](py::bytes key, py::bytes msg) {
     std::string k = key, s = msg;

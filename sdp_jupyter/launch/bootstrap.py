@@ -15,6 +15,20 @@ import sys
 import types
 
 
+def arm_crash_report() -> None:
+    """A rank killed by a signal leaves its story in its log: the crashing thread's name and native
+    frames (the engine's handler, sdp/crash.h), then every thread's Python stack (faulthandler), so
+    the job's error can say which collective was running (launch/ranks.py: crash_summary)."""
+    import faulthandler
+
+    faulthandler.enable(file=sys.stderr, all_threads=True)
+    try:
+        from sdp_jupyter import _engine
+    except ImportError:  # no engine built (a gloo-only install): Python stacks only
+        return
+    _engine.install_crash_report()
+
+
 def load_push(path: str, checked: bool = True) -> dict:
     """The variables sent with --push (`path`: push.pkl), {} when there is none. `checked`: unpickle
     only a file that is ours and nobody else can write (jobdir.load_pickle); the SageMaker entry

@@ -23,10 +23,7 @@ from sdp_jupyter.launch import backend_check, ranks, supervise, warm
 from sdp_jupyter.launch.job import Job
 from sdp_jupyter.launch.push import pickle_push
 from sdp_jupyter.launch.spec import JobSpec, SpecError
-from sdp_jupyter.launch.ranks import describe_exit, free_port, gpu_count  # noqa: F401  (re-exported)
-
-LAST_LINES = 12  # lines of a failed rank's output quoted in the job's error
-
+from sdp_jupyter.launch.ranks import free_port, gpu_count  # noqa: F401  (re-exported)
 
 
 class LocalLauncher:
@@ -181,11 +178,7 @@ class LocalRun(supervise.Run):
 
     def _failure_message(self, rank: int, code: int) -> str:
         node, local_rank = divmod(rank, self.spec.procs_per_node)
-        tail = "".join(self.job.logs(rank, tail=LAST_LINES)).rstrip()
-        msg = f"rank {rank} (node {node}, local rank {local_rank}) {describe_exit(code)}"
-        if tail:
-            msg += f"; its last lines:\n{tail}"
-        return msg
+        return ranks.failure_message(self.job, rank, f"rank {rank} (node {node}, local rank {local_rank})", code)
 
     def _read(self, rank: int, proc: subprocess.Popen) -> None:
         # Pieces of at most LINE_CAP bytes: the log gets every byte, the views get the first

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -55,6 +56,52 @@ def describe_exit(code: int) -> str:
         except ValueError:
             return f"was killed by signal {-code}"
     return f"exited with code {code}"
+
+
+LAST_LINES = 12  # lines of a failed rank's output quoted in the job's error
+_CRASH_LINES = 400  # how far back a crashed rank's log is read for its stacks
+
+_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line \d+ in (?P<func>\S+)')
+_FATAL = re.compile(r"\[sdp_jupyter\] fatal signal \d+ \(\w+\) in thread '(?P<thread>[^']*)'")
+
+
+def crash_summary(log: str) -> str:
+    """What a crashed rank's log says about the crash (bootstrap.arm_crash_report wrote it): the
+    thread, whether the engine's code was on its native stack, and the collective running."""
+    lines = log.splitlines()
+    where = ""
+    for i, line in enumerate(lines):
+        m = _FATAL.search(line)
+        if m:
+            native = []
+            for frame in lines[i + 1:]:
+                if frame.startswith("Fatal Python error") or not frame.strip():
+                    break
+                native.append(frame)
+            engine = any("_engine" in f for f in native[1:])  # [0] is the handler itself
+            where = f" in thread '{m.group('thread')}'" + (" inside the smddp engine" if engine else "")
+    for line in lines:  # faulthandler lists the crashing thread first, each stack innermost first
+        m = _FRAME.match(line)
+        if not m:
+            continue
+        path, func = m.group("file").replace("\\", "/"), m.group("func")
+        if path.endswith("torch/distributed/distributed_c10d.py") and not func.startswith("_") and func != "wrapper":
+            return f"{where} during torch.distributed.{func}"
+        if path.endswith("sdp_jupyter/comm/__init__.py") and not func.startswith("_"):
+            return f"{where} during sdp_jupyter.comm {func}"
+    return where
+
+
+def failure_message(job, rank: int, who: str, code: int) -> str:
+    """The job's error for a rank that ended badly: who, how, what was running (for a signal) and
+    where its log is, then its last lines."""
+    msg = f"{who} {describe_exit(code)}"
+    if code < 0:
+        msg += crash_summary(job.logs(rank, tail=_CRASH_LINES))
+        msg += (f"; its log (Python stacks, native frames): {jobdir.log_path(job.dir, rank)}; "
+                "`python -m sdp_jupyter.doctor` checks how this machine's engine was built")
+    tail = job.logs(rank, tail=LAST_LINES).rstrip()
+    return msg + (f"; its last lines:\n{tail}" if tail else "")
 
 
 def signal_group(pid: int, sig: int) -> None:

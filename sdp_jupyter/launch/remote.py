@@ -19,15 +19,13 @@ import time
 
 from sdp_jupyter.launch import agent as channel
 from sdp_jupyter import jobdir
-from sdp_jupyter.launch import backend_check, supervise
+from sdp_jupyter.launch import backend_check, ranks, supervise
 from sdp_jupyter.launch.job import Job
-from sdp_jupyter.launch.ranks import describe_exit
 from sdp_jupyter.launch.spec import JobSpec, SpecError
 
 CONNECT_TIMEOUT = 10       # seconds for a link to reach its node
 HELLO_TIMEOUT = 30         # seconds from opening a link to the agent's hello (connect + interpreter start)
 HEARTBEAT_TIMEOUT = 10.0   # a node silent this long is lost (the agent pings every second)
-LAST_LINES = 12
 
 
 class Link:
@@ -401,9 +399,8 @@ class RemoteRun(supervise.Run):
 
     def _failure_message(self, rank: int, code: int) -> str:
         node, local_rank = divmod(rank, self.spec.procs_per_node)
-        tail = "".join(self.job.logs(rank, tail=LAST_LINES)).rstrip()
-        msg = f"rank {rank} (node {node} on host {self.hosts[node]}, local rank {local_rank}) {describe_exit(code)}"
-        return msg + (f"; its last lines:\n{tail}" if tail else "")
+        return ranks.failure_message(self.job, rank, f"rank {rank} (node {node} on host {self.hosts[node]}, "
+                                     f"local rank {local_rank})", code)
 
     def _write_agent_logs(self) -> None:
         for conn in self.conns:

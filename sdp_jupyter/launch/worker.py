@@ -18,8 +18,8 @@ import signal
 import sys
 import traceback
 
-from sdp_jupyter.launch.bootstrap import (finish_distributed, load_push, run_script, save_result, user_frames,
-                                          watch_backend)
+from sdp_jupyter.launch.bootstrap import (arm_crash_report, finish_distributed, load_push, run_script, save_result,
+                                          user_frames, watch_backend)
 
 PR_SET_PDEATHSIG = 1
 
@@ -74,6 +74,7 @@ def main() -> int:
     if sys.argv[1:2] == ["--module"]:
         return run_module()
     arm_parent_death_signal()
+    arm_crash_report()
     job_dir = os.environ["SDP_JOB_DIR"]
     from sdp_jupyter import jobdir
 

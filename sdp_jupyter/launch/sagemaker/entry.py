@@ -257,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         _write_failure(e)
         return 1
     from sdp_jupyter.launch import bootstrap
+    bootstrap.arm_crash_report()
     with open(os.path.join(HERE, "spec.json")) as f:
         spec = json.load(f)
     push = bootstrap.load_push(os.path.join(HERE, "push.pkl"), checked=False)
