@@ -50,7 +50,8 @@ def test_accelerate_launch_on_smddp_matches_gloo(tmp_path):
     runs = {}
     for backend in ("smddp", "gloo"):
         out = tmp_path / backend
-        env = {**os.environ, **ENV, "SDP_JOB_SECRET": "0" * 32}
+        # as a user starts it on one host: no SDP_JOB_SECRET (the group's one-host secret)
+        env = {k: v for k, v in {**os.environ, **ENV}.items() if k != "SDP_JOB_SECRET"}
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                "--main_process_port", str(free_port()), os.path.join(HELPERS, "integration_workers.py"),
@@ -63,7 +64,7 @@ def test_accelerate_launch_on_smddp_matches_gloo(tmp_path):
     _assert_same_weights(runs)
 
 
-def _ray_run(backend: str, out: str, secret: str):
+def _ray_run(backend: str, out: str):
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
     from integration_workers import ray_train_loop
@@ -82,13 +83,11 @@ def _ray_run(backend: str, out: str, secret: str):
 @pytest.mark.slow
 def test_ray_train_torch_config_smddp_matches_gloo(tmp_path):
     ray = pytest.importorskip("ray")
-    secret = "ab" * 16
-    # the recipe: the job secret reaches Ray's workers through runtime_env env vars
+    # one node: no SDP_JOB_SECRET needed (across nodes the recipe passes one in runtime_env's env vars)
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"SDP_JOB_SECRET": secret,
-                                       "PYTHONPATH": HELPERS + os.pathsep + ROOT}})
+             runtime_env={"env_vars": {"PYTHONPATH": HELPERS + os.pathsep + ROOT}})
     try:
-        runs = {b: _ray_run(b, str(tmp_path / b), secret) for b in ("smddp", "gloo")}
+        runs = {b: _ray_run(b, str(tmp_path / b)) for b in ("smddp", "gloo")}
     finally:
         ray.shutdown()
     _assert_same_weights(runs)
