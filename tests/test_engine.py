@@ -190,6 +190,25 @@ def test_pipelined_tcp_path_many_chunks_odd_sizes(world, depth):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("world,per_node", [(4, 2), (6, 3)])
+def test_node_pipelined_path_many_pieces_odd_sizes(world, per_node):
+    # Several ranks on several nodes: piece j of the node's sum crosses the links while the node
+    # reduces piece j+1 and copies back piece j-1, alternating between the two halves of every
+    # slot. 4 KiB chunks (2 KiB pieces) make one, two, three and many pieces of uneven shards;
+    # broadcasts in between leave the links with other receive counts.
+    cases = []
+    for n in (1, 3, 511, 512, 513, 1025, 3 * 512 + 7, 50 * 1024 + 11):
+        cases.append(("all_reduce", n, "float32", "sum", 0))
+        cases.append(("broadcast", n, "float32", "sum", n % world))
+        cases.append(("all_reduce", n, "float16", "avg", 0))
+        cases.append(("all_reduce", n, "int32", "max", 0))
+        cases.append(("all_reduce", n, "float64", "avg", 0))
+    results = run_ranks("engine_workers:collectives", world, per_node, args=(cases,), timeout=180,
+                        env={"SDP_CHUNK_BYTES": str(4096)})
+    check(results, cases, world)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("world,per_node", [(2, 2), (2, 1), (3, 1), (4, 2), (3, 3)])
 def test_native_all_gather_and_reduce_scatter_many_chunks(world, per_node):
     # The engine's own all_gather / reduce_scatter (not broadcasts or a full all_reduce): 4 KiB

@@ -1,9 +1,12 @@
 // all_reduce. Within a node: every rank copies its chunk into its slot, then reduces an equal
 // part of the chunk across all slots (small buffers: one barrier, every rank sums everything).
 // Across nodes, only leaders talk: the node-reduced chunk is split into one shard per node,
-// node k sums shard k from every node and sends the sum back.
+// node k sums shard k from every node and sends the sum back. With several ranks per node the
+// two overlap: while piece j of the node's sum crosses the links (the leader moves it between
+// its own steps), the node copies in and reduces piece j+1 and copies back piece j-1.
 #include <algorithm>
 #include <cstring>
+#include <functional>
 
 #include "sdp/collectives.h"
 #include "sdp/common.h"
@@ -80,15 +83,103 @@ void Collectives::post_gather(const FrameHeader& base, char* red, size_t off, si
   }
 }
 
-void Collectives::inter_node_allreduce(const Work& w, char* red, size_t off, size_t n) {
-  // One chunk that lives in the node's shared memory (several ranks per node): scatter,
-  // reduce, gather, in lockstep with the node's barriers.
-  FrameHeader base = links_.frame_base(w);
-  post_scatter(base, red, off, n, 0);
-  links_.exchange(0);
-  reduce_shard(w, red, n, 0);
-  post_gather(base, red, off, n);
-  links_.exchange();
+// ---- one piece of the node's sum across the links, moved in steps (net_advance) so that the
+// leader can drive it from inside the node's work: scatter its shards, reduce this node's shard
+// once every node's has arrived, gather every node's reduced shard back into place.
+
+void Collectives::net_start(const Work& w, char* red, size_t off, size_t n, int set) {
+  net_ = {&w, red, off, n, set, 0, true};
+  post_scatter(links_.frame_base(w), red, off, n, set);
+}
+
+bool Collectives::net_advance(int wait_us) {
+  if (!net_.active) return true;
+  if (net_.phase == 0) {
+    if (!links_.progress(net_.set, wait_us)) return false;
+    reduce_shard(*net_.w, net_.red, net_.n, net_.set);
+    post_gather(links_.frame_base(*net_.w), net_.red, net_.off, net_.n);
+    net_.phase = 1;
+    wait_us = 0;  // what the sockets take now; the caller comes back for the rest
+  }
+  if (!links_.progress(-1, wait_us)) return false;
+  net_.active = false;
+  return true;
+}
+
+void Collectives::net_finish() {
+  while (!net_advance(50000)) {
+  }
+}
+
+// Runs f(first, count) over [0, n) in steps of kStepBytes, letting the piece in flight move
+// between them: a leader that copied or reduced a whole piece at once would leave its links
+// idle for that long.
+template <typename F>
+void Collectives::in_steps(size_t n, size_t esz, F f) {
+  size_t step = std::max<size_t>(1, kStepBytes / esz);
+  for (size_t lo = 0; lo < n; lo += step) {
+    f(lo, std::min(step, n - lo));
+    if (net_.active) net_advance(0);
+  }
+}
+
+void Collectives::node_pipelined_allreduce(const Work& w, double divisor) {
+  // Several ranks on some node (this one may have only one: then it reduces in its buffer), several
+  // nodes. Pieces of half a slot, alternating between the two halves of every slot and of the
+  // reduce area: piece j is copied in and reduced while piece j-1 crosses the links, then piece
+  // j-1 is copied back while piece j crosses. Two barriers a piece (one more at the end); the
+  // second also says the piece before has crossed.
+  int L = topo_.local_size(), local = topo_.local;
+  bool leader = topo_.is_leader();
+  size_t esz = dtype_size(w.dtype);
+  size_t half = std::max<size_t>(1, chunk_bytes_ / esz / 2);
+  size_t P = (w.count + half - 1) / half;
+  net_.active = false;
+  if (P == 0) return;  // nothing to reduce (every rank knows: the counts agree or were refused)
+  std::function<void()> move_links = [this] { net_advance(kNetWaitUs); };
+  const std::function<void()>* while_waiting = leader ? &move_links : nullptr;
+  auto span = [&](size_t j) { return std::min(half, w.count - j * half); };
+  auto red_of = [&](size_t j) { return L > 1 ? shm_.red_area() + (j & 1) * half * esz : w.buf + j * half * esz; };
+  auto copy_back = [&](size_t j) {
+    char* user = w.buf + j * half * esz;
+    char* red = red_of(j);
+    if (red == user && divisor == 1.0) return;
+    in_steps(span(j), esz, [&](size_t lo, size_t c) {
+      copy_scaled(w.dtype, user + lo * esz, red + lo * esz, c, divisor);
+    });
+  };
+  if (srcs_step_.size() < size_t(L)) srcs_step_.resize(size_t(L));
+  for (size_t j = 0; j < P; ++j) {
+    size_t off = j * half, n = span(j);
+    char* user = w.buf + off * esz;
+    char* red = red_of(j);
+    if (L > 1) {
+      // Only the parts other ranks reduce go through shared memory; this rank reads its own
+      // part straight from its buffer (saves 1/L of the copy-in).
+      size_t p0 = n * size_t(local) / size_t(L), p1 = n * size_t(local + 1) / size_t(L);
+      size_t half_off = (j & 1) * half * esz;
+      char* slot = shm_.slot(local) + half_off;
+      in_steps(p0, esz, [&](size_t lo, size_t c) { std::memcpy(slot + lo * esz, user + lo * esz, c * esz); });
+      in_steps(n - p1, esz, [&](size_t lo, size_t c) {
+        std::memcpy(slot + (p1 + lo) * esz, user + (p1 + lo) * esz, c * esz);
+      });
+      if (j == 0) shm_.publish_desc(w, 2);
+      shm_.barrier(while_waiting);
+      if (j == 0) shm_.check_descs(2);
+      in_steps(p1 - p0, esz, [&](size_t lo, size_t c) {
+        for (int l = 0; l < L; ++l) srcs_step_[l] = shm_.slot(l) + half_off + (p0 + lo) * esz;
+        srcs_step_[local] = user + (p0 + lo) * esz;
+        reduce_many(w.dtype, w.op, red + (p0 + lo) * esz, srcs_step_.data(), L, c);
+      });
+    }
+    if (leader) net_finish();  // piece j-1 has crossed: the node may copy it back
+    if (L > 1) shm_.barrier();
+    if (leader) net_start(w, red, off, n, int(j & 1));
+    if (j > 0) copy_back(j - 1);
+  }
+  if (leader) net_finish();
+  if (L > 1) shm_.barrier();
+  copy_back(P - 1);
 }
 
 void Collectives::small_tcp_allreduce(const Work& w, double divisor) {
@@ -165,31 +256,25 @@ void Collectives::all_reduce(const Work& w) {
     else pipelined_allreduce(w, divisor);
     return;
   }
-  // Several ranks on some node (this one may have only one: then it reduces in its buffer).
+  if (N > 1) return node_pipelined_allreduce(w, divisor);
+  // One node, several ranks.
   for (size_t off = 0; off < w.count; off += chunk) {
     size_t n = std::min(chunk, w.count - off);
     char* user = w.buf + off * esz;
-    char* red = user;
-    if (L > 1) {
-      // Only the parts other ranks reduce go through shared memory; this rank reads its own
-      // part straight from its buffer (saves 1/L of the copy-in).
-      size_t p0 = n * size_t(local) / size_t(L), p1 = n * size_t(local + 1) / size_t(L);
-      std::memcpy(shm_.slot(local), user, p0 * esz);
-      std::memcpy(shm_.slot(local) + p1 * esz, user + p1 * esz, (n - p1) * esz);
-      if (off == 0) shm_.publish_desc(w, 2);
-      shm_.barrier();
-      if (off == 0) shm_.check_descs(2);
-      for (int l = 0; l < L; ++l) srcs_[l] = shm_.slot(l) + p0 * esz;
-      srcs_[local] = user + p0 * esz;
-      red = shm_.red_area();
-      reduce_many(w.dtype, w.op, red + p0 * esz, srcs_.data(), L, p1 - p0);
-      shm_.barrier();
-    }
-    if (N > 1) {
-      if (topo_.is_leader()) inter_node_allreduce(w, red, off, n);
-      if (L > 1) shm_.barrier();
-    }
-    if (red != user || divisor != 1.0) copy_scaled(w.dtype, user, red, n, divisor);
+    // Only the parts other ranks reduce go through shared memory; this rank reads its own
+    // part straight from its buffer (saves 1/L of the copy-in).
+    size_t p0 = n * size_t(local) / size_t(L), p1 = n * size_t(local + 1) / size_t(L);
+    std::memcpy(shm_.slot(local), user, p0 * esz);
+    std::memcpy(shm_.slot(local) + p1 * esz, user + p1 * esz, (n - p1) * esz);
+    if (off == 0) shm_.publish_desc(w, 2);
+    shm_.barrier();
+    if (off == 0) shm_.check_descs(2);
+    for (int l = 0; l < L; ++l) srcs_[l] = shm_.slot(l) + p0 * esz;
+    srcs_[local] = user + p0 * esz;
+    char* red = shm_.red_area();
+    reduce_many(w.dtype, w.op, red + p0 * esz, srcs_.data(), L, p1 - p0);
+    shm_.barrier();
+    copy_scaled(w.dtype, user, red, n, divisor);
   }
 }
 

@@ -54,6 +54,35 @@ void Links::post_recv(int node, const FrameHeader& expect, char* dst) {
   p.recv_active = true;
 }
 
+bool Links::pump_all(int scatter_set, std::vector<pollfd>& pfds, std::vector<Peer*>& who) {
+  pfds.clear();
+  who.clear();
+  bool reached = true;
+  for (auto& p : peers_) {
+    if (p.fd < 0) continue;
+    if (p.send_active) pump_send(p);
+    if (p.recv_active) pump_recv(p);
+    if (scatter_set < 0 ? (p.send_active || p.recv_active) : p.recvs_done < p.scatter_mark[scatter_set]) reached = false;
+    short ev = short((p.send_active ? POLLOUT : 0) | (p.recv_active ? POLLIN : 0));
+    if (ev) {
+      pfds.push_back({p.fd, ev, 0});
+      who.push_back(&p);
+    }
+  }
+  if (!reached && pfds.empty()) op_.fail("internal error in " + op_.desc() + ": waiting for frames that were never posted");
+  return reached;
+}
+
+void Links::check_stalled(const std::vector<Peer*>& who) {
+  op_.check_health();
+  if (now_s() > op_.deadline) {
+    std::string late;
+    for (Peer* p : who) late += (late.empty() ? "" : ", ") + topo_.rank_name(p->rank);
+    op_.fail("timed out after " + fmt_seconds(op_.timeout_s) + " s in " + op_.desc() + " waiting for node leader " + late +
+             " (that host is unreachable or stalled, or a rank there is not calling this collective)");
+  }
+}
+
 void Links::exchange(int scatter_set) {
   std::vector<pollfd> pfds;
   std::vector<Peer*> who;
@@ -67,22 +96,7 @@ void Links::exchange(int scatter_set) {
   }
   SpinWindow spin(small);
   for (;;) {
-    pfds.clear();
-    who.clear();
-    bool reached = true;
-    for (auto& p : peers_) {
-      if (p.fd < 0) continue;
-      if (p.send_active) pump_send(p);
-      if (p.recv_active) pump_recv(p);
-      if (scatter_set < 0 ? (p.send_active || p.recv_active) : p.recvs_done < p.scatter_mark[scatter_set]) reached = false;
-      short ev = short((p.send_active ? POLLOUT : 0) | (p.recv_active ? POLLIN : 0));
-      if (ev) {
-        pfds.push_back({p.fd, ev, 0});
-        who.push_back(&p);
-      }
-    }
-    if (reached) return;
-    if (pfds.empty()) op_.fail("internal error in " + op_.desc() + ": waiting for frames that were never posted");
+    if (pump_all(scatter_set, pfds, who)) return;
     bool spinning = spin.spinning();
     int r = ::poll(pfds.data(), nfds_t(pfds.size()), spinning ? 0 : 50);
     if (r > 0) spin.progress();
@@ -90,16 +104,20 @@ void Links::exchange(int scatter_set) {
       sched_yield();
       continue;
     }
-    if (r == 0 || (r < 0 && errno == EINTR)) {
-      op_.check_health();
-      if (now_s() > op_.deadline) {
-        std::string late;
-        for (Peer* p : who) late += (late.empty() ? "" : ", ") + topo_.rank_name(p->rank);
-        op_.fail("timed out after " + fmt_seconds(op_.timeout_s) + " s in " + op_.desc() + " waiting for node leader " + late +
-                 " (that host is unreachable or stalled, or a rank there is not calling this collective)");
-      }
-    }
+    if (r == 0 || (r < 0 && errno == EINTR)) check_stalled(who);
   }
+}
+
+bool Links::progress(int scatter_set, int wait_us) {
+  if (pump_all(scatter_set, pfds_, who_)) return true;
+  if (wait_us <= 0) return false;
+  timespec ts{0, long(wait_us) * 1000};
+  int r = ::ppoll(pfds_.data(), nfds_t(pfds_.size()), &ts, nullptr);
+  if (r == 0 || (r < 0 && errno == EINTR)) {
+    check_stalled(who_);
+    return false;
+  }
+  return pump_all(scatter_set, pfds_, who_);
 }
 
 bool Links::pump_send(Peer& p) {

@@ -199,7 +199,7 @@ void ShmNode::check_descs(int set) {
   }
 }
 
-void ShmNode::barrier() {
+void ShmNode::barrier(const std::function<void()>* while_waiting) {
   int L = topo_.local_size(), local = topo_.local;
   uint64_t mine = ++barrier_count_;
   uint64_t target = mine * uint64_t(L);
@@ -210,6 +210,14 @@ void ShmNode::barrier() {
     // The wake-up is a system call: skip it when every peer is still spinning.
     if (hdr_->sleepers.load() > 0) futex_wake_all(&hdr_->wake);
     return;
+  }
+  if (while_waiting) {
+    for (;;) {
+      if (hdr_->arrivals.load(std::memory_order_acquire) >= target) return;
+      (*while_waiting)();  // waits up to a fraction of a millisecond for its own events
+      op_.check_health();
+      if (now_s() > op_.deadline) break;  // the sleeping loop below names the late ranks
+    }
   }
   // Wait in three stages: a short pause-spin (the peers are usually microseconds away), then
   // sched_yield for up to ~200 us, then a futex sleep that also checks health and the

@@ -1,5 +1,6 @@
-// The collectives, written against the peer links (post send / post receive / exchange) and
-// the shared-memory node (slots, barrier, descriptions) only: no socket, no thread, no queue.
+// The collectives, written against the peer links (post send / post receive / exchange or
+// progress) and the shared-memory node (slots, barrier, descriptions) only: no socket, no
+// thread, no queue.
 // One file per family: allreduce.cpp, broadcast.cpp, allgather.cpp, reducescatter.cpp,
 // gather_scatter.cpp.
 #pragma once
@@ -43,8 +44,15 @@ class Collectives {
   // from the whole layout, never from this node's size alone, so every node takes the same path.
   bool one_rank_per_node() const { return topo_.world_size() == topo_.num_nodes(); }
   // all_reduce across nodes (allreduce.cpp)
-  void inter_node_allreduce(const Work& w, char* red, size_t off, size_t n);
+  void node_pipelined_allreduce(const Work& w, double divisor);
   void pipelined_allreduce(const Work& w, double divisor);
+  // One piece of the node's sum across the links (net_), moved in steps. net_advance(wait_us):
+  // true once it has crossed; waits up to wait_us for the sockets when it has not.
+  void net_start(const Work& w, char* red, size_t off, size_t n, int set);
+  bool net_advance(int wait_us);
+  void net_finish();
+  template <typename F>
+  void in_steps(size_t n, size_t esz, F f);
   void small_tcp_allreduce(const Work& w, double divisor);
   void post_scatter(const FrameHeader& base, char* red, size_t off, size_t n, int set);
   void post_gather(const FrameHeader& base, char* red, size_t off, size_t n);
@@ -80,6 +88,18 @@ class Collectives {
   std::vector<char> recv_buf_;      // leader: one shard-sized buffer per peer node, two sets
   std::vector<char> small_buf_;     // one rank per node: N+1 small buffers (peers' data, the sum)
   std::vector<const void*> srcs_;
+  std::vector<const void*> srcs_step_;  // node_pipelined_allreduce's sources, one step's worth
+  struct NetPiece {
+    const Work* w = nullptr;
+    char* red = nullptr;
+    size_t off = 0, n = 0;
+    int set = 0, phase = 0;  // phase 0: shards going out to their nodes; 1: the sums coming back
+    bool active = false;
+  } net_;
+  // What the leader copies or reduces between two steps of the piece in flight, and how long it
+  // waits for its sockets inside a barrier (then looks at the barrier again).
+  static constexpr size_t kStepBytes = 256 << 10;
+  static constexpr int kNetWaitUs = 200;
   std::vector<char> rs_buf_;        // one rank per node: the other nodes' blocks for this rank
   int small_set_ = 0;
   int single_copy_ = -1;            // -1: not probed yet; 0: the slots; 1: cross-memory reads

@@ -4,6 +4,8 @@
 // never holds up the others. Incoming frames are checked against what was expected (the same
 // collective, the same bytes) before their payload is accepted.
 #pragma once
+#include <poll.h>
+
 #include <cstddef>
 #include <cstdint>
 #include <deque>
@@ -57,6 +59,10 @@ class Links {
   // Moves every posted frame until the receives marked as set `scatter_set` have arrived from
   // every peer (with -1: until every posted frame, sends included, is done).
   void exchange(int scatter_set = -1);
+  // One step of exchange() that returns instead of waiting: moves what the sockets take now,
+  // then, unless the goal is reached, waits up to `wait_us` for a socket and moves again.
+  // True once the goal is reached. Checks health and the deadline as exchange() does.
+  bool progress(int scatter_set, int wait_us);
 
   // After set-up: non-blocking, bulk buffers, keepalive.
   void start(double timeout_s);
@@ -71,6 +77,11 @@ class Links {
   void close_all(double deadline);
 
  private:
+  // Pumps every link once; true when the goal of exchange(scatter_set) is reached. Fills
+  // pfds/who with the links that still wait for their sockets.
+  bool pump_all(int scatter_set, std::vector<pollfd>& pfds, std::vector<Peer*>& who);
+  // After a poll that timed out: a peer's error, a dead local rank, or the deadline.
+  void check_stalled(const std::vector<Peer*>& who);
   bool pump_send(Peer& p);
   bool pump_recv(Peer& p);
   void check_frame(const Peer& p);
@@ -78,6 +89,8 @@ class Links {
   const Topology& topo_;
   OpState& op_;
   std::vector<Peer> peers_;  // by node index (own node unused)
+  std::vector<pollfd> pfds_;  // progress()'s, kept between calls (no allocation per step)
+  std::vector<Peer*> who_;
   bool error_frames_sent_ = false;
   bool spin_ = true;
 };

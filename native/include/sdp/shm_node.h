@@ -10,6 +10,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include "sdp/frame.h"
@@ -65,7 +66,10 @@ class ShmNode {
   }
 
   // Waits for every local rank (spin, yield, then futex sleep with health and deadline checks).
-  void barrier();
+  // With `while_waiting` (a leader with frames in flight) it calls that instead of sleeping: the
+  // callee waits briefly for its own events (Links::progress polls its sockets), so the links
+  // keep moving while the node gathers.
+  void barrier(const std::function<void()>* while_waiting = nullptr);
   // Descriptions live in set 0 or 1 (the alternating one-barrier path) or 2 (everything else).
   void publish_desc(const Work& w, int set);
   // Fails every local rank alike when any two descriptions differ.
