@@ -27,6 +27,16 @@ install_browser() {
     fi
 }
 
+install_toolchains() {
+    # Debian's clang for the engine's clang build (tools/build_matrix.py, tests/test_native_builds.py).
+    if ! command -v clang >/dev/null 2>&1 || ! command -v clang++ >/dev/null 2>&1; then
+        echo "[dev.sh] installing Debian's clang for the engine's clang build test"
+        if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+        $SUDO apt-get update -q >/dev/null
+        DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q clang >/dev/null
+    fi
+}
+
 install_test_hosts() {
     # iproute2 (ip, tc) for the cluster-in-a-box test hosts (sdp_jupyter.testing.cluster), and
     # openssh (client and sshd) for the SSH target's tests: an sshd runs on each test host.
@@ -49,6 +59,7 @@ case "${1:-}" in
         bootstrap
         install_browser
         install_test_hosts
+        install_toolchains
         shift
         exec "$VENV/bin/python" -m pytest -ra "$@"
         ;;
