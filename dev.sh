@@ -1,20 +1,24 @@
 #!/usr/bin/env bash
 # One entry point for a fresh machine.
-#   ./dev.sh main   install everything, then run the main job
-#   ./dev.sh test   install everything (browser included), then run the whole test suite
-# Everything goes into ./.venv; torch 2.13.0 (CPU build) is installed first so that the
-# `torch>=2.4` requirement never pulls a multi-GB CUDA build onto a CPU machine.
+#   ./dev.sh main   install what the main job needs, then run it
+#   ./dev.sh test   install everything (test extras, browser, test hosts' tools), then run the whole test suite
+# Everything goes into ./.venv. torch is installed first, and only when the venv has none, so that
+# the `torch>=2.11` requirement never pulls a multi-GB CUDA build onto a CPU machine: 2.13.0, the
+# version CI tests. On this project's machines pip finds its CPU build on local disk; on a plain
+# PyPI setup `pip install torch==2.13.0` is a CUDA build on Linux, so install the CPU one into
+# .venv yourself first if you want it (pip install torch==2.13.0 --index-url
+# https://download.pytorch.org/whl/cpu), or any torch >= 2.11 you already use.
 set -euo pipefail
 cd "$(dirname "$0")"
 ROOT=$(pwd)
 PY=${PYTHON:-python3}
 VENV="$ROOT/.venv"
 
-bootstrap() {
+bootstrap() {  # $1: the extras to install (test: everything the suite needs; notebooks: the main job's)
     [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
     "$VENV/bin/python" -c "import torch" 2>/dev/null || "$VENV/bin/pip" install -q torch==2.13.0
-    echo "[dev.sh] installing sdp_jupyter and its test dependencies into .venv (compiles native/)"
-    "$VENV/bin/pip" install -q -e ".[test]"
+    echo "[dev.sh] installing sdp_jupyter[$1] into .venv (compiles native/: needs a C++17 compiler and Python headers)"
+    "$VENV/bin/pip" install -q -e ".[$1]"
 }
 
 install_browser() {
@@ -52,11 +56,11 @@ install_test_hosts() {
 
 case "${1:-}" in
     main)
-        bootstrap
+        bootstrap notebooks
         exec "$VENV/bin/python" tools/main_job.py
         ;;
     test)
-        bootstrap
+        bootstrap test
         install_browser
         install_test_hosts
         install_toolchains
