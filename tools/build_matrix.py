@@ -161,9 +161,7 @@ def engine_tests(root: Path, fast: bool, deselect: tuple = ()) -> tuple[bool, st
     """tests/test_engine.py (or --fast's selection) on the variant: (ok, summary, output tail)."""
     from helpers.native_builds import run_pytest
 
-    # -o pythonpath=: pyproject's pythonpath (the checkout) would come before PYTHONPATH, and the
-    # tests that use the engine in pytest's own process would test the installed build instead
-    args = ["-o", "pythonpath="] + [a for t in deselect for a in ("--deselect", t)]
+    args = [a for t in deselect for a in ("--deselect", t)]  # (run_pytest keeps the checkout off the path)
     p = run_pytest(root, args + (FAST_ENGINE_TESTS if fast else FULL_ENGINE_TESTS), timeout=900)
     out = p.stdout + p.stderr
     last = [ln for ln in out.strip().splitlines() if ln.strip()]

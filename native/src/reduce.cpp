@@ -5,6 +5,7 @@
 // the portable kernels alone are correct). Elsewhere the portable kernels are all there is.
 #if (defined(__x86_64__) || defined(__i386__)) && !defined(SDP_NO_INTRINSICS)
 #define SDP_HAVE_AVX2 1
+#include <cpuid.h>
 #include <immintrin.h>
 #else
 #define SDP_HAVE_AVX2 0
@@ -236,7 +237,11 @@ bool use_avx2() {
   static const bool v = [] {
     if (env_bool("SDP_NO_SIMD", false)) return false;
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
+    // F16C from CPUID leaf 1 (ECX bit 29): clang 14 refuses __builtin_cpu_supports("f16c")
+    // ("invalid cpu feature string"), which GCC accepts.
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    bool f16c = __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C);
+    return __builtin_cpu_supports("avx2") && f16c && __builtin_cpu_supports("fma");
   }();
   return v;
 #else

@@ -39,5 +39,8 @@ def run_pytest(root: Path, args: list[str], env: dict | None = None, timeout: fl
     e.update({"PYTHONPATH": os.pathsep.join([str(root), e.get("PYTHONPATH", "")]),
               "SDP_TEST_PACKAGE_ROOT": str(root)})
     e.update(env or {})
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *args],
+    # -o pythonpath=: pyproject's pythonpath (the checkout) would put the installed engine ahead of
+    # the variant's in pytest's own process (its in-process kernel tests tested the wrong build).
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-o", "pythonpath=",
+                           *args],
                           cwd=REPO / "tests", capture_output=True, text=True, env=e, timeout=timeout)
