@@ -136,8 +136,8 @@ void Collectives::node_pipelined_allreduce(const Work& w, double divisor) {
   size_t P = (w.count + half - 1) / half;
   net_.active = false;
   if (P == 0) return;  // nothing to reduce (every rank knows: the counts agree or were refused)
-  std::function<void()> move_links = [this] { net_advance(kNetWaitUs); };
-  const std::function<void()>* while_waiting = leader ? &move_links : nullptr;
+  // In a barrier the leader moves the piece in flight; once it has crossed, it waits as everyone does.
+  std::function<bool()> move_links = [this] { return !net_advance(kNetWaitUs); };
   auto span = [&](size_t j) { return std::min(half, w.count - j * half); };
   auto red_of = [&](size_t j) { return L > 1 ? shm_.red_area() + (j & 1) * half * esz : w.buf + j * half * esz; };
   auto copy_back = [&](size_t j) {
@@ -164,7 +164,7 @@ void Collectives::node_pipelined_allreduce(const Work& w, double divisor) {
         std::memcpy(slot + (p1 + lo) * esz, user + (p1 + lo) * esz, c * esz);
       });
       if (j == 0) shm_.publish_desc(w, 2);
-      shm_.barrier(while_waiting);
+      shm_.barrier(leader && net_.active ? &move_links : nullptr);
       if (j == 0) shm_.check_descs(2);
       in_steps(p1 - p0, esz, [&](size_t lo, size_t c) {
         for (int l = 0; l < L; ++l) srcs_step_[l] = shm_.slot(l) + half_off + (p0 + lo) * esz;

@@ -199,7 +199,7 @@ void ShmNode::check_descs(int set) {
   }
 }
 
-void ShmNode::barrier(const std::function<void()>* while_waiting) {
+void ShmNode::barrier(const std::function<bool()>* while_waiting) {
   int L = topo_.local_size(), local = topo_.local;
   uint64_t mine = ++barrier_count_;
   uint64_t target = mine * uint64_t(L);
@@ -214,7 +214,7 @@ void ShmNode::barrier(const std::function<void()>* while_waiting) {
   if (while_waiting) {
     for (;;) {
       if (hdr_->arrivals.load(std::memory_order_acquire) >= target) return;
-      (*while_waiting)();  // waits up to a fraction of a millisecond for its own events
+      if (!(*while_waiting)()) break;  // waited up to a fraction of a millisecond; false: nothing left
       op_.check_health();
       if (now_s() > op_.deadline) break;  // the sleeping loop below names the late ranks
     }

@@ -68,8 +68,9 @@ class ShmNode {
   // Waits for every local rank (spin, yield, then futex sleep with health and deadline checks).
   // With `while_waiting` (a leader with frames in flight) it calls that instead of sleeping: the
   // callee waits briefly for its own events (Links::progress polls its sockets), so the links
-  // keep moving while the node gathers.
-  void barrier(const std::function<void()>* while_waiting = nullptr);
+  // keep moving while the node gathers; once it returns false (nothing left in flight) the
+  // barrier waits as usual.
+  void barrier(const std::function<bool()>* while_waiting = nullptr);
   // Descriptions live in set 0 or 1 (the alternating one-barrier path) or 2 (everything else).
   void publish_desc(const Work& w, int set);
   // Fails every local rank alike when any two descriptions differ.
