@@ -93,6 +93,16 @@ def agree(value: float) -> float:
     return a.item()
 
 
+def agreed_iterations(fn, budget: float, agree, cap: int = 100) -> int:
+    """How many calls of fn fill about `budget` seconds (3..cap), from one timed call, the same on
+    every rank (agree: the largest first time over the ranks)."""
+    import time
+
+    t0 = time.perf_counter()
+    fn()
+    return int(min(cap, max(3, budget / max(agree(time.perf_counter() - t0), 1e-6))))
+
+
 def call_times(fn, budget: float, agree) -> tuple[float, float]:
     """(median time of one call, mean time per call over the whole timed loop) in seconds, after a
     warm-up; the iteration count (3..100, about `budget` seconds) comes from agree(first time),
@@ -102,9 +112,7 @@ def call_times(fn, budget: float, agree) -> tuple[float, float]:
     import time
 
     fn()  # warm-up: connections, first touch
-    t0 = time.perf_counter()
-    fn()
-    iters = int(min(100, max(3, budget / max(agree(time.perf_counter() - t0), 1e-6))))
+    iters = agreed_iterations(fn, budget, agree)
     times = []
     start = time.perf_counter()
     for _ in range(iters):

@@ -25,6 +25,9 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+from _spawn import agree, agreed_iterations  # noqa: E402
+
 RATES = {"1gbit": 1e9 / 8, "2gbit": 2e9 / 8}
 
 
@@ -42,12 +45,12 @@ def worker(out: str, sizes: list[int], dtypes: list[str], budget: float) -> None
             t = torch.ones(n, dtype=dt)
             dist.all_reduce(t)
             dist.barrier()
-            reps, t0, c0 = 0, time.perf_counter(), time.process_time()
-            while reps < 3 or time.perf_counter() - t0 < budget:
+            # the number of calls is agreed (_spawn.agreed_iterations): ranks that each watched
+            # their own clock once disagreed (one left the loop while another sent 64 MiB more)
+            reps = agreed_iterations(lambda: dist.all_reduce(t), budget, agree, cap=200)
+            t0, c0 = time.perf_counter(), time.process_time()
+            for _ in range(reps):
                 dist.all_reduce(t)
-                reps += 1
-                if reps >= 200:
-                    break
             wall = (time.perf_counter() - t0) / reps
             cpu = (time.process_time() - c0) / reps
             # everyone agrees on the slowest rank's time (what a training step waits for)
