@@ -83,32 +83,45 @@ void Collectives::post_gather(const FrameHeader& base, char* red, size_t off, si
   }
 }
 
-// ---- one piece of the node's sum across the links, moved in steps (net_advance) so that the
-// leader can drive it from inside the node's work: scatter its shards, reduce this node's shard
-// once every node's has arrived, gather every node's reduced shard back into place.
+// ---- pieces of the node's sum across the links, moved in steps (net_advance) so that the
+// leader can drive them from inside the node's work: scatter a piece's shards, reduce this node's
+// shard once every node's has arrived, gather every node's reduced shard back into place. Two
+// pieces may be in flight: the older one's gather and the newer one's scatter share the links.
+// Every node posts in the same order (scatter j, gather j, scatter j+1, ...): a piece is started
+// only after the piece before it has posted its gather (net_until_gathering).
 
 void Collectives::net_start(const Work& w, char* red, size_t off, size_t n, int set) {
-  net_ = {&w, red, off, n, set, 0, true};
+  NetPiece& other = net_[set ^ 1];
+  net_older_ = other.active ? set ^ 1 : set;
+  net_[set] = {&w, red, off, n, set, 0, true};
   post_scatter(links_.frame_base(w), red, off, n, set);
+  links_.step(0);
 }
 
 bool Collectives::net_advance(int wait_us) {
-  if (!net_.active) return true;
-  if (net_.phase == 0) {
-    if (!links_.progress(net_.set, wait_us)) return false;
-    reduce_shard(*net_.w, net_.red, net_.n, net_.set);
-    post_gather(links_.frame_base(*net_.w), net_.red, net_.off, net_.n);
-    net_.phase = 1;
-    wait_us = 0;  // what the sockets take now; the caller comes back for the rest
+  if (!net_[0].active && !net_[1].active) return true;
+  links_.step(wait_us);
+  for (int set : {net_older_, net_older_ ^ 1}) {
+    NetPiece& p = net_[set];
+    if (!p.active) continue;
+    if (p.phase == 0 && links_.scattered(set)) {
+      reduce_shard(*p.w, p.red, p.n, set);
+      post_gather(links_.frame_base(*p.w), p.red, p.off, p.n);
+      links_.mark_done(set);
+      p.phase = 1;
+      links_.step(0);
+    }
+    if (p.phase == 1 && links_.done(set)) p.active = false;
   }
-  if (!links_.progress(-1, wait_us)) return false;
-  net_.active = false;
-  return true;
+  return !net_[0].active && !net_[1].active;
 }
 
-void Collectives::net_finish() {
-  while (!net_advance(50000)) {
-  }
+void Collectives::net_until_gathering(int set) {
+  while (net_[set].active && net_[set].phase == 0) net_advance(50000);
+}
+
+void Collectives::net_finish(int set) {
+  while (net_[set].active) net_advance(50000);
 }
 
 // Runs f(first, count) over [0, n) in steps of kStepBytes, letting the piece in flight move
@@ -119,25 +132,27 @@ void Collectives::in_steps(size_t n, size_t esz, F f) {
   size_t step = std::max<size_t>(1, kStepBytes / esz);
   for (size_t lo = 0; lo < n; lo += step) {
     f(lo, std::min(step, n - lo));
-    if (net_.active) net_advance(0);
+    if (net_[0].active || net_[1].active) net_advance(0);
   }
 }
 
 void Collectives::node_pipelined_allreduce(const Work& w, double divisor) {
   // Several ranks on some node (this one may have only one: then it reduces in its buffer), several
   // nodes. Pieces of half a slot, alternating between the two halves of every slot and of the
-  // reduce area: piece j is copied in and reduced while piece j-1 crosses the links, then piece
-  // j-1 is copied back while piece j crosses. Two barriers a piece (one more at the end); the
-  // second also says the piece before has crossed.
+  // reduce area: piece j is copied in and reduced while piece j-1 crosses the links; then piece j
+  // starts crossing beside piece j-1's gather, and piece j-1 is copied back once it has crossed.
+  // Three barriers a piece: the node's copies are in, the node's sum is complete, piece j-1 has
+  // crossed.
   int L = topo_.local_size(), local = topo_.local;
   bool leader = topo_.is_leader();
   size_t esz = dtype_size(w.dtype);
   size_t half = std::max<size_t>(1, chunk_bytes_ / esz / 2);
   size_t P = (w.count + half - 1) / half;
-  net_.active = false;
+  net_[0].active = net_[1].active = false;
   if (P == 0) return;  // nothing to reduce (every rank knows: the counts agree or were refused)
-  // In a barrier the leader moves the piece in flight; once it has crossed, it waits as everyone does.
+  // In a barrier the leader moves the pieces in flight; once none is left, it waits as everyone does.
   std::function<bool()> move_links = [this] { return !net_advance(kNetWaitUs); };
+  auto in_flight = [&] { return leader && (net_[0].active || net_[1].active) ? &move_links : nullptr; };
   auto span = [&](size_t j) { return std::min(half, w.count - j * half); };
   auto red_of = [&](size_t j) { return L > 1 ? shm_.red_area() + (j & 1) * half * esz : w.buf + j * half * esz; };
   auto copy_back = [&](size_t j) {
@@ -153,31 +168,37 @@ void Collectives::node_pipelined_allreduce(const Work& w, double divisor) {
     size_t off = j * half, n = span(j);
     char* user = w.buf + off * esz;
     char* red = red_of(j);
+    int set = int(j & 1), before = set ^ 1;
     if (L > 1) {
       // Only the parts other ranks reduce go through shared memory; this rank reads its own
       // part straight from its buffer (saves 1/L of the copy-in).
       size_t p0 = n * size_t(local) / size_t(L), p1 = n * size_t(local + 1) / size_t(L);
-      size_t half_off = (j & 1) * half * esz;
+      size_t half_off = size_t(set) * half * esz;
       char* slot = shm_.slot(local) + half_off;
       in_steps(p0, esz, [&](size_t lo, size_t c) { std::memcpy(slot + lo * esz, user + lo * esz, c * esz); });
       in_steps(n - p1, esz, [&](size_t lo, size_t c) {
         std::memcpy(slot + (p1 + lo) * esz, user + (p1 + lo) * esz, c * esz);
       });
       if (j == 0) shm_.publish_desc(w, 2);
-      shm_.barrier(leader && net_.active ? &move_links : nullptr);
+      shm_.barrier(in_flight());
       if (j == 0) shm_.check_descs(2);
       in_steps(p1 - p0, esz, [&](size_t lo, size_t c) {
         for (int l = 0; l < L; ++l) srcs_step_[l] = shm_.slot(l) + half_off + (p0 + lo) * esz;
         srcs_step_[local] = user + (p0 + lo) * esz;
         reduce_many(w.dtype, w.op, red + (p0 + lo) * esz, srcs_step_.data(), L, c);
       });
+      shm_.barrier(in_flight());  // the node's sum of piece j is complete
     }
-    if (leader) net_finish();  // piece j-1 has crossed: the node may copy it back
-    if (L > 1) shm_.barrier();
-    if (leader) net_start(w, red, off, n, int(j & 1));
-    if (j > 0) copy_back(j - 1);
+    if (leader) {
+      net_until_gathering(before);  // every node posts piece j-1's gather before piece j's scatter
+      net_start(w, red, off, n, set);
+      net_finish(before);  // piece j moves meanwhile
+    }
+    if (j == 0) continue;
+    if (L > 1) shm_.barrier(in_flight());  // piece j-1 has crossed
+    copy_back(j - 1);
   }
-  if (leader) net_finish();
+  if (leader) net_finish(int((P - 1) & 1));
   if (L > 1) shm_.barrier();
   copy_back(P - 1);
 }

@@ -30,6 +30,7 @@ FrameHeader Links::frame_base(const Work& w) const {
 
 void Links::post_send(int node, const FrameHeader& h, const char* data) {
   Peer& p = peers_[node];
+  p.sends_posted++;
   if (p.send_active) {
     p.sendq.push_back({h, data});
     return;
@@ -108,16 +109,34 @@ void Links::exchange(int scatter_set) {
   }
 }
 
-bool Links::progress(int scatter_set, int wait_us) {
-  if (pump_all(scatter_set, pfds_, who_)) return true;
-  if (wait_us <= 0) return false;
-  timespec ts{0, long(wait_us) * 1000};
+void Links::mark_done(int set) {
+  for (auto& p : peers_) {
+    p.done_recvs[set] = p.recvs_posted;
+    p.done_sends[set] = p.sends_posted;
+  }
+}
+
+void Links::step(int wait_us) {
+  if (pump_all(-1, pfds_, who_) || wait_us <= 0) return;
+  timespec ts{wait_us / 1000000, long(wait_us % 1000000) * 1000};
   int r = ::ppoll(pfds_.data(), nfds_t(pfds_.size()), &ts, nullptr);
   if (r == 0 || (r < 0 && errno == EINTR)) {
     check_stalled(who_);
-    return false;
+    return;
   }
-  return pump_all(scatter_set, pfds_, who_);
+  pump_all(-1, pfds_, who_);
+}
+
+bool Links::scattered(int set) const {
+  for (const auto& p : peers_)
+    if (p.fd >= 0 && p.recvs_done < p.scatter_mark[set]) return false;
+  return true;
+}
+
+bool Links::done(int set) const {
+  for (const auto& p : peers_)
+    if (p.fd >= 0 && (p.recvs_done < p.done_recvs[set] || p.sends_done < p.done_sends[set])) return false;
+  return true;
 }
 
 bool Links::pump_send(Peer& p) {
@@ -144,6 +163,7 @@ bool Links::pump_send(Peer& p) {
     p.sdone += size_t(r);
     if (p.sdone == sizeof(FrameHeader) + p.slen) {
       p.send_active = false;
+      p.sends_done++;
       if (!p.sendq.empty()) {
         Peer::Out o = p.sendq.front();
         p.sendq.pop_front();

@@ -46,11 +46,13 @@ class Collectives {
   // all_reduce across nodes (allreduce.cpp)
   void node_pipelined_allreduce(const Work& w, double divisor);
   void pipelined_allreduce(const Work& w, double divisor);
-  // One piece of the node's sum across the links (net_), moved in steps. net_advance(wait_us):
-  // true once it has crossed; waits up to wait_us for the sockets when it has not.
+  // Pieces of the node's sum across the links (net_, at most two: the older one's gather and the
+  // newer one's scatter travel together), moved in steps. net_advance(wait_us): one step (waiting
+  // up to wait_us for the sockets); true when no piece is left in flight.
   void net_start(const Work& w, char* red, size_t off, size_t n, int set);
   bool net_advance(int wait_us);
-  void net_finish();
+  void net_until_gathering(int set);  // that piece's gather is posted
+  void net_finish(int set);           // that piece has crossed
   template <typename F>
   void in_steps(size_t n, size_t esz, F f);
   void small_tcp_allreduce(const Work& w, double divisor);
@@ -95,7 +97,8 @@ class Collectives {
     size_t off = 0, n = 0;
     int set = 0, phase = 0;  // phase 0: shards going out to their nodes; 1: the sums coming back
     bool active = false;
-  } net_;
+  } net_[2];  // by set (piece j uses set j & 1)
+  int net_older_ = 0;  // the set of the older piece in flight
   // What the leader copies or reduces between two steps of the piece in flight, and how long it
   // waits for its sockets inside a barrier (then looks at the barrier again).
   static constexpr size_t kStepBytes = 256 << 10;

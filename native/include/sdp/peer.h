@@ -41,7 +41,10 @@ struct Peer {  // a TCP connection to another node's leader
   std::deque<Out> sendq;
   std::deque<In> recvq;
   uint64_t recvs_posted = 0, recvs_done = 0;
+  uint64_t sends_posted = 0, sends_done = 0;
   uint64_t scatter_mark[2] = {0, 0};  // recvs_posted after the scatter into each receive set
+  // recvs_posted and sends_posted after the gather of each set (Links::mark_done)
+  uint64_t done_recvs[2] = {0, 0}, done_sends[2] = {0, 0};
 };
 
 class Links {
@@ -59,10 +62,16 @@ class Links {
   // Moves every posted frame until the receives marked as set `scatter_set` have arrived from
   // every peer (with -1: until every posted frame, sends included, is done).
   void exchange(int scatter_set = -1);
-  // One step of exchange() that returns instead of waiting: moves what the sockets take now,
-  // then, unless the goal is reached, waits up to `wait_us` for a socket and moves again.
-  // True once the goal is reached. Checks health and the deadline as exchange() does.
-  bool progress(int scatter_set, int wait_us);
+  // Marks every frame posted so far, both ways, as the end of set `set` (see done()).
+  void mark_done(int set);
+  // One step of exchange() that returns instead of waiting: moves what the sockets take now and,
+  // if `wait_us` > 0 and frames are left, waits up to that long for a socket and moves again.
+  // Checks health and the deadline as exchange() does.
+  void step(int wait_us);
+  // Whether the receives marked as scatter set `set` have arrived from every peer, and whether
+  // every frame up to set `set`'s mark_done() has moved both ways.
+  bool scattered(int set) const;
+  bool done(int set) const;
 
   // After set-up: non-blocking, bulk buffers, keepalive.
   void start(double timeout_s);
@@ -89,7 +98,7 @@ class Links {
   const Topology& topo_;
   OpState& op_;
   std::vector<Peer> peers_;  // by node index (own node unused)
-  std::vector<pollfd> pfds_;  // progress()'s, kept between calls (no allocation per step)
+  std::vector<pollfd> pfds_;  // step()'s, kept between calls (no allocation per step)
   std::vector<Peer*> who_;
   bool error_frames_sent_ = false;
   bool spin_ = true;
