@@ -169,42 +169,25 @@ def test_large_buffers_cross_many_chunks(world, per_node):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world,depth", [(2, 2), (3, 2), (4, 2), (3, 1)])
-def test_pipelined_tcp_path_many_chunks_odd_sizes(world, depth):
-    # One rank per node takes the pipelined TCP path (two chunks in flight, shards scaled by
-    # their owner). 4 KiB chunks make 1, 2, 3 and many chunks, with shards of uneven length;
-    # broadcasts in between leave the peers with different receive counts (a receive-count
-    # bookkeeping error shows up as a wrong sum right after them).
+@pytest.mark.parametrize("world,per_node,depth", [(2, 1, 2), (3, 1, 2), (4, 1, 2), (3, 1, 1), (4, 2, 2), (6, 3, 2)])
+def test_pipelined_paths_many_chunks_odd_sizes(world, per_node, depth):
+    # Both pipelined paths across nodes. One rank per node: two chunks in flight, shards scaled by
+    # their owner. Several ranks per node: piece j of the node's sum crosses (beside piece j-1's
+    # gather) while the node reduces piece j+1 and copies back piece j-1, in the two halves of every
+    # slot. 4 KiB chunks (2 KiB pieces) make 1, 2, 3 and many chunks or pieces, with shards of
+    # uneven length; broadcasts in between leave the peers with different receive counts (a
+    # receive-count bookkeeping error shows up as a wrong sum right after them).
     chunk = 4096
     cases = []
-    for n in (1, 3, 1023, 1024, 1025, 2049, 3 * 1024 + 7, 50 * 1024 + 11):
+    for n in (1, 3, 511, 513, 1023, 1024, 1025, 2049, 3 * 1024 + 7, 50 * 1024 + 11):
         cases.append(("all_reduce", n, "float32", "sum", 0))
         cases.append(("broadcast", n, "float32", "sum", n % world))
         cases.append(("all_reduce", n, "float16", "avg", 0))
         cases.append(("all_reduce", n, "int32", "max", 0))
         cases.append(("all_reduce", n, "uint8", "sum", 0))
         cases.append(("all_reduce", n, "float64", "avg", 0))
-    results = run_ranks("engine_workers:collectives", world, 1, args=(cases,), timeout=180,
-                        env={"SDP_CHUNK_BYTES": str(chunk), "SDP_PIPELINE_DEPTH": str(depth)})
-    check(results, cases, world)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("world,per_node", [(4, 2), (6, 3)])
-def test_node_pipelined_path_many_pieces_odd_sizes(world, per_node):
-    # Several ranks on several nodes: piece j of the node's sum crosses the links while the node
-    # reduces piece j+1 and copies back piece j-1, alternating between the two halves of every
-    # slot. 4 KiB chunks (2 KiB pieces) make one, two, three and many pieces of uneven shards;
-    # broadcasts in between leave the links with other receive counts.
-    cases = []
-    for n in (1, 3, 511, 512, 513, 1025, 3 * 512 + 7, 50 * 1024 + 11):
-        cases.append(("all_reduce", n, "float32", "sum", 0))
-        cases.append(("broadcast", n, "float32", "sum", n % world))
-        cases.append(("all_reduce", n, "float16", "avg", 0))
-        cases.append(("all_reduce", n, "int32", "max", 0))
-        cases.append(("all_reduce", n, "float64", "avg", 0))
     results = run_ranks("engine_workers:collectives", world, per_node, args=(cases,), timeout=180,
-                        env={"SDP_CHUNK_BYTES": str(4096)})
+                        env={"SDP_CHUNK_BYTES": str(chunk), "SDP_PIPELINE_DEPTH": str(depth)})
     check(results, cases, world)
 
 
