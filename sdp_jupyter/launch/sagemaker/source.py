@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 
 _PACKAGE_FILES = (".py", ".json", ".txt", ".md")
-_NATIVE_FILES = (".h", ".hpp", ".cpp", ".cc")
+_NATIVE_FILES = (".h", ".hpp", ".cpp", ".cc", ".map")  # .map: the linker's export list (setup.py)
 #: what a source package of sdp_jupyter holds besides sdp_jupyter/ and native/ (pyproject names README.md)
 _SDIST_TOP = ("pyproject.toml", "setup.py", "README.md")
 
