@@ -163,7 +163,6 @@ void Collectives::node_pipelined_allreduce(const Work& w, double divisor) {
       copy_scaled(w.dtype, user + lo * esz, red + lo * esz, c, divisor);
     });
   };
-  if (srcs_step_.size() < size_t(L)) srcs_step_.resize(size_t(L));
   for (size_t j = 0; j < P; ++j) {
     size_t off = j * half, n = span(j);
     char* user = w.buf + off * esz;
@@ -183,9 +182,10 @@ void Collectives::node_pipelined_allreduce(const Work& w, double divisor) {
       shm_.barrier(in_flight());
       if (j == 0) shm_.check_descs(2);
       in_steps(p1 - p0, esz, [&](size_t lo, size_t c) {
-        for (int l = 0; l < L; ++l) srcs_step_[l] = shm_.slot(l) + half_off + (p0 + lo) * esz;
-        srcs_step_[local] = user + (p0 + lo) * esz;
-        reduce_many(w.dtype, w.op, red + (p0 + lo) * esz, srcs_step_.data(), L, c);
+        // srcs_ again each step: the leader's reduce_shard between steps (net_advance) uses it too
+        for (int l = 0; l < L; ++l) srcs_[l] = shm_.slot(l) + half_off + (p0 + lo) * esz;
+        srcs_[local] = user + (p0 + lo) * esz;
+        reduce_many(w.dtype, w.op, red + (p0 + lo) * esz, srcs_.data(), L, c);
       });
       shm_.barrier(in_flight());  // the node's sum of piece j is complete
     }

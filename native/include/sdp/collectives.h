@@ -90,7 +90,6 @@ class Collectives {
   std::vector<char> recv_buf_;      // leader: one shard-sized buffer per peer node, two sets
   std::vector<char> small_buf_;     // one rank per node: N+1 small buffers (peers' data, the sum)
   std::vector<const void*> srcs_;
-  std::vector<const void*> srcs_step_;  // node_pipelined_allreduce's sources, one step's worth
   struct NetPiece {
     const Work* w = nullptr;
     char* red = nullptr;
