@@ -4,7 +4,7 @@
 
 Each figure is wall time from LocalLauncher.start() to the result (the trained weights) back in this
 process, as `%%sdp_train ... --result weights --wait` measures it. "cold": every rank a fresh
-interpreter (`python -m sdp_jupyter.launch.worker`). "warm": ranks forked by the warm pool
+interpreter (`python -m sdp_jupyter.launch.rank.worker`). "warm": ranks forked by the warm pool
 (sdp_jupyter/launch/warm.py), whose own start-up is printed once and is not part of a warm figure
 (a kernel pays it once, after its first job). ipyparallel's 2-engine start-to-result (cluster start,
 engines import torch, one result back; then a second call on the running engines) is printed in the
@@ -114,7 +114,7 @@ def main() -> int:
     p.add_argument("--json")
     a = p.parse_args()
     os.environ.setdefault("SDP_JOBS_DIR", tempfile.mkdtemp(prefix="sdp-startup-"))
-    from sdp_jupyter.launch import warm
+    from sdp_jupyter.launch.host import warm
 
     script = os.path.join(tempfile.mkdtemp(prefix="sdp-startup-"), "train.py")
     with open(script, "w") as f:

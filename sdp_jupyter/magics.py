@@ -16,7 +16,8 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.display import display
 
 import sdp_jupyter.launch as launching
-from sdp_jupyter.launch import Job, JobError, JobSpec, SpecError, warm
+from sdp_jupyter.launch import Job, JobError, JobSpec, SpecError
+from sdp_jupyter.launch.host import warm
 from sdp_jupyter.launch.spec import all_options
 from sdp_jupyter._display import widgets_enabled
 

@@ -54,7 +54,7 @@ def warm_ranks(root) -> list:
         for pid in status.get("pids") or []:
             try:
                 p = psutil.Process(int(pid))
-                if p.status() != psutil.STATUS_ZOMBIE and "sdp_jupyter.launch.warm" in p.cmdline():
+                if p.status() != psutil.STATUS_ZOMBIE and "sdp_jupyter.launch.host.warm" in p.cmdline():
                     found.append(p)
             except (psutil.Error, OSError, ValueError, TypeError):
                 continue
@@ -63,7 +63,7 @@ def warm_ranks(root) -> list:
 
 def worker_processes(root) -> list:
     """The rank processes (not the samplers) of jobs under `root`."""
-    return [p for p in job_processes(root) if "sdp_jupyter.launch.worker" in p.cmdline()
+    return [p for p in job_processes(root) if "sdp_jupyter.launch.rank.worker" in p.cmdline()
             and "--module" not in p.cmdline()]
 
 

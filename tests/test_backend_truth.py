@@ -12,7 +12,7 @@ import pytest
 
 from conftest import REPO
 from sdp_jupyter.launch import Job, JobSpec, SpecError, launch
-from sdp_jupyter.launch import backend_check
+from sdp_jupyter.launch.rank import backend_check
 
 pytestmark = pytest.mark.slow
 

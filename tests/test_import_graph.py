@@ -13,7 +13,7 @@ from pathlib import Path
 PKG = Path(__file__).resolve().parent.parent / "sdp_jupyter"
 
 # Cycles allowed, each as the sorted list of its modules (a strongly connected component): none.
-# (The launch/ cycle went with the target registry in launch/targets.py, the spec/parallel_options one
+# (The launch/ cycle went with the target registry in launch/kernel/targets.py, the spec/parallel_options one
 # with the option building blocks' leaf launch/options.py, the advisor one with advisor.measure.)
 KNOWN_CYCLES: list[list[str]] = []
 
@@ -23,7 +23,7 @@ KNOWN_PRIVATE: set[str] = set()
 
 # The allowed lazy back-edges (DESIGN.md): module -> functions whose imports are not edges.
 LAZY_VIEWS: dict[str, tuple[str, ...]] = {
-    "sdp_jupyter.launch.job": ("view", "dashboard"),
+    "sdp_jupyter.launch.kernel.job": ("view", "dashboard"),
     "sdp_jupyter.jobsetup": ("view",),
 }
 
@@ -168,7 +168,7 @@ def test_no_private_imports_across_modules():
 
 def test_the_graph_sees_real_edges():
     edges, _ = graph()
-    assert "sdp_jupyter.launch.job" in edges["sdp_jupyter.launch.local"]
+    assert "sdp_jupyter.launch.kernel.job" in edges["sdp_jupyter.launch.kernel.local"]
     assert "sdp_jupyter.comm" in edges["sdp_jupyter.torch"]
 
 

@@ -8,9 +8,9 @@ import pytest
 
 from sdp_jupyter.launch import JobSpec, SpecError, launch
 from sdp_jupyter.launch.spec import all_options
-from sdp_jupyter.launch.local import LocalLauncher, LocalRun
-from sdp_jupyter.launch.job import Job
-from sdp_jupyter.launch.worker import script_arguments
+from sdp_jupyter.launch.kernel.local import LocalLauncher, LocalRun
+from sdp_jupyter.launch.kernel.job import Job
+from sdp_jupyter.launch.rank.worker import script_arguments
 
 
 @pytest.mark.parametrize("fields, option, fragment", [
@@ -99,7 +99,7 @@ def test_every_option_maps_to_a_field_or_is_wait():
         assert (opt.field or "").split(".")[0] in fields or opt.flag == "--wait", opt
 
 
-@pytest.mark.skipif(importlib.util.find_spec("sdp_jupyter.launch.sagemaker") is None,
+@pytest.mark.skipif(importlib.util.find_spec("sdp_jupyter.launch.kernel.sagemaker") is None,
                     reason="no SageMaker options installed")
 def test_provider_options_fill_dict_fields_and_round_trip():
     values = _parse_magic_line("%%sdp_train --target sagemaker --instance-type ml.p4d.24xlarge --spot "
@@ -191,7 +191,7 @@ def test_worker_environment_carries_the_hybrid_parallel_options(tmp_path):
 
 
 def test_hybrid_layout_is_checked_once_the_launcher_knows_the_processes_per_node(monkeypatch):
-    from sdp_jupyter.launch import local
+    from sdp_jupyter.launch.kernel import local
 
     monkeypatch.setattr(local, "gpu_count", lambda: 0)  # a CPU-only machine: 1 process per node
     spec = JobSpec(code="x", nodes=4, parallel={"tp": 2})  # procs per node not known yet: not refused
@@ -201,7 +201,7 @@ def test_hybrid_layout_is_checked_once_the_launcher_knows_the_processes_per_node
 
 
 def test_compat_path_only_without_the_real_library(tmp_path, monkeypatch):
-    from sdp_jupyter.launch import ranks  # the rank environment every target builds
+    from sdp_jupyter.launch.host import ranks# the rank environment every target builds
 
     spec = LocalLauncher().resolve(JobSpec(code="x", name="c", backend="gloo", jobs_dir=str(tmp_path)))
     run = LocalRun(Job(spec, tmp_path / "c"), LocalLauncher())
@@ -217,7 +217,7 @@ def test_bad_input_launches_nothing(tmp_path):
         launch(code="x", backend="nccl", jobs_dir=str(root))
     with pytest.raises(SpecError, match="not defined"):
         LocalLauncher().start(JobSpec(code="x", push=["b"], jobs_dir=str(root)), push={})
-    if importlib.util.find_spec("sdp_jupyter.launch.sagemaker") is None:
+    if importlib.util.find_spec("sdp_jupyter.launch.kernel.sagemaker") is None:
         with pytest.raises(SpecError, match="sagemaker is not available"):
             launch(code="x", target="sagemaker", jobs_dir=str(root))
     with pytest.raises(SpecError, match="does not exist"):

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import REPO, job_processes, wait_no_processes, worker_processes
 from sdp_jupyter.launch import Job, JobSpec, LocalLauncher, launch
-from sdp_jupyter.launch.job import read_metrics_lines
+from sdp_jupyter.launch.kernel.job import read_metrics_lines
 
 pytestmark = pytest.mark.slow
 
@@ -76,7 +76,7 @@ def test_environment_output_and_result(tmp_path, jobs_dir):
 def test_metrics_without_the_monitor_reader(tmp_path, monkeypatch):
     import importlib.util
 
-    from sdp_jupyter.launch import job as job_module
+    from sdp_jupyter.launch.kernel import job as job_module
 
     (tmp_path / "metrics").mkdir()
     (tmp_path / "metrics" / "rank-0.jsonl").write_text('{"t": 2, "kind": "step", "step": 1}\n{"t": 1, "kind": "st')

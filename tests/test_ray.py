@@ -14,7 +14,8 @@ import time
 import pytest
 
 from helpers.remote_jobs import TRAIN, drive, drive_session, next_line, tell
-from sdp_jupyter.launch import JobSpec, SpecError, remote
+from sdp_jupyter.launch import JobSpec, SpecError
+from sdp_jupyter.launch.kernel import remote
 
 
 def _drive(rh, jobs, **launch_args):
@@ -29,7 +30,7 @@ def _ranks_and_agents(cluster, host: int) -> list[int]:
             argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
         except OSError:
             continue
-        if b"sdp_jupyter.launch.worker" in argv or b"sdp_jupyter.launch.agent" in argv:
+        if b"sdp_jupyter.launch.rank.worker" in argv or b"sdp_jupyter.launch.host.agent" in argv:
             found.append(pid)
     return found
 
@@ -61,7 +62,7 @@ def test_a_targets_options_may_be_given_by_their_key():
 
 
 def test_without_ray_installed_the_error_gives_the_pip_command(monkeypatch):
-    from sdp_jupyter.launch import ray as ray_target
+    from sdp_jupyter.launch.kernel import ray as ray_target
 
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
     with pytest.raises(SpecError, match=r"ray is not installed here. Fix: pip install 'sdp_jupyter\[ray\]'"):
@@ -69,7 +70,7 @@ def test_without_ray_installed_the_error_gives_the_pip_command(monkeypatch):
 
 
 def test_an_unreachable_address_is_named_within_the_connect_deadline():
-    from sdp_jupyter.launch import ray as ray_target
+    from sdp_jupyter.launch.kernel import ray as ray_target
 
     t0 = time.monotonic()
     with pytest.raises(SpecError, match=r"--address: cannot reach the Ray cluster at 127.0.0.1:1 within 10 s"):
@@ -176,7 +177,7 @@ def _pools(cluster) -> dict:
                 argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
             except OSError:
                 continue
-            if b"sdp_jupyter.launch.warm" in argv:
+            if b"sdp_jupyter.launch.host.warm" in argv:
                 found[h].append(pid)
     return found
 

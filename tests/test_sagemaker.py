@@ -23,7 +23,7 @@ pytest.importorskip("moto.server")
 
 import sdp_jupyter  # noqa: E402
 from sdp_jupyter.launch import JobSpec, SpecError, launch  # noqa: E402
-from sdp_jupyter.launch import sagemaker as sm  # noqa: E402
+from sdp_jupyter.launch.kernel import sagemaker as sm# noqa: E402
 from sdp_jupyter.monitor import cloudwatch  # noqa: E402
 
 IMAGE_230_GPU = "763104351884.dkr.ecr.us-west-2.amazonaws.com/pytorch-training:2.3.0-gpu-py311"
@@ -170,7 +170,7 @@ def test_engine_auto_is_ours_where_aws_refuses_and_ships_the_sources(aws, tmp_pa
 
 def test_engine_sdp_without_the_sources_is_refused_before_any_aws_call(tmp_path, monkeypatch):
     """sdp_jupyter installed from a wheel has no native/ to ship: --engine sdp says so up front."""
-    from sdp_jupyter.launch.sagemaker import plan as plan_module
+    from sdp_jupyter.launch.kernel.sagemaker import plan as plan_module
 
     monkeypatch.setattr(plan_module, "source_tree", lambda: None)
     spec = make_spec(tmp_path, "no-sources", backend="smddp", sagemaker={"instance_type": "ml.g5.12xlarge"})
@@ -183,7 +183,7 @@ def test_engine_sdp_without_the_sources_is_refused_before_any_aws_call(tmp_path,
 
 
 def test_entry_names_the_image_when_it_has_no_compiler(tmp_path, monkeypatch):
-    from sdp_jupyter.launch.sagemaker import entry
+    from sdp_jupyter.launch.kernel.sagemaker import entry
 
     (tmp_path / "sdp_jupyter-0.1.0.tar.gz").write_bytes(b"not built")
     monkeypatch.setattr(entry.shutil, "which", lambda name: None)

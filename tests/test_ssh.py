@@ -13,8 +13,10 @@ import time
 import pytest
 
 from helpers.remote_jobs import REPO, TRAIN, drive, drive_session, next_line, tell
-from sdp_jupyter.launch import JobSpec, SpecError, agent, remote
-from sdp_jupyter.launch import ssh as ssh_target
+from sdp_jupyter.launch import JobSpec, SpecError
+from sdp_jupyter.launch.host import agent
+from sdp_jupyter.launch.kernel import remote
+from sdp_jupyter.launch.kernel import ssh as ssh_target
 
 def _drive(hosts, jobs, **launch_args):
     """The driver on h0, launching on the SSH hosts with the test's ssh_config."""
@@ -95,7 +97,7 @@ class _LocalAgentLink(ssh_target.SSHLink):
 
         remote.Link.__init__(self, node, f"local{node}", inbox)
         self._send_lock = threading.Lock()
-        code = (f"import time, sys; time.sleep({delay}); import sdp_jupyter.launch.agent as a; "
+        code = (f"import time, sys; time.sleep({delay}); import sdp_jupyter.launch.host.agent as a; "
                 "a.HEARTBEAT_TIMEOUT = 2.0; sys.exit(a.main())")
         self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE)
@@ -126,7 +128,7 @@ def test_agents_that_said_hello_are_kept_alive_while_a_slow_host_starts():
 def test_each_link_kind_has_its_own_time_to_connect(monkeypatch):
     # a Ray link is 'connected' once Ray has started a worker for its actor, which on a busy node
     # takes longer than an ssh connection: it waits for the hello's time and says what it waited for
-    from sdp_jupyter.launch import ray as ray_target
+    from sdp_jupyter.launch.kernel import ray as ray_target
 
     assert ray_target.RayLink.connect_timeout == remote.HELLO_TIMEOUT > remote.Link.connect_timeout
     monkeypatch.setattr(remote, "HELLO_TIMEOUT", 6)
@@ -170,7 +172,7 @@ def test_three_hosts_train_like_the_local_run(ssh_hosts, hosts, tmp_path, jobs_d
     out = next_line(d)
     assert out["state"] == "succeeded", out
     assert "3 node(s) x 1 proc(s) on ssh: h1, h2, h3, backend smddp" in out["summary"]
-    # what the ranks really used reached the notebook through the mirrored metrics (launch/backend_check.py)
+    # what the ranks really used reached the notebook through the mirrored metrics (launch/rank/backend_check.py)
     assert (out["status"]["backend_used"], out["status"]["warnings"]) == ("smddp", [])
     assert out["status"]["collectives"] >= 6 * 4  # 6 steps x 4 gradients, all_reduced on every host
     remote = pickle.load(open(os.path.join(out["dir"], "result.pkl"), "rb"))
@@ -292,7 +294,7 @@ def _warm_driver(hosts, jobs, runs):
 
 def _pools(hosts) -> dict:
     """Processes on h1, h2 running the warm pool server (or forked from it: a warm rank)."""
-    return {i: hosts.processes(i, "sdp_jupyter.launch.warm") for i in hosts.nodes[:2]}
+    return {i: hosts.processes(i, "sdp_jupyter.launch.host.warm") for i in hosts.nodes[:2]}
 
 
 def _wait_pools(hosts, want, timeout: float = 20.0) -> dict:

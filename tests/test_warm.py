@@ -1,4 +1,4 @@
-"""Warm starts (launch/warm.py): forked ranks behave as cold-started ones."""
+"""Warm starts (launch/host/warm.py): forked ranks behave as cold-started ones."""
 from __future__ import annotations
 
 import json
@@ -12,7 +12,8 @@ import time
 import psutil
 import pytest
 
-from sdp_jupyter.launch import JobSpec, LocalLauncher, warm
+from sdp_jupyter.launch import JobSpec, LocalLauncher
+from sdp_jupyter.launch.host import warm
 
 pytestmark = pytest.mark.slow
 
@@ -131,7 +132,8 @@ def test_failure_naming_and_stop(tmp_path, jobs_dir, pool):
 
 OWNER = """
 import json, sys, time
-from sdp_jupyter.launch import JobSpec, LocalLauncher, warm
+from sdp_jupyter.launch import JobSpec, LocalLauncher
+from sdp_jupyter.launch.host import warm
 pool = warm.warm_up()
 assert pool.ready() is None, pool.ready()
 job = LocalLauncher(warm=True).start(JobSpec(script=sys.argv[1], nodes=2, backend="gloo"))

@@ -437,7 +437,7 @@ def _chain(a: Callable[[], None] | None, b: Callable[[], None]) -> Callable[[], 
     return both
 
 
-# What this process's engines did, for the job's end report (launch/backend_check.py: did the ranks
+# What this process's engines did, for the job's end report (launch/rank/backend_check.py: did the ranks
 # ever run a collective?). Closed communicators leave their count behind; live ones are asked.
 _live: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
 _closed = {"communicators": 0, "collectives": 0}

@@ -4,9 +4,9 @@
     job.wait(); job.logs(0); job.result()
 
 `launch` accepts a JobSpec, a path to a .py file, or `code="..."`, plus JobSpec fields as keywords.
-`target="ssh"` runs it on SSH hosts (sdp_jupyter.launch.ssh), `target="ray"` on a Ray cluster
-(sdp_jupyter.launch.ray), `target="sagemaker"` as a SageMaker
-training job (sdp_jupyter.launch.sagemaker); TARGET_LAUNCHERS is the registry.
+`target="ssh"` runs it on SSH hosts (sdp_jupyter.launch.kernel.ssh), `target="ray"` on a Ray cluster
+(sdp_jupyter.launch.kernel.ray), `target="sagemaker"` as a SageMaker
+training job (sdp_jupyter.launch.kernel.sagemaker); TARGET_LAUNCHERS is the registry.
 """
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ import threading
 import types
 
 from sdp_jupyter import jobdir
-from sdp_jupyter.launch import targets
-from sdp_jupyter.launch.job import Job, JobError
-from sdp_jupyter.launch.local import LocalLauncher
+from sdp_jupyter.launch.kernel import targets
+from sdp_jupyter.launch.kernel.job import Job, JobError
+from sdp_jupyter.launch.kernel.local import LocalLauncher
 from sdp_jupyter.launch.spec import OPTIONS, JobSpec, Option, SpecError
 
 __all__ = ["launch", "Job", "JobSpec", "JobError", "SpecError", "LocalLauncher", "Option", "OPTIONS",
@@ -28,7 +28,7 @@ _JOBS: dict[str, Job] = {}  # jobs launched by this process, by name (latest las
 _JOBS_LOCK = threading.Lock()
 
 
-TARGET_LAUNCHERS = targets.LAUNCHERS  # the one registry of targets (launch/targets.py)
+TARGET_LAUNCHERS = targets.LAUNCHERS  # the one registry of targets (launch/kernel/targets.py)
 
 
 def get_launcher(target: str):

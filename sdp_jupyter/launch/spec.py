@@ -83,8 +83,8 @@ OPTIONS_BY_FIELD = {o.field: o for o in OPTIONS if o.field}
 
 # Modules that add rows to the option table ("module:ATTRIBUTE", a tuple of Option). Their fields are
 # "<dict field of JobSpec>.<key>", e.g. "sagemaker.instance_type" fills JobSpec.sagemaker["instance_type"].
-OPTION_PROVIDERS = ["sdp_jupyter.launch.sagemaker.options:SAGEMAKER_OPTIONS", "sdp_jupyter.launch.ssh:SSH_OPTIONS",
-                    "sdp_jupyter.launch.ray:RAY_OPTIONS",
+OPTION_PROVIDERS = ["sdp_jupyter.launch.kernel.sagemaker.options:SAGEMAKER_OPTIONS", "sdp_jupyter.launch.kernel.ssh:SSH_OPTIONS",
+                    "sdp_jupyter.launch.kernel.ray:RAY_OPTIONS",
                     "sdp_jupyter.launch.parallel_options:PARALLEL_OPTIONS"]
 
 
@@ -142,9 +142,9 @@ class JobSpec:
     """What to run and how. Build it with keywords; bad values raise SpecError at construction.
 
     Exactly one of `code` (the cell's source) or `script` (path to a .py file) says what runs.
-    `sagemaker` holds options only the SageMaker target reads (owned by sdp_jupyter.launch.sagemaker),
-    `ssh` those only the SSH target reads (hosts, hostfile, python, config; sdp_jupyter.launch.ssh),
-    `ray` those of the Ray target (address; sdp_jupyter.launch.ray).
+    `sagemaker` holds options only the SageMaker target reads (owned by sdp_jupyter.launch.kernel.sagemaker),
+    `ssh` those only the SSH target reads (hosts, hostfile, python, config; sdp_jupyter.launch.kernel.ssh),
+    `ray` those of the Ray target (address; sdp_jupyter.launch.kernel.ray).
     `parallel` holds the hybrid-parallel options (tp, pp, microbatches, ...; owned by
     sdp_jupyter.launch.parallel_options): only those that differ from their defaults are kept, and
     the workers get them as SDP_TP, SDP_PP, ... (`parallel_env()`).

@@ -89,7 +89,7 @@ class SSHHosts:
         return self.cluster.popen(0, [sys.executable, "-c", code], env=full, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True)
 
-    def processes(self, host: int, module: str = "sdp_jupyter.launch.worker") -> list[int]:
+    def processes(self, host: int, module: str = "sdp_jupyter.launch.rank.worker") -> list[int]:
         """PIDs on `host` whose command line runs `module` (the ranks by default, or the agent)."""
         found = []
         for pid in self.cluster.pids(host):
@@ -105,7 +105,7 @@ class SSHHosts:
         """Wait until no rank or agent runs on any host; what is left at the deadline."""
         deadline = time.monotonic() + timeout
         while True:
-            left = {i: self.processes(i) + self.processes(i, "sdp_jupyter.launch.agent") for i in self.nodes}
+            left = {i: self.processes(i) + self.processes(i, "sdp_jupyter.launch.host.agent") for i in self.nodes}
             left = {i: pids for i, pids in left.items() if pids}
             if not left or time.monotonic() > deadline:
                 return left

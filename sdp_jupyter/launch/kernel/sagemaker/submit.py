@@ -7,13 +7,13 @@ import time
 from pathlib import Path
 
 from sdp_jupyter import jobdir
-from sdp_jupyter.launch.job import JobError
+from sdp_jupyter.launch.kernel.job import JobError
 from sdp_jupyter.launch.options import SpecError
-from sdp_jupyter.launch.sagemaker.aws import resolve_aws
-from sdp_jupyter.launch.sagemaker.job import SageMakerJob
-from sdp_jupyter.launch.sagemaker.options import CONTAINER_CHECKPOINT_DIR, ENTRY_SCRIPT, REQUEST_FILE, validate_request
-from sdp_jupyter.launch.sagemaker.plan import Plan, make_plan, metric_definitions
-from sdp_jupyter.launch.sagemaker.source import build_source_dir
+from sdp_jupyter.launch.kernel.sagemaker.aws import resolve_aws
+from sdp_jupyter.launch.kernel.sagemaker.job import SageMakerJob
+from sdp_jupyter.launch.kernel.sagemaker.options import CONTAINER_CHECKPOINT_DIR, ENTRY_SCRIPT, REQUEST_FILE, validate_request
+from sdp_jupyter.launch.kernel.sagemaker.plan import Plan, make_plan, metric_definitions
+from sdp_jupyter.launch.kernel.sagemaker.source import build_source_dir
 from sdp_jupyter.launch.spec import JobSpec
 
 
@@ -101,14 +101,14 @@ class SageMakerLauncher:
         return make_plan(spec)
 
     def start(self, spec: JobSpec, push: dict | None = None) -> "SageMakerJob":
-        from sdp_jupyter.launch.push import pickle_push
+        from sdp_jupyter.launch.kernel.push import pickle_push
 
         plan = self.resolve(spec)
         push_bytes = pickle_push(plan.spec.push, push or {})
         for note in plan.warnings:
             print(f"[sdp_jupyter] note: {note}")
         if plan.opts.rehearse:
-            from sdp_jupyter.launch.sagemaker.rehearse import rehearse
+            from sdp_jupyter.launch.kernel.sagemaker.rehearse import rehearse
 
             return rehearse(self, plan, push_bytes)
         return self.submit(plan, push_bytes)

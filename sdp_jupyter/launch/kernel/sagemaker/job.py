@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from sdp_jupyter import jobdir
-from sdp_jupyter.launch.job import Job, JobError
-from sdp_jupyter.launch.sagemaker.aws import boto_session
-from sdp_jupyter.launch.sagemaker.engine import host_counts
-from sdp_jupyter.launch.sagemaker.options import DEFAULT_POLL_INTERVAL, METRICS_POLL_INTERVAL, REQUEST_FILE
+from sdp_jupyter.launch.kernel.job import Job, JobError
+from sdp_jupyter.launch.kernel.sagemaker.aws import boto_session
+from sdp_jupyter.launch.kernel.sagemaker.engine import host_counts
+from sdp_jupyter.launch.kernel.sagemaker.options import DEFAULT_POLL_INTERVAL, METRICS_POLL_INTERVAL, REQUEST_FILE
 
 
 _FINAL_STATES = {"Completed": "succeeded", "Failed": "failed", "Stopped": "stopped"}
@@ -96,7 +96,7 @@ class SageMakerJob(Job):
 
     def _boto(self):
         if self.rehearsal:  # the local stand-in that played AWS, never AWS itself
-            from sdp_jupyter.launch.sagemaker.standin import MotoAWS
+            from sdp_jupyter.launch.kernel.sagemaker.standin import MotoAWS
 
             return MotoAWS(endpoint=self.rehearsal["endpoint"], env={})
         return boto_session(self.sagemaker.get("region"))
@@ -202,7 +202,7 @@ class SageMakerJob(Job):
         if engine:
             extra += f"\n{engine}"
         if self.rehearsal:
-            from sdp_jupyter.launch.sagemaker.rehearse import describe
+            from sdp_jupyter.launch.kernel.sagemaker.rehearse import describe
 
             extra += "\n" + describe(self.rehearsal)
         return line + extra

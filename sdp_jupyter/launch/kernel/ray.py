@@ -1,12 +1,12 @@
 """The Ray target: `%%sdp_train --target ray --address HOST:6379 --nodes 4` runs the cell on a Ray cluster.
 
 One placement group with one bundle per node, STRICT_SPREAD (every node of the job on its own Ray
-node), and in each bundle one actor that starts the per-host agent (launch/agent.py) as its child and
+node), and in each bundle one actor that starts the per-host agent (launch/host/agent.py) as its child and
 relays its frames: the same agent the SSH target reaches over ssh, reached here through actor calls.
 The ranks are real processes in their own sessions, started by the agent exactly as the local
 launcher starts them; the job secret travels in the `start` frame of an actor call, never in a
 node's environment or a log. Everything else (preflight, mirroring, heartbeats, stop, restarts) is
-the remote run of launch/remote.py. See docs/ray.md.
+the remote run of launch/kernel/remote.py. See docs/ray.md.
 
 Warm starts (docs/warm.md): the notebook holds one PoolActor per Ray node (pinned to it, no CPU
 reserved), whose child is that node's warm pool server; the job's agent there forks the ranks from it.
@@ -24,12 +24,12 @@ import sys
 import threading
 from pathlib import Path
 
-from sdp_jupyter.launch import agent as channel
+from sdp_jupyter.launch.host import agent as channel
 from sdp_jupyter import jobdir
-from sdp_jupyter.launch import remote
-from sdp_jupyter.launch.job import Job
-from sdp_jupyter.launch.push import pickle_push
-from sdp_jupyter.launch.remote import CONNECT_TIMEOUT
+from sdp_jupyter.launch.kernel import remote
+from sdp_jupyter.launch.kernel.job import Job
+from sdp_jupyter.launch.kernel.push import pickle_push
+from sdp_jupyter.launch.kernel.remote import CONNECT_TIMEOUT
 from sdp_jupyter.launch.spec import JobSpec, Option, SpecError
 
 RAY_OPTIONS = (
@@ -92,7 +92,7 @@ class AgentActor:
 
         self.addr = ray.util.get_node_ip_address()
         env = dict(os.environ, SDP_AGENT_ADDR=self.addr)
-        self.proc = subprocess.Popen([sys.executable, "-m", "sdp_jupyter.launch.agent"], env=env,
+        self.proc = subprocess.Popen([sys.executable, "-m", "sdp_jupyter.launch.host.agent"], env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         self.frames: collections.deque = collections.deque()
         self.stderr: collections.deque = collections.deque(maxlen=40)
@@ -150,7 +150,7 @@ class AgentActor:
 
 class PoolActor:
     """Runs on one Ray node for as long as the notebook holds it: that node's warm pool server
-    (launch/warm.py) as its child, started from a thread that lives as long as the server (the
+    (launch/host/warm.py) as its child, started from a thread that lives as long as the server (the
     server's parent-death signal is armed against the thread that started it)."""
 
     def __init__(self, server_args: list):
@@ -161,7 +161,7 @@ class PoolActor:
         def own() -> None:
             env = dict(os.environ, OPENBLAS_NUM_THREADS="1")  # OpenBLAS would start its thread pool at import
             try:
-                self.proc = subprocess.Popen([sys.executable, "-m", "sdp_jupyter.launch.warm", *server_args],
+                self.proc = subprocess.Popen([sys.executable, "-m", "sdp_jupyter.launch.host.warm", *server_args],
                                              env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                              stderr=subprocess.DEVNULL, start_new_session=True)
             except Exception as e:
@@ -216,7 +216,7 @@ class PoolChannel:
             return failed
 
     def readline(self) -> bytes:
-        from sdp_jupyter.launch.warm import READY_TIMEOUT
+        from sdp_jupyter.launch.host.warm import READY_TIMEOUT
 
         return self._call("ready_line", timeout=READY_TIMEOUT, failed=b"")
 
@@ -384,7 +384,7 @@ class RayRun(remote.RemoteRun):
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        from sdp_jupyter.launch import warm
+        from sdp_jupyter.launch.host import warm
 
         node_id = self.node_ids[node]
 

@@ -20,8 +20,8 @@ and this file then, in each rank:
    compiling the engine, once per host (the host's other ranks wait on a lock), then imports
    `sdp_jupyter.torch`; either way it prints which engine serves smddp (ENGINE_LINE);
 3. records which backend the script's groups really use, and with --init-process-group makes the
-   default group with the job's backend first (launch/backend_check.py, as the local worker does);
-   then runs script.py as ``__main__`` exactly as the local worker does (both through launch/bootstrap.py) (same argv: --args, then the
+   default group with the job's backend first (launch/rank/backend_check.py, as the local worker does);
+   then runs script.py as ``__main__`` exactly as the local worker does (both through launch/rank/bootstrap.py) (same argv: --args, then the
    hyperparameters as --KEY VALUE; pushed variables; rank 0's last expression -> result.pkl);
 4. echoes every line `sdp_jupyter.report()` writes as a ``[sdp-metrics] {json}`` stdout line,
    which CloudWatch Logs keeps and the notebook parses (sdp_jupyter.monitor.cloudwatch);
@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[sdp_jupyter] {e}", file=sys.stderr, flush=True)
         _write_failure(e)
         return 1
-    from sdp_jupyter.launch import bootstrap
+    from sdp_jupyter.launch.rank import bootstrap
     bootstrap.arm_crash_report()
     with open(os.path.join(HERE, "spec.json")) as f:
         spec = json.load(f)

@@ -1,7 +1,7 @@
 """The SSH target: `%%sdp_train --target ssh --hosts gpu1,gpu2` runs the cell on your own machines.
 
 One OpenSSH client per host (`ssh -T`, BatchMode: the user's ~/.ssh/config, keys and jump hosts
-apply, and nothing ever prompts) runs the per-host agent (launch/agent.py) and talks to it over the
+apply, and nothing ever prompts) runs the per-host agent (launch/host/agent.py) and talks to it over the
 connection's stdin/stdout. Before anything starts every host is checked at once: reachable, the
 interpreter runs, sdp_jupyter imports at this version, GPUs enough for nccl. The job's files and its
 secret travel in the `start` frame, never on a command line or in a file another user can read.
@@ -25,12 +25,12 @@ import sys
 import threading
 from pathlib import Path
 
-from sdp_jupyter.launch import agent as channel
+from sdp_jupyter.launch.host import agent as channel
 from sdp_jupyter import jobdir
-from sdp_jupyter.launch import remote
-from sdp_jupyter.launch.job import Job
-from sdp_jupyter.launch.push import pickle_push
-from sdp_jupyter.launch.remote import CONNECT_TIMEOUT
+from sdp_jupyter.launch.kernel import remote
+from sdp_jupyter.launch.kernel.job import Job
+from sdp_jupyter.launch.kernel.push import pickle_push
+from sdp_jupyter.launch.kernel.remote import CONNECT_TIMEOUT
 from sdp_jupyter.launch.spec import JobSpec, Option, SpecError
 
 CONNECTED = "sdp-agent-connected"
@@ -108,7 +108,7 @@ def hosts_of(spec: JobSpec) -> tuple[list[str], int | None]:
 
 def ssh_command(host: str, spec: JobSpec, server: list[str] | None = None) -> list[str]:
     """The ssh client running the agent on `host`, or with `server` (its arguments) that host's warm
-    pool server (launch/warm.py; its stderr goes nowhere: its ready line says what went wrong)."""
+    pool server (launch/host/warm.py; its stderr goes nowhere: its ready line says what went wrong)."""
     options = spec.ssh or {}
     argv = ["ssh", "-T", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={CONNECT_TIMEOUT}",
             "-o", "ServerAliveInterval=2", "-o", "ServerAliveCountMax=3"]
@@ -120,8 +120,8 @@ def ssh_command(host: str, spec: JobSpec, server: list[str] | None = None) -> li
     if server is not None:
         # OpenBLAS would start its thread pool at import, and the pool must fork with one thread
         return argv + [host, f"echo {CONNECTED} >&2; OPENBLAS_NUM_THREADS=1 exec {shlex.quote(python)} -m "
-                             f"sdp_jupyter.launch.warm {shlex.join(server)} 2>/dev/null"]
-    return argv + [host, f"echo {CONNECTED} >&2; exec {shlex.quote(python)} -m sdp_jupyter.launch.agent"]
+                             f"sdp_jupyter.launch.host.warm {shlex.join(server)} 2>/dev/null"]
+    return argv + [host, f"echo {CONNECTED} >&2; exec {shlex.quote(python)} -m sdp_jupyter.launch.host.agent"]
 
 
 def _die_with_parent() -> None:
@@ -258,7 +258,7 @@ class SSHRun(remote.RemoteRun):
         return ("ssh", self.hosts[node], self.python, options.get("config") or "")
 
     def warm_pool(self, node: int, preload: list[str] | tuple = ()):
-        from sdp_jupyter.launch import warm
+        from sdp_jupyter.launch.host import warm
 
         host, spec = self.hosts[node], self.spec
         return warm.held_pool(self.pool_key(node), lambda args: _start_ssh(ssh_command(host, spec, args)), preload)

@@ -14,10 +14,10 @@ from pathlib import Path
 import sdp_jupyter
 from sdp_jupyter import jobdir
 from sdp_jupyter.launch.options import SpecError
-from sdp_jupyter.launch.sagemaker.options import ENTRY_SCRIPT, SECRET_FILE, SOURCE_DIR
+from sdp_jupyter.launch.kernel.sagemaker.options import ENTRY_SCRIPT, SECRET_FILE, SOURCE_DIR
 
 if TYPE_CHECKING:
-    from sdp_jupyter.launch.sagemaker.plan import Plan
+    from sdp_jupyter.launch.kernel.sagemaker.plan import Plan
 
 
 _PACKAGE_FILES = (".py", ".json", ".txt", ".md")
@@ -94,7 +94,7 @@ def build_source_dir(job_dir: Path, plan: Plan) -> Path:
         shutil.rmtree(src)
     src.mkdir(parents=True)
     shutil.copy2(job_dir / jobdir.SCRIPT, src / "script.py")
-    shutil.copy2(Path(__file__).with_name("entry.py"), src / ENTRY_SCRIPT)
+    shutil.copy2(Path(__file__).parents[2] / "rank" / "sagemaker_entry.py", src / ENTRY_SCRIPT)
     (src / "spec.json").write_text(plan.spec.to_json())
     if (job_dir / jobdir.PUSH).is_file():
         shutil.copy2(job_dir / jobdir.PUSH, src / jobdir.PUSH)

@@ -1,10 +1,10 @@
-"""Worker bootstrap: `python -m sdp_jupyter.launch.worker`, started by LocalLauncher once per rank.
+"""Worker bootstrap: `python -m sdp_jupyter.launch.rank.worker`, started by LocalLauncher once per rank.
 
 It arms the parent-death signal (the worker dies if the kernel dies), makes the `smddp` backend
 available when the job asks for it, loads the variables sent with --push, and runs the job's script
 as `__main__` with the job's arguments. Rank 0 pickles the value of the script's last expression
 into result.pkl (what `--result` / `job.result()` return). Loading the push, running the script,
-saving the result and trimming tracebacks are launch/bootstrap.py's, shared with the SageMaker entry.
+saving the result and trimming tracebacks are launch/rank/bootstrap.py's, shared with the SageMaker entry.
 
 Everything it needs comes from the environment set by the launcher and from spec.json. With
 `--module M args...` it runs module M instead (after arming the same parent-death signal).
@@ -18,7 +18,7 @@ import signal
 import sys
 import traceback
 
-from sdp_jupyter.launch.bootstrap import (arm_crash_report, finish_distributed, load_push, run_script, save_result,
+from sdp_jupyter.launch.rank.bootstrap import (arm_crash_report, finish_distributed, load_push, run_script, save_result,
                                           user_frames, watch_backend)
 
 PR_SET_PDEATHSIG = 1
@@ -55,7 +55,7 @@ def _load_backend(backend: str) -> None:
 
 
 def run_module() -> int:
-    """`python -m sdp_jupyter.launch.worker --module M ARGS...`: a job's helper process (the per-node
+    """`python -m sdp_jupyter.launch.rank.worker --module M ARGS...`: a job's helper process (the per-node
     sampler) that must not outlive the launcher either."""
     import runpy
 

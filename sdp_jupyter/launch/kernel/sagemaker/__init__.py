@@ -4,7 +4,7 @@
 SageMaker Python SDK v3 (`sagemaker.train.ModelTrainer`):
 
 - SourceCode: a source directory built in the job directory (``sagemaker_source/``) with the cell
-  as script.py, our container entry point (entry.py as sdp_entry.py), spec.json, the
+  as script.py, our container entry point (launch/rank/sagemaker_entry.py as sdp_entry.py), spec.json, the
   pushed variables, a requirements file and sdp_jupyter: a copy of its pure-Python package, or,
   when our engine serves --backend smddp (``--engine``, see choose_engine), a source package the
   entry installs, compiling the engine;
@@ -33,21 +33,21 @@ check), validate (botocore's service model), engine (instance types; who serves 
 (make_plan), aws (session, role, bucket, image), source (the code channel, the sdist), submit
 (ModelTrainer, the request gate, SageMakerLauncher), job (SageMakerJob, SageMakerRun), entry (the
 container entry), rehearse (--rehearse) and standin (the local AWS stand-in). The names below are
-re-exported here: ``from sdp_jupyter.launch.sagemaker import SageMakerJob`` keeps working.
+re-exported here: ``from sdp_jupyter.launch.kernel.sagemaker import SageMakerJob`` keeps working.
 """
 from __future__ import annotations
 
-from sdp_jupyter.launch.sagemaker.aws import boto_session, resolve_aws
-from sdp_jupyter.launch.sagemaker.engine import check_smddp_instance, choose_engine, host_counts, smddp_instance_types
-from sdp_jupyter.launch.sagemaker.job import ENGINE_LINE, SageMakerJob, SageMakerRun, engine_line, host_log_path, job_state
-from sdp_jupyter.launch.sagemaker.options import (CONTAINER_CHECKPOINT_DIR, DEFAULT_INSTANCE_TYPES, DEFAULT_MAX_RUN,
+from sdp_jupyter.launch.kernel.sagemaker.aws import boto_session, resolve_aws
+from sdp_jupyter.launch.kernel.sagemaker.engine import check_smddp_instance, choose_engine, host_counts, smddp_instance_types
+from sdp_jupyter.launch.kernel.sagemaker.job import ENGINE_LINE, SageMakerJob, SageMakerRun, engine_line, host_log_path, job_state
+from sdp_jupyter.launch.kernel.sagemaker.options import (CONTAINER_CHECKPOINT_DIR, DEFAULT_INSTANCE_TYPES, DEFAULT_MAX_RUN,
                                                   DEFAULT_POLL_INTERVAL, ENTRY_SCRIPT, FIELD_OPTIONS, OPERATION,
                                                   REQUEST_FILE, SAGEMAKER_OPTIONS, SECRET_FILE, SMDDP_FRAMEWORK_VERSION,
                                                   SOURCE_DIR, SageMakerOptions, SageMakerRequestError, option_for,
                                                   validate_request)
-from sdp_jupyter.launch.sagemaker.plan import Plan, base_job_name, default_framework_version, make_plan, metric_definitions
-from sdp_jupyter.launch.sagemaker.source import build_sdist, build_source_dir, source_tree
-from sdp_jupyter.launch.sagemaker.submit import RequestGate, SageMakerLauncher, build_trainer, launch
+from sdp_jupyter.launch.kernel.sagemaker.plan import Plan, base_job_name, default_framework_version, make_plan, metric_definitions
+from sdp_jupyter.launch.kernel.sagemaker.source import build_sdist, build_source_dir, source_tree
+from sdp_jupyter.launch.kernel.sagemaker.submit import RequestGate, SageMakerLauncher, build_trainer, launch
 
 __all__ = ["CONTAINER_CHECKPOINT_DIR", "DEFAULT_INSTANCE_TYPES", "DEFAULT_MAX_RUN", "DEFAULT_POLL_INTERVAL", "ENGINE_LINE",
            "ENTRY_SCRIPT", "FIELD_OPTIONS", "OPERATION", "REQUEST_FILE", "SAGEMAKER_OPTIONS", "SECRET_FILE",

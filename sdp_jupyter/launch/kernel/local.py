@@ -5,7 +5,7 @@ it stops), with torchrun's and SageMaker's environment variables, its output rea
 into its log and the job's views. A supervisor thread per job watches the workers: when one fails
 the others are stopped (SIGINT, then SIGTERM, then SIGKILL), and the whole job is restarted up to
 `max_restarts` times. Workers die with the process that launched them (parent-death signal, armed
-in sdp_jupyter.launch.worker), and an atexit hook (launch/supervise.py) stops every job still running here.
+in sdp_jupyter.launch.rank.worker), and an atexit hook (launch/kernel/supervise.py) stops every job still running here.
 """
 from __future__ import annotations
 
@@ -19,11 +19,14 @@ import time
 from pathlib import Path
 
 from sdp_jupyter import jobdir
-from sdp_jupyter.launch import backend_check, ranks, supervise, warm
-from sdp_jupyter.launch.job import Job
-from sdp_jupyter.launch.push import pickle_push
+from sdp_jupyter.launch.rank import backend_check
+from sdp_jupyter.launch.host import ranks
+from sdp_jupyter.launch.kernel import supervise
+from sdp_jupyter.launch.host import warm
+from sdp_jupyter.launch.kernel.job import Job
+from sdp_jupyter.launch.kernel.push import pickle_push
 from sdp_jupyter.launch.spec import JobSpec, SpecError
-from sdp_jupyter.launch.ranks import free_port, gpu_count  # noqa: F401  (re-exported)
+from sdp_jupyter.launch.host.ranks import free_port, gpu_count  # noqa: F401  (re-exported)
 
 
 class LocalLauncher:
@@ -32,7 +35,7 @@ class LocalLauncher:
     def __init__(self, sigint_grace: float = 3.0, sigterm_grace: float = 2.0, warm: bool | None = None):
         self.sigint_grace = sigint_grace
         self.sigterm_grace = sigterm_grace
-        self.warm = warm  # True/False: every job warm/cold (launch/warm.py); None: each spec's --warm/--cold/auto
+        self.warm = warm  # True/False: every job warm/cold (launch/host/warm.py); None: each spec's --warm/--cold/auto
 
     def start_choice(self, spec: JobSpec) -> bool | None:
         """Warm (True), cold (False) or the default (None: warm.wanted decides) for this job's ranks:
@@ -163,7 +166,7 @@ class LocalRun(supervise.Run):
         return "succeeded", None, codes
 
     def _spawn(self, argv: list, env: dict):
-        """A rank's process: forked by the warm pool (launch/warm.py) or started cold; same contract."""
+        """A rank's process: forked by the warm pool (launch/host/warm.py) or started cold; same contract."""
         if warm.wanted(self.warm_choice):
             proc = warm.start_rank(argv, env, preload=self.spec.preload)
             if not isinstance(proc, str):
@@ -205,7 +208,7 @@ class LocalRun(supervise.Run):
         self.job.emit_output(rank, text)
 
     def _terminate(self, codes: list | None = None) -> list:
-        """Stop every live rank (launch/ranks.py: SIGINT, SIGTERM, SIGKILL); return exit codes."""
+        """Stop every live rank (launch/host/ranks.py: SIGINT, SIGTERM, SIGKILL); return exit codes."""
         return ranks.stop(self._procs, self.launcher.sigint_grace, self.launcher.sigterm_grace)
 
     def _cleanup_groups(self) -> None:

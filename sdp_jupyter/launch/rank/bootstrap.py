@@ -2,8 +2,8 @@
 `__main__`, the backend it really uses recorded (and with --init-process-group the default
 group made first), rank 0's result saved, tracebacks trimmed to the user's frames, the process group closed.
 
-One implementation for the local worker (launch/worker.py, also what the SSH and Ray agents start)
-and the SageMaker container entry (launch/sagemaker/entry.py); each adds only what its place needs
+One implementation for the local worker (launch/rank/worker.py, also what the SSH and Ray agents start)
+and the SageMaker container entry (launch/rank/sagemaker_entry.py); each adds only what its place needs
 (the worker: the parent-death signal and Ctrl-C; the entry: SageMaker's variables and failure file).
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ import types
 def arm_crash_report() -> None:
     """A rank killed by a signal leaves its story in its log: the crashing thread's name and native
     frames (the engine's handler, sdp/crash.h), then every thread's Python stack (faulthandler), so
-    the job's error can say which collective was running (launch/ranks.py: crash_summary)."""
+    the job's error can say which collective was running (launch/host/ranks.py: crash_summary)."""
     import faulthandler
 
     faulthandler.enable(file=sys.stderr, all_threads=True)
@@ -44,9 +44,9 @@ def load_push(path: str, checked: bool = True) -> dict:
 
 
 def watch_backend(spec: dict, backend: str) -> int:
-    """Record which backend this rank really uses (launch/backend_check.py); with --init-process-group,
+    """Record which backend this rank really uses (launch/rank/backend_check.py); with --init-process-group,
     make the default group with `backend` now. 1 when that failed (the error is printed), else 0."""
-    from sdp_jupyter.launch import backend_check
+    from sdp_jupyter.launch.rank import backend_check
 
     try:
         backend_check.prepare(spec, backend)

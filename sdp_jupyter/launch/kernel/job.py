@@ -18,7 +18,7 @@ from typing import Callable
 
 from sdp_jupyter._display import Shown
 from sdp_jupyter import jobdir
-from sdp_jupyter.launch import targets
+from sdp_jupyter.launch.kernel import targets
 from sdp_jupyter.launch.spec import JobSpec
 
 TAIL_LINES = 2000  # lines per rank kept in memory for views opened late; the log file has them all
@@ -338,7 +338,7 @@ class Job(Shown):
     @property
     def backend_label(self) -> str:
         """The backend as the ranks used it (status `backend_used`, written when the job ends;
-        launch/backend_check.py): the one asked for when they used it, "gloo (asked: smddp)" when
+        launch/rank/backend_check.py): the one asked for when they used it, "gloo (asked: smddp)" when
         their default group was another, "smddp (no process group)" when they made none."""
         st, asked = self.status, self.spec.backend
         if "backend_used" not in st:

@@ -1,10 +1,10 @@
-"""The per-host agent: `python -m sdp_jupyter.launch.agent`, one per host of a remote job.
+"""The per-host agent: `python -m sdp_jupyter.launch.host.agent`, one per host of a remote job.
 
 A remote target reaches it over a byte channel, the agent's stdin and stdout: the SSH target through
-`ssh -T host python -m sdp_jupyter.launch.agent`, the Ray target through an actor on the node that
-starts the agent as its child and relays the frames (launch/ray.py). On its host the agent does what the local
+`ssh -T host python -m sdp_jupyter.launch.host.agent`, the Ray target through an actor on the node that
+starts the agent as its child and relays the frames (launch/kernel/ray.py). On its host the agent does what the local
 launcher does for a node: it writes the job's files into a private folder, starts the node's ranks
-with the same bootstrap and environment (launch/ranks.py), runs the node's utilization sampler, and
+with the same bootstrap and environment (launch/host/ranks.py), runs the node's utilization sampler, and
 streams everything back: each rank's output, metrics lines, exit codes, rank 0's result.
 
 Channel: frames of a 4-byte big-endian length and a UTF-8 JSON object with a "type". Binary values
@@ -18,7 +18,7 @@ frame, so it is never on a command line, in the host's environment or in a file.
                         exit {rank, code}           a rank ended
                         result {data}               rank 0's result.pkl (after rank 0 exited)
                         started {warm, reason}      how this attempt's ranks started (warm: forked
-                                                    from the kernel's pool on this host, launch/warm.py)
+                                                    from the kernel's pool on this host, launch/host/warm.py)
                         done {codes}                every rank of the attempt has ended
                         ping {}                     every HEARTBEAT_EVERY seconds
                         error {message}             the agent cannot go on (bad frame, cannot start)
@@ -153,7 +153,7 @@ class Agent:
 
     # ---------------------------------------------------------------- main loop
     def serve(self) -> int:
-        from sdp_jupyter.launch.ranks import gpu_count
+        from sdp_jupyter.launch.host.ranks import gpu_count
 
         self.send({"type": "hello", "version": version(), "python": sys.executable, "hostname": socket.gethostname(),
                    "addr": self.addr, "gpus": gpu_count(), "pid": os.getpid()})
@@ -166,7 +166,7 @@ class Agent:
                 if kind == "start":
                     self._start(message)
                 elif kind == "port":
-                    from sdp_jupyter.launch.ranks import free_port
+                    from sdp_jupyter.launch.host.ranks import free_port
 
                     self.send({"type": "port", "port": free_port(self.addr)})
                 elif kind == "stop":
@@ -196,7 +196,7 @@ class Agent:
     # ---------------------------------------------------------------- one attempt
     def _start(self, m: dict) -> None:
         from sdp_jupyter import jobdir
-        from sdp_jupyter.launch import ranks
+        from sdp_jupyter.launch.host import ranks
         from sdp_jupyter.launch.spec import JobSpec
 
         if self._attempt_thread is not None and self._attempt_thread.is_alive():
@@ -226,7 +226,7 @@ class Agent:
         gpus = ranks.gpu_count()
         pool, reason = m.get("warm"), m.get("cold_reason")
         if pool:
-            from sdp_jupyter.launch import warm
+            from sdp_jupyter.launch.host import warm
 
             if pool.get("fingerprint") != warm.fingerprint():
                 pool, reason = None, "the installed code changed since the pool on this host started"
@@ -270,7 +270,7 @@ class Agent:
                     self.send({"type": "exit", "rank": rank, "code": code})
             time.sleep(0.05)
         from sdp_jupyter import jobdir
-        from sdp_jupyter.launch import ranks
+        from sdp_jupyter.launch.host import ranks
 
         ranks.kill_groups([p for _, p in procs])
         tailer_stop.set()
@@ -318,7 +318,7 @@ class Agent:
                 return
 
     def _stop_ranks(self, sigint_grace: float, sigterm_grace: float) -> None:
-        from sdp_jupyter.launch import ranks
+        from sdp_jupyter.launch.host import ranks
 
         ranks.stop(self._procs, sigint_grace, sigterm_grace)
         if self._attempt_thread is not None:
@@ -346,7 +346,7 @@ class Agent:
 def main() -> int:
     import signal
 
-    from sdp_jupyter.launch.worker import arm_parent_death_signal
+    from sdp_jupyter.launch.rank.worker import arm_parent_death_signal
 
     os.environ.pop("SDP_LAUNCHER_PID", None)
     arm_parent_death_signal(signal.SIGTERM)  # the ssh session's shell or sshd went away: so do we

@@ -9,14 +9,14 @@ import importlib
 import importlib.util
 
 LAUNCHERS = {
-    "local": "sdp_jupyter.launch.local:LocalLauncher",
-    "ssh": "sdp_jupyter.launch.ssh:SSHLauncher",
-    "ray": "sdp_jupyter.launch.ray:RayLauncher",
-    "sagemaker": "sdp_jupyter.launch.sagemaker.submit:SageMakerLauncher",
+    "local": "sdp_jupyter.launch.kernel.local:LocalLauncher",
+    "ssh": "sdp_jupyter.launch.kernel.ssh:SSHLauncher",
+    "ray": "sdp_jupyter.launch.kernel.ray:RayLauncher",
+    "sagemaker": "sdp_jupyter.launch.kernel.sagemaker.submit:SageMakerLauncher",
 }
 # Targets whose jobs need their own class when reopened (remote state, one log per host).
 JOB_CLASSES = {
-    "sagemaker": "sdp_jupyter.launch.sagemaker.job:SageMakerJob",
+    "sagemaker": "sdp_jupyter.launch.kernel.sagemaker.job:SageMakerJob",
 }
 
 

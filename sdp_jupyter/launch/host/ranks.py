@@ -1,6 +1,6 @@
 """What every target does on a host to run that host's ranks, in one place.
 
-The local launcher (all nodes on this machine) and the per-host agent (launch/agent.py, reached
+The local launcher (all nodes on this machine) and the per-host agent (launch/host/agent.py, reached
 over SSH) both build a rank's environment here, start it in its own session, stop it the same way
 (SIGINT, then SIGTERM, then SIGKILL to its process group) and start the host's utilization sampler.
 A leaf of the launch package: it imports only jobdir and pythonpath, never a widget or torch.
@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 
 from sdp_jupyter import jobdir
-from sdp_jupyter.launch.pythonpath import COMPAT_DIR, PACKAGE_PARENT, smdistributed_installed
+from sdp_jupyter.launch.host.pythonpath import COMPAT_DIR, PACKAGE_PARENT, smdistributed_installed
 
-WORKER = [sys.executable, "-u", "-m", "sdp_jupyter.launch.worker"]
+WORKER = [sys.executable, "-u", "-m", "sdp_jupyter.launch.rank.worker"]
 
 
 def gpu_count() -> int:
@@ -196,7 +196,7 @@ def start_sampler(job_dir: str | os.PathLike, node: int) -> subprocess.Popen | N
                PYTHONPATH=os.pathsep.join(filter(None, [PACKAGE_PARENT, os.environ.get("PYTHONPATH")])))
     with jobdir.open_private(Path(job_dir) / jobdir.LOGS / f"sampler-node-{node}.log") as log:
         return subprocess.Popen(
-            [sys.executable, "-m", "sdp_jupyter.launch.worker", "--module", "sdp_jupyter.monitor.sampler",
+            [sys.executable, "-m", "sdp_jupyter.launch.rank.worker", "--module", "sdp_jupyter.monitor.sampler",
              "--job-dir", str(job_dir), "--node", str(node)],
             env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True, close_fds=True)

@@ -1,11 +1,11 @@
-"""What every remote target shares: one agent per node (launch/agent.py) reached over a link.
+"""What every remote target shares: one agent per node (launch/host/agent.py) reached over a link.
 
 The SSH target's link is an ssh client's stdin/stdout; the Ray target's is an actor that runs the
 agent. Either way the notebook side is this module: start every node's agent at once and check its
 hello (version, GPUs) before anything starts; then, per attempt, ask node 0 for a port, send each
 agent its `start`, mirror output, metrics and the result into the job directory, and name a rank
 that fails or a node that goes silent (HEARTBEAT_TIMEOUT). Stop, restarts and the exit hook work as
-for local jobs (launch/supervise.py).
+for local jobs (launch/kernel/supervise.py).
 """
 from __future__ import annotations
 
@@ -17,10 +17,12 @@ import sys
 import threading
 import time
 
-from sdp_jupyter.launch import agent as channel
+from sdp_jupyter.launch.host import agent as channel
 from sdp_jupyter import jobdir
-from sdp_jupyter.launch import backend_check, ranks, supervise
-from sdp_jupyter.launch.job import Job
+from sdp_jupyter.launch.rank import backend_check
+from sdp_jupyter.launch.host import ranks
+from sdp_jupyter.launch.kernel import supervise
+from sdp_jupyter.launch.kernel.job import Job
 from sdp_jupyter.launch.spec import JobSpec, SpecError
 
 CONNECT_TIMEOUT = 10       # seconds for a link to reach its node
@@ -171,7 +173,7 @@ class RemoteRun(supervise.Run):
         raise NotImplementedError
 
     def pool_key(self, node: int) -> tuple | None:
-        """The key of node's host's warm pool (launch/warm.py), None where the target has none."""
+        """The key of node's host's warm pool (launch/host/warm.py), None where the target has none."""
         return None
 
     def warm_pool(self, node: int, preload: list[str] | tuple = ()):
@@ -182,7 +184,7 @@ class RemoteRun(supervise.Run):
         cold. Pools that are still starting (a --warm job, or new --preload modules) start at once on
         every host and are waited for together, up to warm.READY_TIMEOUT, while _keep_alive pings the agents
         (an agent that hears nothing for its heartbeat timeout stops)."""
-        from sdp_jupyter.launch import warm
+        from sdp_jupyter.launch.host import warm
 
         pools = {}
         for conn in self.conns:
@@ -201,7 +203,7 @@ class RemoteRun(supervise.Run):
 
     def _started(self, node: int, message: dict) -> None:
         """A node said how its ranks started: the job is warm when every node's were (as locally)."""
-        from sdp_jupyter.launch import warm
+        from sdp_jupyter.launch.host import warm
 
         self._starts[node] = (bool(message.get("warm")), message.get("reason"))
         reason = message.get("reason") or ""
@@ -258,7 +260,7 @@ class RemoteRun(supervise.Run):
             self._write_agent_logs()
             supervise.unregister(self)
             if self.warm_after_job and self.pool_key(0) is not None:
-                from sdp_jupyter.launch import warm
+                from sdp_jupyter.launch.host import warm
 
                 warm.job_done(self.warm_choice, spec.preload, start=self._warm_next)
             job.update_status(state=state, error=error, exit_codes=codes, ended=time.time(),

@@ -1,6 +1,6 @@
 """Warm starts: a pool server that has imported torch once and forks a fresh process per rank.
 
-`python -m sdp_jupyter.launch.worker` spends seconds importing torch before a line of the job runs.
+`python -m sdp_jupyter.launch.rank.worker` spends seconds importing torch before a line of the job runs.
 The pool server (one per kernel and target host) imports torch, torch.optim, torch.distributed,
 torch.nn.parallel, torch._dynamo and sdp_jupyter.torch (plus --preload modules) once, and then forks one process
 per rank. Each forked rank gets what a cold start gets: its own session (setsid), the launcher's
@@ -15,7 +15,7 @@ owning thread, and EOF on its stdin when the owner closes it) and is replaced wh
 code changes (fingerprint of sdp_jupyter's files and the torch version).
 
 Client:  handle_or_reason = start_rank(argv, env, cwd)   # a Popen-like WarmProcess, or a str reason
-Server:  python -m sdp_jupyter.launch.warm --socket PATH|auto [--preload numpy,sklearn]
+Server:  python -m sdp_jupyter.launch.host.warm --socket PATH|auto [--preload numpy,sklearn]
 
 On another host (the SSH target) the kernel holds one pool per host through a channel process (an ssh
 client running the server with `--socket auto`; the ready line says where the socket is), and that
@@ -163,8 +163,8 @@ def _child(req: dict, fds: list, server_pid: int, closing: list) -> None:
             # rank's value (setting it starts no thread: the OpenMP team starts at the first op)
             sys.modules["torch"].set_num_threads(omp)
         module, args = req["module"], req["args"]
-        if module == "sdp_jupyter.launch.worker":
-            from sdp_jupyter.launch import worker
+        if module == "sdp_jupyter.launch.rank.worker":
+            from sdp_jupyter.launch.rank import worker
 
             def arm(sig: int = signal.SIGKILL) -> None:  # armed above, against the pool server
                 _prctl_pdeathsig(sig)
@@ -433,7 +433,7 @@ class Pool:
         self._owner.start()
 
     def _own(self) -> None:
-        from sdp_jupyter.launch.pythonpath import COMPAT_DIR, PACKAGE_PARENT, smdistributed_installed
+        from sdp_jupyter.launch.host.pythonpath import COMPAT_DIR, PACKAGE_PARENT, smdistributed_installed
 
         # the rank's own PYTHONPATH, as LocalRun.environment makes it
         paths = ([] if smdistributed_installed() else [COMPAT_DIR]) + [PACKAGE_PARENT] \
@@ -445,7 +445,7 @@ class Pool:
                 self.proc = self.opener(["--socket", "auto", "--preload", ",".join(self.preload)])
             else:
                 self.proc = subprocess.Popen(
-                    [sys.executable, "-m", "sdp_jupyter.launch.warm", "--socket", self.path,
+                    [sys.executable, "-m", "sdp_jupyter.launch.host.warm", "--socket", self.path,
                      "--preload", ",".join(self.preload)],
                     env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                     start_new_session=True, close_fds=True)
@@ -623,7 +623,7 @@ def shutdown() -> None:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m sdp_jupyter.launch.warm")
+    p = argparse.ArgumentParser(prog="python -m sdp_jupyter.launch.host.warm")
     p.add_argument("--socket", required=True)
     p.add_argument("--preload", default="")
     a = p.parse_args(argv)

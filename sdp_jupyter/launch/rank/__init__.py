@@ -1,0 +1,1 @@
+"""What runs inside a rank: the worker entry, the bootstrap, the backend check, the SageMaker entry. Never imports kernel code."""
