@@ -4,10 +4,10 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import socket
 import subprocess
 import sys
 import tempfile
+from sdp_jupyter.launch.process import free_port
 
 
 def bench_parser(doc: str):
@@ -19,12 +19,6 @@ def bench_parser(doc: str):
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--backend", default="smddp")
     return ap
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_ranks(script: str, world: int, per_node: int, args: list[str], timeout: float = 1800,

@@ -114,7 +114,7 @@ def main() -> int:
     p.add_argument("--json")
     a = p.parse_args()
     os.environ.setdefault("SDP_JOBS_DIR", tempfile.mkdtemp(prefix="sdp-startup-"))
-    from sdp_jupyter.launch.host import warm
+    from sdp_jupyter.launch.kernel import warm_pool
 
     script = os.path.join(tempfile.mkdtemp(prefix="sdp-startup-"), "train.py")
     with open(script, "w") as f:
@@ -122,7 +122,7 @@ def main() -> int:
     push = data()
     out = {"load (1 min)": round(os.getloadavg()[0], 2), "cpus": os.cpu_count(), "epochs": a.epochs}
     t0 = time.perf_counter()
-    pool = warm.warm_up()
+    pool = warm_pool.warm_up()
     reason = pool.ready()
     out["warm pool start-up (once per kernel)"] = round(time.perf_counter() - t0, 2)
     if reason:
@@ -137,7 +137,7 @@ def main() -> int:
         print(f"{nodes} node(s): cold {c:.2f} s, warm {w:.2f} s (x{c / w:.1f}); "
               f"start + end overhead: cold {min(t - x for t, x in cold):.2f} s, "
               f"warm {min(t - x for t, x in hot):.2f} s", flush=True)
-    warm.shutdown()
+    warm_pool.shutdown()
     out.update(ipyparallel_figures())
     out["load after (1 min)"] = round(os.getloadavg()[0], 2)
     print(json.dumps(out, indent=1))

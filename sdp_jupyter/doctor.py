@@ -20,13 +20,14 @@ import os
 import platform
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from sdp_jupyter.launch.process import PACKAGE_PARENT, free_port
 
 OK, WARN, FAIL, INFO = "OK", "WARN", "FAIL", "INFO"
 STATUSES = (OK, WARN, FAIL, INFO)
@@ -429,12 +430,6 @@ sys.exit(3 if bad else 0)
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _signal_name(code: int) -> str:
     try:
         return signal.Signals(-code).name
@@ -449,12 +444,11 @@ def run_smoke(device: str = "cpu", timeout: float = SMOKE_TIMEOUT_S) -> Check:
     script = out / "smoke.py"
     script.write_text(_SMOKE)
     env = dict(os.environ)
-    pkg_root = str(Path(__file__).resolve().parent.parent)  # the children import this very sdp_jupyter
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [pkg_root, env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [PACKAGE_PARENT, env.get("PYTHONPATH")]))  # this very sdp_jupyter
     env["PYTHONFAULTHANDLER"] = "1"
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)  # the doctor's own job variables (if run inside a job) must not leak in
-    port = _free_port()
+    port = free_port()
     started = time.monotonic()
     procs, logs = [], []
     try:
@@ -548,7 +542,7 @@ def report_in_subprocess(smoke: bool = True, timeout: float = 3 * SMOKE_TIMEOUT_
     and the main job use, so that the kernel never imports torch and a stuck doctor costs `timeout`."""
     argv = [sys.executable, "-m", "sdp_jupyter.doctor", "--json"] + ([] if smoke else ["--no-smoke"])
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent.parent), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [PACKAGE_PARENT, env.get("PYTHONPATH")]))
     try:
         p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env, stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:

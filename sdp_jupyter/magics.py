@@ -18,6 +18,7 @@ from IPython.display import display
 import sdp_jupyter.launch as launching
 from sdp_jupyter.launch import Job, JobError, JobSpec, SpecError
 from sdp_jupyter.launch.host import warm
+from sdp_jupyter.launch.kernel import warm_pool
 from sdp_jupyter.launch.spec import all_options
 from sdp_jupyter._display import widgets_enabled
 
@@ -234,7 +235,7 @@ class SdpMagics(Magics):
         except SpecError as e:
             raise UsageError(str(e).replace("--preload", "%sdp_warm")) from None
         started = time.monotonic()
-        pool = warm.warm_up(modules)
+        pool = warm_pool.warm_up(modules)
         reason = pool.ready()
         if reason:
             print(f"warm pool not usable ({reason}): %%sdp_train jobs start cold")
@@ -243,7 +244,7 @@ class SdpMagics(Magics):
         print(f"warm pool ready in {time.monotonic() - started:.1f} s (pid {pool.proc.pid}, imported {imported})")
         for failure in pool.info.get("preload_failed") or []:
             print(f"  could not import {failure}")
-        if not warm.wanted(None):
+        if not warm_pool.wanted(None):
             print("SDP_WARM=0 is set: jobs still start cold unless given --warm")
         else:
             print("the next %%sdp_train jobs of this kernel start warm (--cold: fresh interpreters)")

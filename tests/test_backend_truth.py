@@ -12,7 +12,7 @@ import pytest
 
 from conftest import REPO
 from sdp_jupyter.launch import Job, JobSpec, SpecError, launch
-from sdp_jupyter.launch.rank import backend_check
+from sdp_jupyter.launch.kernel import backend_verdict
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +38,7 @@ def write(path, *parts):
 
 
 def records(job) -> dict:
-    return backend_check.read_records(job.dir)
+    return backend_verdict.read_records(job.dir)
 
 
 def test_a_script_that_makes_its_own_gloo_group_under_smddp_is_reported_as_gloo(tmp_path, jobs_dir):
@@ -186,21 +186,21 @@ def test_verdict_warns_only_on_what_it_knows(tmp_path):
     a restart's records replace the failed attempt's."""
     one = tmp_path / "one"
     _write_records(one, [{"rank": 0, "backend": None, "collectives": 0}])
-    assert backend_check.verdict(one, "smddp", 1) == {"backend_used": None, "collectives": 0, "warnings": []}
+    assert backend_verdict.verdict(one, "smddp", 1) == {"backend_used": None, "collectives": 0, "warnings": []}
     missing = tmp_path / "missing"
     _write_records(missing, [{"rank": 0, "backend": "smddp", "collectives": 0}])
-    assert backend_check.verdict(missing, "smddp", 2)["warnings"] == []
+    assert backend_verdict.verdict(missing, "smddp", 2)["warnings"] == []
     idle = tmp_path / "idle"
     _write_records(idle, [{"rank": r, "backend": "smddp", "collectives": 0} for r in range(2)])
-    assert backend_check.verdict(idle, "smddp", 2, "failed")["warnings"] == []  # its error says more
-    assert "trained independently" in backend_check.verdict(idle, "smddp", 2, "succeeded")["warnings"][0]
+    assert backend_verdict.verdict(idle, "smddp", 2, "failed")["warnings"] == []  # its error says more
+    assert "trained independently" in backend_verdict.verdict(idle, "smddp", 2, "succeeded")["warnings"][0]
     uncounted = tmp_path / "uncounted"
     _write_records(uncounted, [{"rank": r, "backend": "mpi", "collectives": None} for r in range(2)])
-    v = backend_check.verdict(uncounted, "mpi", 2)
+    v = backend_verdict.verdict(uncounted, "mpi", 2)
     assert v == {"backend_used": "mpi", "collectives": None, "warnings": []}
     restarted = tmp_path / "restarted"
     _write_records(restarted, [{"rank": r, "backend": "gloo", "collectives": 0, "attempt": 0} for r in range(2)]
                    + [{"rank": r, "backend": "smddp", "collectives": 7, "attempt": 1} for r in range(2)])
-    assert backend_check.verdict(restarted, "smddp", 2) == {"backend_used": "smddp", "collectives": 7,
+    assert backend_verdict.verdict(restarted, "smddp", 2) == {"backend_used": "smddp", "collectives": 7,
                                                               "warnings": []}
-    assert backend_check.verdict(tmp_path / "none", "smddp", 2) == {}  # no records (SageMaker, killed ranks)
+    assert backend_verdict.verdict(tmp_path / "none", "smddp", 2) == {}  # no records (SageMaker, killed ranks)

@@ -201,14 +201,14 @@ def test_hybrid_layout_is_checked_once_the_launcher_knows_the_processes_per_node
 
 
 def test_compat_path_only_without_the_real_library(tmp_path, monkeypatch):
-    from sdp_jupyter.launch.host import ranks# the rank environment every target builds
+    from sdp_jupyter.launch import process  # where the rank's PYTHONPATH is made, for every target
 
     spec = LocalLauncher().resolve(JobSpec(code="x", name="c", backend="gloo", jobs_dir=str(tmp_path)))
     run = LocalRun(Job(spec, tmp_path / "c"), LocalLauncher())
-    monkeypatch.setattr(ranks, "smdistributed_installed", lambda: False)
-    assert ranks.COMPAT_DIR in run.environment(0, 0, 1)["PYTHONPATH"].split(":")
-    monkeypatch.setattr(ranks, "smdistributed_installed", lambda: True)
-    assert ranks.COMPAT_DIR not in run.environment(0, 0, 1)["PYTHONPATH"].split(":")
+    monkeypatch.setattr(process, "smdistributed_installed", lambda: False)
+    assert process.COMPAT_DIR in run.environment(0, 0, 1)["PYTHONPATH"].split(":")
+    monkeypatch.setattr(process, "smdistributed_installed", lambda: True)
+    assert process.COMPAT_DIR not in run.environment(0, 0, 1)["PYTHONPATH"].split(":")
 
 
 def test_bad_input_launches_nothing(tmp_path):

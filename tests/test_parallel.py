@@ -6,7 +6,6 @@ tensors, with the same step run in one process on the whole batch.
 """
 import os
 import re
-import socket
 import tempfile
 
 import pytest
@@ -15,6 +14,7 @@ import torch.multiprocessing as mp
 
 from sdp_jupyter.parallel_config import ParallelConfig
 from sdp_jupyter.parallel import gpt
+from sdp_jupyter.launch.process import free_port
 
 CFG = gpt.GPTConfig(layers=4, hidden=32, heads=4, vocab=64, seq_len=8)
 BATCH = 8
@@ -93,12 +93,6 @@ def _worker(rank, world, port, config, outdir, backend=None):
                     "offload": vars(hp.offload_stats)}, os.path.join(outdir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(config: ParallelConfig, world: int, backend=None):

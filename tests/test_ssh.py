@@ -14,7 +14,7 @@ import pytest
 
 from helpers.remote_jobs import REPO, TRAIN, drive, drive_session, next_line, tell
 from sdp_jupyter.launch import JobSpec, SpecError
-from sdp_jupyter.launch.host import agent
+from sdp_jupyter.launch import channel
 from sdp_jupyter.launch.kernel import remote
 from sdp_jupyter.launch.kernel import ssh as ssh_target
 
@@ -76,14 +76,14 @@ def test_agent_frames_round_trip_and_refuse_garbage():
     import io
     import struct
 
-    frame = agent.encode({"type": "out", "rank": 3, "text": "é\n"})
-    assert agent.decode(io.BytesIO(frame)) == {"type": "out", "rank": 3, "text": "é\n"}
+    frame = channel.encode({"type": "out", "rank": 3, "text": "é\n"})
+    assert channel.decode(io.BytesIO(frame)) == {"type": "out", "rank": 3, "text": "é\n"}
     with pytest.raises(ValueError, match="over the"):
-        agent.decode(io.BytesIO(struct.pack(">I", agent.MAX_FRAME + 1)))
+        channel.decode(io.BytesIO(struct.pack(">I", channel.MAX_FRAME + 1)))
     with pytest.raises(ValueError, match="not an object with a type"):
-        agent.decode(io.BytesIO(agent.encode.__globals__["struct"].pack(">I", 2) + b"[]"))
-    with pytest.raises(agent.ChannelClosed):
-        agent.decode(io.BytesIO(frame[:-1]))
+        channel.decode(io.BytesIO(struct.pack(">I", 2) + b"[]"))
+    with pytest.raises(channel.ChannelClosed):
+        channel.decode(io.BytesIO(frame[:-1]))
 
 
 class _LocalAgentLink(ssh_target.SSHLink):
@@ -239,7 +239,7 @@ def test_a_cut_link_is_named_and_every_host_is_cleaned(ssh_hosts, hosts, tmp_pat
         time.sleep(0.2)
         left = {i: ssh_hosts.processes(i) for i in (1, 3)}
     assert not any(left.values()), left
-    assert ssh_hosts.wait_clean(agent.HEARTBEAT_TIMEOUT + 10) == {}
+    assert ssh_hosts.wait_clean(channel.HEARTBEAT_TIMEOUT + 10) == {}
 
 
 @pytest.mark.slow
@@ -257,7 +257,7 @@ def test_stop_and_a_killed_notebook_leave_nothing_anywhere(ssh_hosts, hosts, tmp
     assert all(ssh_hosts.processes(i) for i in ssh_hosts.nodes)
     d.send_signal(signal.SIGKILL)
     d.wait()
-    assert ssh_hosts.wait_clean(agent.HEARTBEAT_TIMEOUT + 5) == {}
+    assert ssh_hosts.wait_clean(channel.HEARTBEAT_TIMEOUT + 5) == {}
 
 
 @pytest.mark.slow
@@ -332,5 +332,5 @@ def test_warm_starts_on_ssh_hosts_match_cold_and_die_with_the_notebook(ssh_hosts
     assert all(len(p) == 2 for p in _pools(ssh_hosts).values()), _pools(ssh_hosts)  # server + the rank
     d.send_signal(signal.SIGKILL)
     d.wait()
-    assert _wait_pools(ssh_hosts, lambda p: not p, timeout=agent.HEARTBEAT_TIMEOUT + 5) == {1: [], 2: []}
-    assert ssh_hosts.wait_clean(agent.HEARTBEAT_TIMEOUT + 5) == {}
+    assert _wait_pools(ssh_hosts, lambda p: not p, timeout=channel.HEARTBEAT_TIMEOUT + 5) == {1: [], 2: []}
+    assert ssh_hosts.wait_clean(channel.HEARTBEAT_TIMEOUT + 5) == {}

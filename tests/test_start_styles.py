@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
 
 import pytest
+
+from sdp_jupyter.launch.process import free_port as _free_port
 
 pytestmark = pytest.mark.slow
 
@@ -63,12 +64,6 @@ if __name__ == "__main__":
 
 _JOB_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
                   "MASTER_PORT", "SDP_JOB_SECRET", "SDP_BACKEND", "PYTEST_CURRENT_TEST")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _clean_env(tmp_path, **extra) -> dict:

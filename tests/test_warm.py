@@ -14,6 +14,7 @@ import pytest
 
 from sdp_jupyter.launch import JobSpec, LocalLauncher
 from sdp_jupyter.launch.host import warm
+from sdp_jupyter.launch.kernel import warm_pool
 
 pytestmark = pytest.mark.slow
 
@@ -47,10 +48,10 @@ def run(script, warm_start, nodes=2, **kw):
 
 @pytest.fixture(scope="module")
 def pool():
-    p = warm.warm_up()
+    p = warm_pool.warm_up()
     assert p.ready() is None, p.ready()
     yield p
-    warm.shutdown()
+    warm_pool.shutdown()
 
 
 def test_warm_and_cold_give_bit_identical_parameters(tmp_path, jobs_dir, pool):
@@ -134,7 +135,8 @@ OWNER = """
 import json, sys, time
 from sdp_jupyter.launch import JobSpec, LocalLauncher
 from sdp_jupyter.launch.host import warm
-pool = warm.warm_up()
+from sdp_jupyter.launch.kernel import warm_pool
+pool = warm_pool.warm_up()
 assert pool.ready() is None, pool.ready()
 job = LocalLauncher(warm=True).start(JobSpec(script=sys.argv[1], nodes=2, backend="gloo"))
 while "up" not in job.logs(1):
@@ -171,5 +173,5 @@ def test_unsafe_pool_falls_back_to_cold_with_a_reason(monkeypatch):
         assert "threads" in warm.fork_unsafe_reason()
     finally:
         t.join()
-    p = warm.Pool.__new__(warm.Pool)
+    p = warm_pool.Pool.__new__(warm_pool.Pool)
     assert p.start(["/bin/sh", "-c", "true"], {}) == "only `python [-u] -m MODULE` starts warm"

@@ -42,7 +42,7 @@ def rank0_log(jobs_dir, name) -> str:
 
 
 def pool_pid(kc) -> int:
-    return int(run_ok(kc, "from sdp_jupyter.launch.host import warm; print(warm._POOL.proc.pid)").strip())
+    return int(run_ok(kc, "from sdp_jupyter.launch.kernel import warm_pool; print(warm_pool._POOL.proc.pid)").strip())
 
 
 def gone(pids, timeout=15.0) -> list:

@@ -5,23 +5,17 @@ import os
 import pickle
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from sdp_jupyter.launch.process import free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # SDP_TEST_PACKAGE_ROOT: where sdp_jupyter comes from for the ranks (a sanitizer or portable build
 # of the engine, see tests/test_native_builds.py); the repository by default.
 ROOT = os.environ.get("SDP_TEST_PACKAGE_ROOT") or os.path.dirname(os.path.dirname(HERE))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

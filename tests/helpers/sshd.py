@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 
 import pytest
 
@@ -25,7 +24,3 @@ def ssh_hosts(cluster4, tmp_path_factory):
         hosts.stop()
 
 
-def free_local_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

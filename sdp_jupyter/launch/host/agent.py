@@ -33,81 +33,16 @@ there between restarts; the rest is removed when the launcher says `bye`.
 """
 from __future__ import annotations
 
-import base64
-import json
 import os
-import re
 import shutil
 import socket
-import struct
 import sys
 import threading
 import time
 from pathlib import Path
 
-MAX_FRAME = 1 << 30            # a frame over 1 GiB is refused (a --push that large belongs on shared storage)
-HEARTBEAT_EVERY = 1.0          # seconds between pings, both ways
-HEARTBEAT_TIMEOUT = 15.0       # no frame for this long: the other side is gone
-METRICS_FILE = re.compile(r"^(rank-\d+|system-node-\d+)\.jsonl$")
-
-
-class ChannelClosed(EOFError):
-    """The other end of the channel went away."""
-
-
-def encode(message: dict) -> bytes:
-    body = json.dumps(message, separators=(",", ":")).encode()
-    return struct.pack(">I", len(body)) + body
-
-
-def read_exact(stream, n: int) -> bytes:
-    chunks, got = [], 0
-    while got < n:
-        chunk = stream.read(n - got)
-        if not chunk:
-            raise ChannelClosed("the channel closed")
-        chunks.append(chunk)
-        got += len(chunk)
-    return b"".join(chunks)
-
-
-def read_body(stream) -> bytes:
-    """The next frame's JSON bytes from a binary stream; ChannelClosed at its end."""
-    (size,) = struct.unpack(">I", read_exact(stream, 4))
-    if size > MAX_FRAME:
-        raise ValueError(f"a frame of {size} bytes is over the {MAX_FRAME}-byte limit")
-    return read_exact(stream, size)
-
-
-def parse(body: bytes) -> dict:
-    """A frame's JSON bytes as a message; ValueError on garbage."""
-    message = json.loads(body)
-    if not isinstance(message, dict) or not isinstance(message.get("type"), str):
-        raise ValueError("a frame is not an object with a type")
-    return message
-
-
-def decode(stream) -> dict:
-    """The next frame from a binary stream; ChannelClosed at its end, ValueError on garbage."""
-    return parse(read_body(stream))
-
-
-def b64(data: bytes | None) -> str | None:
-    return None if data is None else base64.b64encode(data).decode()
-
-
-def unb64(text: str | None) -> bytes | None:
-    return None if text is None else base64.b64decode(text)
-
-
-def version() -> str:
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as dist_version
-
-    try:
-        return dist_version("sdp_jupyter")
-    except PackageNotFoundError:
-        return "unknown"
+from sdp_jupyter.launch.channel import (HEARTBEAT_EVERY, HEARTBEAT_TIMEOUT, METRICS_FILE, ChannelClosed, b64, decode,
+                                        encode, unb64, version)
 
 
 def connection_address() -> str:
@@ -166,7 +101,7 @@ class Agent:
                 if kind == "start":
                     self._start(message)
                 elif kind == "port":
-                    from sdp_jupyter.launch.host.ranks import free_port
+                    from sdp_jupyter.launch.process import free_port
 
                     self.send({"type": "port", "port": free_port(self.addr)})
                 elif kind == "stop":
@@ -346,7 +281,7 @@ class Agent:
 def main() -> int:
     import signal
 
-    from sdp_jupyter.launch.rank.worker import arm_parent_death_signal
+    from sdp_jupyter.launch.process import arm_parent_death_signal
 
     os.environ.pop("SDP_LAUNCHER_PID", None)
     arm_parent_death_signal(signal.SIGTERM)  # the ssh session's shell or sshd went away: so do we

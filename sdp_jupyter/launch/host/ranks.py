@@ -11,14 +11,13 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from sdp_jupyter import jobdir
-from sdp_jupyter.launch.host.pythonpath import COMPAT_DIR, PACKAGE_PARENT, smdistributed_installed
+from sdp_jupyter.launch.process import rank_pythonpath
 
 WORKER = [sys.executable, "-u", "-m", "sdp_jupyter.launch.rank.worker"]
 
@@ -41,12 +40,6 @@ def gpu_count() -> int:
     if visible is not None:
         n = min(n, len([v for v in visible.split(",") if v.strip()]))
     return n
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def describe_exit(code: int) -> str:
@@ -126,14 +119,9 @@ def environment(spec, *, rank: int, world_size: int, job_dir: str, job_name: str
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, ranks_here))))
     env.update(spec.env)
     env.update(spec.parallel_env())  # SDP_TP, SDP_PP, ...: only for a job with hybrid-parallel options
-    paths = [PACKAGE_PARENT]
-    if not smdistributed_installed():
-        paths.insert(0, COMPAT_DIR)
-    if env.get("PYTHONPATH"):
-        paths.append(env["PYTHONPATH"])
     hosts = [f"algo-{i + 1}" for i in range(spec.nodes)]
     env.update({
-        "PYTHONPATH": os.pathsep.join(paths),
+        "PYTHONPATH": rank_pythonpath(env.get("PYTHONPATH")),
         "PYTHONUNBUFFERED": "1",
         "RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(world_size),
         "LOCAL_WORLD_SIZE": str(ppn), "GROUP_RANK": str(node), "NODE_RANK": str(node),
@@ -193,7 +181,7 @@ def start_sampler(job_dir: str | os.PathLike, node: int) -> subprocess.Popen | N
     if importlib.util.find_spec("sdp_jupyter.monitor.sampler") is None:
         return None
     env = dict(os.environ, SDP_LAUNCHER_PID=str(os.getpid()),
-               PYTHONPATH=os.pathsep.join(filter(None, [PACKAGE_PARENT, os.environ.get("PYTHONPATH")])))
+               PYTHONPATH=rank_pythonpath(os.environ.get("PYTHONPATH"), compat=False))
     with jobdir.open_private(Path(job_dir) / jobdir.LOGS / f"sampler-node-{node}.log") as log:
         return subprocess.Popen(
             [sys.executable, "-m", "sdp_jupyter.launch.rank.worker", "--module", "sdp_jupyter.monitor.sampler",

@@ -14,19 +14,16 @@ starts that rank cold), never runs job code itself, dies with its owner (parent-
 owning thread, and EOF on its stdin when the owner closes it) and is replaced when the installed
 code changes (fingerprint of sdp_jupyter's files and the torch version).
 
-Client:  handle_or_reason = start_rank(argv, env, cwd)   # a Popen-like WarmProcess, or a str reason
 Server:  python -m sdp_jupyter.launch.host.warm --socket PATH|auto [--preload numpy,sklearn]
+Client:  handle_or_reason = fork_rank(socket_path, argv, env, cwd)   # a Popen-like WarmProcess, or a str reason
+The kernel's side (which pools it holds, when a job starts warm): launch/kernel/warm_pool.py.
 
-On another host (the SSH target) the kernel holds one pool per host through a channel process (an ssh
-client running the server with `--socket auto`; the ready line says where the socket is), and that
-host's agent forks the job's ranks from it with `fork_rank(..., owned=True)`: a rank whose client
-(the agent) goes away is killed, so a dead agent leaves no rank behind. `held_pool(key, opener)` keeps
-those pools, one per key, for as long as this process lives.
+On another host (the SSH and Ray targets) that host's agent forks the job's ranks from the pool with
+`fork_rank(..., owned=True)`: a rank whose client (the agent) goes away is killed, so a dead agent
+leaves no rank behind.
 """
 from __future__ import annotations
 
-import atexit
-import ctypes
 import hashlib
 import io
 import json
@@ -41,11 +38,12 @@ import threading
 import time
 from pathlib import Path
 
+from sdp_jupyter.launch import process
+
 # torch._dynamo: an optimizer's first step() imports it (about 800 modules, sympy among them: 1.4 s per
 # rank here), so a warm rank running the quickstart would pay it; importing it starts no thread.
 BASE_MODULES = ("torch", "torch.optim", "torch.distributed", "torch.nn.parallel", "torch._dynamo",
                 "sdp_jupyter.torch")
-PR_SET_PDEATHSIG = 1
 MAX_REQUEST = 4 << 20
 READY_TIMEOUT = 120.0
 
@@ -69,13 +67,6 @@ def fingerprint() -> str:
         h.update(b"no torch")
     h.update(sys.executable.encode())
     return h.hexdigest()[:16]
-
-
-def _prctl_pdeathsig(sig: int = signal.SIGKILL) -> None:
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
 
 
 # ---------------------------------------------------------------------------------------- server
@@ -125,9 +116,8 @@ def _child(req: dict, fds: list, server_pid: int, closing: list) -> None:
             except OSError:
                 pass
         os.setsid()
-        _prctl_pdeathsig(signal.SIGKILL)
-        if os.getppid() != server_pid:
-            os._exit(1)
+        process.expect_parent(server_pid)  # the worker's own arming checks against the pool server
+        process.arm_parent_death_signal(signal.SIGKILL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -166,12 +156,6 @@ def _child(req: dict, fds: list, server_pid: int, closing: list) -> None:
         if module == "sdp_jupyter.launch.rank.worker":
             from sdp_jupyter.launch.rank import worker
 
-            def arm(sig: int = signal.SIGKILL) -> None:  # armed above, against the pool server
-                _prctl_pdeathsig(sig)
-                if os.getppid() != server_pid:
-                    os._exit(1)
-
-            worker.arm_parent_death_signal = arm
             sys.argv = [worker.__file__] + args
             worker.fast_exit(worker.main())
         import runpy
@@ -208,7 +192,7 @@ def serve(sock_path: str, preload: list[str]) -> int:
     if sock_path == "auto":
         made_dir = tempfile.mkdtemp(prefix="sdp-warm-")
         sock_path = os.path.join(made_dir, "pool.sock")
-    _prctl_pdeathsig(signal.SIGKILL)
+    process.arm_parent_death_signal(signal.SIGKILL, parent=0)
     if owner and os.getppid() != int(owner):
         return 1
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the kernel's Ctrl-C is not ours
@@ -372,7 +356,7 @@ class WarmProcess:
         self.send_signal(signal.SIGKILL)
 
 
-def _module_argv(argv: list):
+def module_argv(argv: list):
     """(interpreter flags, ["-m", MODULE, ARGS...]) of `python [-u] -m MODULE ARGS...` run by this
     interpreter, or why argv cannot start warm."""
     flags, rest = [], list(argv[1:])
@@ -387,7 +371,7 @@ def fork_rank(path: str, argv: list, env: dict, cwd: str | None = None, owned: b
     """Ask the pool server at socket `path` to run argv (`python [-u] -m MODULE ARGS...`): a
     WarmProcess, or a one-line reason why the rank must start cold. `owned`: the server kills the
     rank when this process's handle goes away (an agent that dies takes its ranks with it)."""
-    parsed = _module_argv(argv)
+    parsed = module_argv(argv)
     if isinstance(parsed, str):
         return parsed
     flags, rest = parsed
@@ -412,212 +396,6 @@ def fork_rank(path: str, argv: list, env: dict, cwd: str | None = None, owned: b
         os.close(r)
         return reply.get("cold", "the pool server refused")
     return WarmProcess(conn, reply["pid"], list(argv), os.fdopen(r, "rb"))
-
-
-class Pool:
-    """One pool server: this host's (the local target), or, with `opener`, another host's, reached
-    through a channel process that `opener(server_args)` starts (an ssh client) and whose stdin we hold.
-    Started by a thread that lives as long as the server, so its parent-death signal fires when this
-    process dies, not when a job ends."""
-
-    def __init__(self, preload: list[str] | None = None, opener=None):
-        self.preload = sorted(set(preload or []))
-        self.opener = opener
-        self.dir = None if opener else tempfile.mkdtemp(prefix="sdp-warm-")  # 0700
-        self.path = "" if opener else os.path.join(self.dir, "pool.sock")  # another host's: from its ready line
-        self.info: dict = {}
-        self.proc: subprocess.Popen | None = None
-        self._ready = threading.Event()
-        self._error: str | None = None
-        self._owner = threading.Thread(target=self._own, name="sdp-warm-pool", daemon=True)
-        self._owner.start()
-
-    def _own(self) -> None:
-        from sdp_jupyter.launch.host.pythonpath import COMPAT_DIR, PACKAGE_PARENT, smdistributed_installed
-
-        # the rank's own PYTHONPATH, as LocalRun.environment makes it
-        paths = ([] if smdistributed_installed() else [COMPAT_DIR]) + [PACKAGE_PARENT] \
-            + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths), SDP_WARM_OWNER=str(os.getpid()),
-                   OPENBLAS_NUM_THREADS="1")  # OpenBLAS would start its thread pool at import
-        try:
-            if self.opener is not None:
-                self.proc = self.opener(["--socket", "auto", "--preload", ",".join(self.preload)])
-            else:
-                self.proc = subprocess.Popen(
-                    [sys.executable, "-m", "sdp_jupyter.launch.host.warm", "--socket", self.path,
-                     "--preload", ",".join(self.preload)],
-                    env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                    start_new_session=True, close_fds=True)
-            line = self.proc.stdout.readline()
-            while line and not line.startswith(b"{"):  # a login shell's greeting on another host
-                line = self.proc.stdout.readline()
-            self.info = json.loads(line) if line else {}
-            if self.opener is not None:
-                self.path = self.info.get("socket", "")
-            if not self.info.get("ready"):
-                self._error = f"the pool server exited ({self.proc.wait()}) before it was ready"
-        except Exception as e:
-            self._error = f"the pool server could not start: {type(e).__name__}: {e}"
-        self._ready.set()
-        if self.proc is not None and self.opener is None:  # a channel process is not ours to wait on
-            self.proc.wait()
-
-    def ready(self, timeout: float = READY_TIMEOUT) -> str | None:
-        """Wait for the server; None when it can fork ranks, else why not (one line)."""
-        if not self._ready.wait(timeout):
-            return "the pool server is still starting"
-        if self._error:
-            return self._error
-        if self.proc.poll() is not None:
-            return f"the pool server exited ({self.proc.returncode})"
-        return self.info.get("unsafe")
-
-    def alive(self) -> bool:
-        return self._ready.is_set() and self.proc is not None and self.proc.poll() is None
-
-    def start(self, argv: list, env: dict, cwd: str | None = None):
-        """A WarmProcess running argv (`python [-u] -m MODULE ARGS...`), or a one-line reason for a cold start."""
-        parsed = _module_argv(argv)
-        if isinstance(parsed, str):
-            return parsed
-        return self.ready() or fork_rank(self.path, argv, env, cwd)
-
-    def started(self) -> bool:
-        """The server is ready, or failed to be: ready() answers at once."""
-        return self._ready.is_set()
-
-    def address(self, timeout: float = READY_TIMEOUT) -> tuple[dict | None, str | None]:
-        """For an agent on the pool's host: ({"socket", "fingerprint"}, None) once the server is
-        ready (waiting up to `timeout`), else (None, why it is not usable)."""
-        reason = self.ready(timeout)
-        if reason:
-            return None, reason
-        return {"socket": self.path, "fingerprint": self.info.get("fingerprint")}, None
-
-    def close(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            try:
-                self.proc.stdin.close()  # EOF: the server stops
-                self.proc.wait(timeout=3)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait()
-        if self.dir is None:  # another host's: its server removes its own socket
-            return
-        for p in (self.path, self.dir):
-            try:
-                (os.unlink if p == self.path else os.rmdir)(p)
-            except OSError:
-                pass
-
-
-_POOL: Pool | None = None
-_POOL_LOCK = threading.Lock()
-_PRELOAD: set[str] = set()
-_HELD: dict = {}  # key (target, host, ...) -> another host's Pool, held by this process
-
-
-def warm_up(preload: list[str] | tuple = ()) -> Pool:
-    """Start (or reuse) this process's pool, replacing it if the code changed or new modules are named."""
-    global _POOL
-    with _POOL_LOCK:
-        _PRELOAD.update(m for m in preload if m)
-        pool = _POOL
-        if pool is not None and pool.alive() and pool.info.get("fingerprint") != fingerprint():
-            pool.close()
-            pool = None
-        if pool is not None and (not set(_PRELOAD) <= set(pool.preload)
-                                 or (pool.started() and not pool.alive())):
-            pool.close()
-            pool = None
-        if pool is None:
-            pool = _POOL = Pool(sorted(_PRELOAD))
-        return pool
-
-
-def held_pool(key: tuple, opener, preload: list[str] | tuple = ()) -> Pool:
-    """Start (or reuse) the pool of another host, one per `key`; replaced when it died or when new
-    modules are named (its code is checked by the agent there: see discard)."""
-    with _POOL_LOCK:
-        _PRELOAD.update(m for m in preload if m)
-        pool = _HELD.get(key)
-        if pool is not None and (not set(_PRELOAD) <= set(pool.preload)
-                                 or (pool.started() and not pool.alive())):
-            pool.close()
-            pool = None
-        if pool is None:
-            pool = _HELD[key] = Pool(sorted(_PRELOAD), opener=opener)
-        return pool
-
-
-def discard(key: tuple) -> None:
-    """Close another host's pool (its agent found the installed code changed): the next job starts a new one."""
-    with _POOL_LOCK:
-        pool = _HELD.pop(key, None)
-    if pool is not None:
-        pool.close()
-
-
-def _env_choice() -> bool | None:
-    """SDP_WARM=1 / 0 when set (it overrides the default, not an explicit --warm/--cold), else None."""
-    if not os.environ.get("SDP_WARM", "").strip():
-        return None
-    from sdp_jupyter._env import env_bool
-
-    return env_bool("SDP_WARM", False)
-
-
-def wanted(choice: bool | None, key: tuple | None = None) -> bool:
-    """Start this job's ranks warm? True/False as asked (--warm/--cold, LocalLauncher(warm=...));
-    else SDP_WARM=1/0; else warm when this process has a pool: one started after an earlier job of
-    this kernel (job_done), or asked for with %sdp_warm / warm_up(). So a kernel's first job is cold,
-    and outside a kernel jobs are cold unless asked. `key`: another host's pool (held_pool) instead
-    of this host's."""
-    if choice is not None:
-        return choice
-    env = _env_choice()
-    return env if env is not None else (_POOL is not None if key is None else key in _HELD)
-
-
-def _in_kernel() -> bool:
-    """True inside a Jupyter kernel (not a terminal IPython, not a plain script)."""
-    ipython = sys.modules.get("IPython")
-    shell = ipython is not None and getattr(ipython, "get_ipython", lambda: None)()
-    return bool(shell) and getattr(shell, "kernel", None) is not None
-
-
-def job_done(choice: bool | None, preload: list[str] | tuple = (), start=None) -> None:
-    """After a job: start the pool for the next one (after, not during: the first job keeps the CPUs).
-    In a Jupyter kernel that is the default (the kernel's next job starts warm); elsewhere only when
-    asked (--warm, SDP_WARM=1). Never after --cold or with SDP_WARM=0. `start(preload)`: what starts
-    the pool(s) (another target's hosts'), this host's by default."""
-    if choice is False:
-        return
-    env = _env_choice()
-    if choice or env or (env is None and _in_kernel()):
-        try:
-            (start or warm_up)(preload)
-        except Exception:  # e.g. no temporary directory: the next job starts cold, with the reason
-            pass
-
-
-def start_rank(argv: list, env: dict, cwd: str | None = None, preload: list[str] | tuple = ()):
-    """The launcher's hook: a WarmProcess (Popen-like: pid, poll, wait, send_signal, stdout with
-    stderr merged), or a one-line reason why this rank must start cold."""
-    return warm_up(preload).start(argv, env, cwd)
-
-
-@atexit.register
-def shutdown() -> None:
-    global _POOL
-    with _POOL_LOCK:
-        pools = [_POOL] + list(_HELD.values())
-        _POOL = None
-        _HELD.clear()
-    for pool in pools:
-        if pool is not None:
-            pool.close()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,14 +19,15 @@ import time
 from pathlib import Path
 
 from sdp_jupyter import jobdir
-from sdp_jupyter.launch.rank import backend_check
+from sdp_jupyter.launch.kernel import backend_verdict
 from sdp_jupyter.launch.host import ranks
 from sdp_jupyter.launch.kernel import supervise
-from sdp_jupyter.launch.host import warm
+from sdp_jupyter.launch.kernel import warm_pool
 from sdp_jupyter.launch.kernel.job import Job
 from sdp_jupyter.launch.kernel.push import pickle_push
 from sdp_jupyter.launch.spec import JobSpec, SpecError
-from sdp_jupyter.launch.host.ranks import free_port, gpu_count  # noqa: F401  (re-exported)
+from sdp_jupyter.launch.host.ranks import gpu_count
+from sdp_jupyter.launch.process import free_port
 
 
 class LocalLauncher:
@@ -38,7 +39,7 @@ class LocalLauncher:
         self.warm = warm  # True/False: every job warm/cold (launch/host/warm.py); None: each spec's --warm/--cold/auto
 
     def start_choice(self, spec: JobSpec) -> bool | None:
-        """Warm (True), cold (False) or the default (None: warm.wanted decides) for this job's ranks:
+        """Warm (True), cold (False) or the default (None: warm_pool.wanted decides) for this job's ranks:
         the constructor's `warm=` when given, else the spec's --warm / --cold."""
         if self.warm is not None:
             return self.warm
@@ -120,9 +121,9 @@ class LocalRun(supervise.Run):
             for t in self._readers:
                 t.join(timeout=2)
             supervise.unregister(self)
-            warm.job_done(self.warm_choice, self.spec.preload)
+            warm_pool.job_done(self.warm_choice, self.spec.preload)
             job.update_status(state=state, error=error, exit_codes=codes, ended=time.time(),
-                              **backend_check.verdict(job.dir, spec.backend, self.world_size, state))
+                              **backend_verdict.verdict(job.dir, spec.backend, self.world_size, state))
 
     def _attempt(self, attempt: int, started: float) -> tuple[str, str | None, list]:
         port = free_port()
@@ -167,8 +168,8 @@ class LocalRun(supervise.Run):
 
     def _spawn(self, argv: list, env: dict):
         """A rank's process: forked by the warm pool (launch/host/warm.py) or started cold; same contract."""
-        if warm.wanted(self.warm_choice):
-            proc = warm.start_rank(argv, env, preload=self.spec.preload)
+        if warm_pool.wanted(self.warm_choice):
+            proc = warm_pool.start_rank(argv, env, preload=self.spec.preload)
             if not isinstance(proc, str):
                 if self.job.status.get("start") is None:
                     self.job.update_status(start="warm")

@@ -24,7 +24,7 @@ import sys
 import threading
 from pathlib import Path
 
-from sdp_jupyter.launch.host import agent as channel
+from sdp_jupyter.launch import channel
 from sdp_jupyter import jobdir
 from sdp_jupyter.launch.kernel import remote
 from sdp_jupyter.launch.kernel.job import Job
@@ -195,7 +195,7 @@ class PoolActor:
 
 
 class PoolChannel:
-    """What warm.Pool uses of its channel process (stdout.readline, stdin.close, poll, wait, kill),
+    """What warm_pool.Pool uses of its channel process (stdout.readline, stdin.close, poll, wait, kill),
     for a PoolActor: the pool of a Ray node, held by this process."""
 
     def __init__(self, actor):
@@ -384,7 +384,7 @@ class RayRun(remote.RemoteRun):
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        from sdp_jupyter.launch.host import warm
+        from sdp_jupyter.launch.kernel import warm_pool
 
         node_id = self.node_ids[node]
 
@@ -394,7 +394,7 @@ class RayRun(remote.RemoteRun):
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(server_args)
             return PoolChannel(actor)
 
-        return warm.held_pool(self.pool_key(node), opener, preload)
+        return warm_pool.held_pool(self.pool_key(node), opener, preload)
 
     def close_all(self) -> None:
         super().close_all()

@@ -17,9 +17,9 @@ import sys
 import threading
 import time
 
-from sdp_jupyter.launch.host import agent as channel
+from sdp_jupyter.launch import channel
 from sdp_jupyter import jobdir
-from sdp_jupyter.launch.rank import backend_check
+from sdp_jupyter.launch.kernel import backend_verdict
 from sdp_jupyter.launch.host import ranks
 from sdp_jupyter.launch.kernel import supervise
 from sdp_jupyter.launch.kernel.job import Job
@@ -94,7 +94,7 @@ class RemoteRun(supervise.Run):
 
     option = "--nodes"
     python = sys.executable  # the interpreter named in "not installed" errors
-    warm_after_job = True    # start the hosts' warm pools after a job, for the next (warm.job_done)
+    warm_after_job = True    # start the hosts' warm pools after a job, for the next (warm_pool.job_done)
 
     def __init__(self, spec: JobSpec, hosts: list[str], launcher):
         self.spec, self.hosts, self.launcher = spec, hosts, launcher
@@ -182,16 +182,16 @@ class RemoteRun(supervise.Run):
     def _warm_fields(self) -> dict[int, dict]:
         """Per node, the start frame's warm fields: its host's pool's address, or why its ranks start
         cold. Pools that are still starting (a --warm job, or new --preload modules) start at once on
-        every host and are waited for together, up to warm.READY_TIMEOUT, while _keep_alive pings the agents
+        every host and are waited for together, up to warm_pool.READY_TIMEOUT, while _keep_alive pings the agents
         (an agent that hears nothing for its heartbeat timeout stops)."""
-        from sdp_jupyter.launch.host import warm
+        from sdp_jupyter.launch.kernel import warm_pool
 
         pools = {}
         for conn in self.conns:
             key = self.pool_key(conn.node)
-            if key is not None and warm.wanted(self.warm_choice, key):
+            if key is not None and warm_pool.wanted(self.warm_choice, key):
                 pools[conn.node] = self.warm_pool(conn.node, self.spec.preload)  # starts in the background
-        deadline = time.monotonic() + warm.READY_TIMEOUT
+        deadline = time.monotonic() + warm_pool.READY_TIMEOUT
         for pool in pools.values():
             while not pool.started() and time.monotonic() < deadline and not self._stop.is_set():
                 pool.ready(timeout=channel.HEARTBEAT_EVERY)
@@ -203,12 +203,12 @@ class RemoteRun(supervise.Run):
 
     def _started(self, node: int, message: dict) -> None:
         """A node said how its ranks started: the job is warm when every node's were (as locally)."""
-        from sdp_jupyter.launch.host import warm
+        from sdp_jupyter.launch.kernel import warm_pool
 
         self._starts[node] = (bool(message.get("warm")), message.get("reason"))
         reason = message.get("reason") or ""
         if reason.startswith("the installed code changed"):
-            warm.discard(self.pool_key(node))  # the next job starts a new pool there
+            warm_pool.discard(self.pool_key(node))  # the next job starts a new pool there
         if len(self._starts) < len(self.conns) or self.job.status.get("start"):
             return
         cold = [(n, why) for n, (is_warm, why) in sorted(self._starts.items()) if not is_warm]
@@ -260,11 +260,11 @@ class RemoteRun(supervise.Run):
             self._write_agent_logs()
             supervise.unregister(self)
             if self.warm_after_job and self.pool_key(0) is not None:
-                from sdp_jupyter.launch.host import warm
+                from sdp_jupyter.launch.kernel import warm_pool
 
-                warm.job_done(self.warm_choice, spec.preload, start=self._warm_next)
+                warm_pool.job_done(self.warm_choice, spec.preload, start=self._warm_next)
             job.update_status(state=state, error=error, exit_codes=codes, ended=time.time(),
-                              **backend_check.verdict(job.dir, spec.backend, spec.nodes * spec.procs_per_node,
+                              **backend_verdict.verdict(job.dir, spec.backend, spec.nodes * spec.procs_per_node,
                                                         state))
 
     def _attempt(self, attempt: int) -> tuple[str, str | None, list]:

@@ -15,7 +15,6 @@ launcher's heartbeats stop. See docs/ssh.md.
 """
 from __future__ import annotations
 
-import ctypes
 import queue
 import re
 import shlex
@@ -25,7 +24,8 @@ import sys
 import threading
 from pathlib import Path
 
-from sdp_jupyter.launch.host import agent as channel
+from sdp_jupyter.launch import channel
+from sdp_jupyter.launch import process
 from sdp_jupyter import jobdir
 from sdp_jupyter.launch.kernel import remote
 from sdp_jupyter.launch.kernel.job import Job
@@ -126,10 +126,7 @@ def ssh_command(host: str, spec: JobSpec, server: list[str] | None = None) -> li
 
 def _die_with_parent() -> None:
     """In the ssh child: SIGTERM when the thread that started it ends (the notebook died)."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
+    process.arm_parent_death_signal(signal.SIGTERM, parent=0)
 
 
 _KEEPER: queue.Queue | None = None
@@ -258,10 +255,10 @@ class SSHRun(remote.RemoteRun):
         return ("ssh", self.hosts[node], self.python, options.get("config") or "")
 
     def warm_pool(self, node: int, preload: list[str] | tuple = ()):
-        from sdp_jupyter.launch.host import warm
+        from sdp_jupyter.launch.kernel import warm_pool
 
         host, spec = self.hosts[node], self.spec
-        return warm.held_pool(self.pool_key(node), lambda args: _start_ssh(ssh_command(host, spec, args)), preload)
+        return warm_pool.held_pool(self.pool_key(node), lambda args: _start_ssh(ssh_command(host, spec, args)), preload)
 
 
 class SSHLauncher:

@@ -15,8 +15,8 @@ Worker side (`prepare`, called by the worker before the script):
   runs. A later `init_process_group` of the script then returns at once with a one-line note when
   it asks for that backend or none; asking for another backend raises ValueError naming the option.
 
-Launcher side: `verdict(job_dir, asked, world_size)` reads those lines when the job ends and gives the
-status fields `backend_used`, `collectives` and `warnings`.
+Launcher side (launch/kernel/backend_verdict.py): `verdict(job_dir, asked, world_size)` reads those
+lines when the job ends and gives the status fields `backend_used`, `collectives` and `warnings`.
 
 Torch is never imported here for a job that does not import it: when the worker starts before torch
 is loaded, the watch is installed by an import hook that fires when torch.distributed loads.
@@ -243,72 +243,4 @@ def report() -> None:
         print(f"[sdp_jupyter] could not record this rank's backend: {e!r}", file=sys.stderr)
 
 
-# --------------------------------------------------------------------------------------------- launcher side
-def read_records(job_dir) -> dict[int, dict]:
-    """Each rank's last "backend" record of the last attempt, from metrics/rank-*.jsonl."""
-    import json
-    from pathlib import Path
-
-    from sdp_jupyter import jobdir
-
-    found: list[dict] = []
-    for path in sorted((Path(job_dir) / jobdir.METRICS).glob("rank-*.jsonl")):
-        try:
-            with open(path, "rb") as f:
-                for line in f:
-                    if b'"kind":"backend"' not in line:
-                        continue
-                    try:
-                        row = json.loads(line)
-                    except ValueError:
-                        continue
-                    if isinstance(row, dict) and row.get("kind") == KIND and isinstance(row.get("rank"), int):
-                        found.append(row)
-        except OSError:
-            continue
-    if not found:
-        return {}
-    last = max(int(r.get("attempt") or 0) for r in found)
-    return {r["rank"]: r for r in found if int(r.get("attempt") or 0) == last}
-
-
-def verdict(job_dir, asked: str, world_size: int, state: str = "succeeded") -> dict:
-    """Status fields for a job that has ended in `state`: `backend_used` (the default group's backend
-    the ranks made; None when none made one), `collectives` (the fewest any rank ran after set-up;
-    None when not counted) and `warnings`. Empty when no rank reported (a SageMaker job, ranks killed).
-    Only a job that succeeded is said to have trained independently (a failed one has its error)."""
-    try:
-        records = read_records(job_dir)
-    except Exception:  # noqa: BLE001
-        return {}
-    if not records:
-        return {}
-    used = sorted({str(r["backend"]) for r in records.values() if r.get("backend")})
-    counts = [r.get("collectives") for r in records.values()]
-    complete = len(records) >= world_size
-    known = complete and all(isinstance(c, int) for c in counts)
-    warnings = []
-    other = [b for b in used if b != asked]
-    if other:
-        warnings.append(
-            f"the ranks created a {' and a '.join(other)} process group, not {asked} as asked (--backend {asked}): "
-            f"the script or a library it calls (Hugging Face Trainer, accelerate) chose the backend itself. "
-            f"Fix: {OPTION} (the launcher makes the default group with --backend before the script), or "
-            f"init_process_group(os.environ['SDP_BACKEND']) in the script, or --backend {other[0]}")
-    if state == "succeeded" and world_size > 1 and known and all(c == 0 for c in counts):
-        if used or any(r.get("engine") for r in records.values()):
-            groups = " and ".join(f"a {b}" for b in used) or "an engine"
-            what = (f"the {world_size} ranks created {groups} group but never ran a collective on it after "
-                    f"set-up, so nothing was averaged. Trainer and accelerate on CPU use the group only with "
-                    f"use_cpu=True / Accelerator(cpu=True) (docs/integrations.md)")
-        else:
-            what = (f"none of the {world_size} ranks created a process group or ran a collective. Fix: "
-                    f"init_process_group in the script, or {OPTION}; Trainer and accelerate on CPU also need "
-                    f"use_cpu=True / Accelerator(cpu=True) (docs/integrations.md)")
-        warnings.append(f"the ranks trained independently: {what}")
-    return {"backend_used": ", ".join(used) if used else None,
-            "collectives": min(counts) if known else None,
-            "warnings": warnings}
-
-
-__all__ = ["prepare", "init_default_group", "summary", "report", "read_records", "verdict", "KIND", "OPTION"]
+__all__ = ["prepare", "init_default_group", "summary", "report", "KIND", "OPTION"]

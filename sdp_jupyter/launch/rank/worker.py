@@ -11,30 +11,16 @@ Everything it needs comes from the environment set by the launcher and from spec
 """
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import signal
 import sys
 import traceback
 
+from sdp_jupyter.launch.process import arm_parent_death_signal
+
 from sdp_jupyter.launch.rank.bootstrap import (arm_crash_report, finish_distributed, load_push, run_script, save_result,
                                           user_frames, watch_backend)
-
-PR_SET_PDEATHSIG = 1
-
-
-def arm_parent_death_signal(sig: int = signal.SIGKILL) -> None:
-    """Linux: get `sig` when the launching thread's process goes away; exit if it already has."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
-    except (OSError, AttributeError):  # not Linux: the atexit hook in the launcher still applies
-        pass
-    launcher = os.environ.get("SDP_LAUNCHER_PID")
-    if launcher and os.getppid() != int(launcher):
-        os._exit(1)  # the launcher died between fork and prctl
-
 
 def script_arguments(spec: dict) -> list[str]:
     """The script's argv[1:]: --args, then each hyperparameter as --KEY VALUE (SageMaker's convention)."""

@@ -26,11 +26,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import threading
 import time
 from dataclasses import dataclass
 from typing import ClassVar
+
+from sdp_jupyter.launch.process import free_port
 
 ACCOUNT = "123456789012"
 REGION = "us-west-2"
@@ -38,12 +39,6 @@ ROLE = f"arn:aws:iam::{ACCOUNT}:role/SageMakerTestRole"
 BUCKET = "sdp-test-bucket"
 LOG_GROUP = "/aws/sagemaker/TrainingJobs"
 METRIC_NAMESPACE = "/aws/sagemaker/TrainingJobs"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _telemetry_opt_out_file(directory: str) -> str:
