@@ -5,7 +5,7 @@
 Each figure is wall time from LocalLauncher.start() to the result (the trained weights) back in this
 process, as `%%sdp_train ... --result weights --wait` measures it. "cold": every rank a fresh
 interpreter (`python -m sdp_jupyter.launch.rank.worker`). "warm": ranks forked by the warm pool
-(sdp_jupyter/launch/warm.py), whose own start-up is printed once and is not part of a warm figure
+(sdp_jupyter/launch/host/warm.py), whose own start-up is printed once and is not part of a warm figure
 (a kernel pays it once, after its first job). ipyparallel's 2-engine start-to-result (cluster start,
 engines import torch, one result back; then a second call on the running engines) is printed in the
 same run for reference when ipyparallel is installed. Not a test: nothing is asserted.

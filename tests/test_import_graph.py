@@ -1,13 +1,17 @@
-"""The import graph of sdp_jupyter (issue 12, DESIGN.md): no cycles, and no module imports another
-module's _private name.
+"""The import graph of sdp_jupyter (docs/architecture.md): no cycles, no module imports another
+module's _private name, and the launch package's process boundaries hold (a rank never imports the
+kernel's code, the host agent neither, the kernel never imports torch).
 
 Every import is an edge, at module level or inside a function (a function-level import is a
-dependency too, only a later one), except the one back-edge DESIGN allows: a model's lazy
+dependency too, only a later one), and so is a string naming one of our modules ("pkg.mod" or the
+registries' "pkg.mod:attribute", importlib.import_module("...")): a registry imports what it names,
+only later; except the one back-edge DESIGN allows: a model's lazy
 view()/dashboard() import of its widget (dask's _widget idiom), listed in LAZY_VIEWS. The allow-lists below are empty; the test also fails when an allow-listed item
 disappears, so the lists cannot go stale."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parent.parent / "sdp_jupyter"
@@ -24,6 +28,7 @@ KNOWN_PRIVATE: set[str] = set()
 # The allowed lazy back-edges (DESIGN.md): module -> functions whose imports are not edges.
 LAZY_VIEWS: dict[str, tuple[str, ...]] = {
     "sdp_jupyter.launch.kernel.job": ("view", "dashboard"),
+    "sdp_jupyter.launch.kernel.sagemaker.job": ("view",),
     "sdp_jupyter.jobsetup": ("view",),
 }
 
@@ -51,6 +56,17 @@ def _imports(tree, module: str):
     yield from walk(tree, module)
 
 
+REGISTRY = re.compile(r"^sdp_jupyter(\.[a-z_0-9]+)+(:[A-Za-z_][A-Za-z_0-9]*)?$")
+
+
+def where_of(tree, target) -> str:
+    """The top-level function a node sits in ("" at module level): a lazy view's string is lazy too."""
+    for fn in tree.body:
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(n is target for n in ast.walk(fn)):
+            return fn.name
+    return ""
+
+
 def module_name(path: Path) -> str:
     rel = path.relative_to(PKG.parent).with_suffix("")
     parts = list(rel.parts)
@@ -71,7 +87,8 @@ def resolve(importer: str, is_pkg: bool, node: ast.ImportFrom) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
-def graph():
+def graph(strings: bool = True):
+    """(edges, private names read); `strings`: a string naming one of our modules is an edge too."""
     mods = modules()
     edges: dict[str, set[str]] = {m: set() for m in mods}
     private: set[str] = set()
@@ -112,6 +129,11 @@ def graph():
                         dep = ".".join(parts[:i])
                         if dep in mods and dep != m and not m.startswith(dep + "."):
                             edges[m].add(dep)
+        for node in ast.walk(tree) if strings else ():  # a registry's "sdp_jupyter.x.y[:attr]" is an import too
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and REGISTRY.match(node.value):
+                named = node.value.split(":")[0]
+                if named in mods and named != m and (f"{m}.{where_of(tree, node)}" not in lazy_ok):
+                    edges[m].add(named)
         for node in ast.walk(tree):  # module._name through an alias of another sdp_jupyter module
             if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
                     and node.attr.startswith("_") and not node.attr.startswith("__") and aliases[node.value.id] != m
@@ -185,3 +207,48 @@ def test_public_surface_as_the_notebooks_use_it():
             "assert 'torch' not in sys.modules\n")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
+
+
+# The launch package's rooms (docs/architecture.md): which room may import which. The shared leaves
+# (launch.spec, launch.options, launch.parallel_options, launch.channel, launch.process) are open to all.
+KERNEL, HOST, RANK = "sdp_jupyter.launch.kernel", "sdp_jupyter.launch.host", "sdp_jupyter.launch.rank"
+FORBIDDEN = {RANK: (KERNEL,), HOST: (KERNEL,)}
+
+
+def _room(module: str) -> str | None:
+    return next((r for r in (KERNEL, HOST, RANK) if module == r or module.startswith(r + ".")), None)
+
+
+def test_process_boundaries_hold():
+    edges, _ = graph()
+    crossing = sorted(f"{m} -> {d}" for m, deps in edges.items() for d in deps
+                      if _room(m) in FORBIDDEN and _room(d) in FORBIDDEN[_room(m)])
+    assert not crossing, f"a rank or host module imports the kernel's code (move the shared part to a leaf): {crossing}"
+
+
+def test_the_kernel_never_imports_torch():
+    """The notebook's process stays torch-free: no module of launch.kernel imports torch, at any depth of
+    our own modules (a lazy view's import aside). Imports only: a string naming a module the warm
+    pool preloads, or a rank runs, is imported by that other process."""
+    edges, _ = graph(strings=False)
+    mods = modules()
+    torchy = set()
+    for m, path in mods.items():
+        tree = ast.parse(path.read_text())
+        for st, _where in _imports(tree, m):
+            names = [a.name for a in st.names] if isinstance(st, ast.Import) else [st.module or ""]
+            if any(n == "torch" or n.startswith("torch.") for n in names):
+                torchy.add(m)
+    reach, todo = set(), [m for m in edges if _room(m) == KERNEL]
+    while todo:
+        m = todo.pop()
+        if m in reach:
+            continue
+        reach.add(m)
+        todo += [d for d in edges[m] if not d.startswith(RANK)]  # ranks are other processes
+    assert not sorted(reach & torchy), f"kernel-side modules that import torch: {sorted(reach & torchy)}"
+
+
+def test_the_boundary_checks_can_fail():
+    assert _room("sdp_jupyter.launch.rank.worker") == RANK and _room("sdp_jupyter.launch.spec") is None
+    assert "sdp_jupyter.launch.kernel.sagemaker.submit" in graph()[0]["sdp_jupyter.launch.kernel.targets"]

@@ -172,7 +172,7 @@ def test_failure_raises_with_the_rank_and_the_cells_line_numbers(ip, capsys):
     assert message.startswith("job broken failed: rank 1 (node 1, local rank 0) exited with code 1")
     assert 'script.py", line 4' in message  # line 4 of the cell, counting the %%sdp_train line
     assert "ValueError: bad shard" in message
-    assert "sdp_jupyter/launch/worker.py" not in message  # the bootstrap's frames are not shown
+    assert "sdp_jupyter/launch/rank/worker.py" not in message  # the bootstrap's frames are not shown
     rendered = "\n".join(error._render_traceback_())
     assert rendered.startswith("JobError: job broken failed")
 

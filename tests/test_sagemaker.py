@@ -116,7 +116,7 @@ def test_smddp_job_request(aws, tmp_path):
     assert (source["entry_script"], source["requirements"]) == ("sdp_entry.py", "requirements.txt")
     code = s3_keys(aws, f"s3://{BUCKET}/mnist-smddp/{name}/input/code")
     assert {"script.py", "sdp_entry.py", "spec.json", "requirements.txt", "sdp_jupyter/__init__.py",
-            "sdp_jupyter/launch/worker.py", "sdp_jupyter/monitor/reporter.py",
+            "sdp_jupyter/launch/rank/worker.py", "sdp_jupyter/monitor/reporter.py",
             "sdp_jupyter/monitor/cloudwatch.py"} <= code
     assert not any(k.endswith(".so") or "__pycache__" in k for k in code)
     # what was sent is kept in the job directory, and the spec there is the resolved one
@@ -183,7 +183,7 @@ def test_engine_sdp_without_the_sources_is_refused_before_any_aws_call(tmp_path,
 
 
 def test_entry_names_the_image_when_it_has_no_compiler(tmp_path, monkeypatch):
-    from sdp_jupyter.launch.kernel.sagemaker import entry
+    from sdp_jupyter.launch.rank import sagemaker_entry as entry
 
     (tmp_path / "sdp_jupyter-0.1.0.tar.gz").write_bytes(b"not built")
     monkeypatch.setattr(entry.shutil, "which", lambda name: None)

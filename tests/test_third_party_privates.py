@@ -45,7 +45,7 @@ def test_torch_adamw_init_group_takes_six_lists():
 
 
 def test_sagemaker_sdk_keeps_the_latest_training_job():
-    """sdp_jupyter/launch/sagemaker.py: ModelTrainer._latest_training_job.training_job_name, read when
+    """sdp_jupyter/launch/kernel/sagemaker/submit.py: ModelTrainer._latest_training_job.training_job_name, read when
     the CreateTrainingJob request went through a client our request gate did not reach."""
     from sagemaker.train import ModelTrainer
 
@@ -53,7 +53,7 @@ def test_sagemaker_sdk_keeps_the_latest_training_job():
 
 
 def test_torch_counts_collectives_per_group_and_lists_live_groups():
-    """sdp_jupyter/launch/backend_check.py `_snapshot`: ProcessGroup._get_sequence_number_for_group()
+    """sdp_jupyter/launch/rank/backend_check.py `_snapshot`: ProcessGroup._get_sequence_number_for_group()
     counts a gloo group's collectives (those of DDP's C++ reducer too), and
     distributed_c10d._world.pg_map holds every live group (the job's end report reads both)."""
     import torch

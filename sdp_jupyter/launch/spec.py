@@ -83,8 +83,8 @@ OPTIONS_BY_FIELD = {o.field: o for o in OPTIONS if o.field}
 
 # Modules that add rows to the option table ("module:ATTRIBUTE", a tuple of Option). Their fields are
 # "<dict field of JobSpec>.<key>", e.g. "sagemaker.instance_type" fills JobSpec.sagemaker["instance_type"].
-OPTION_PROVIDERS = ["sdp_jupyter.launch.kernel.sagemaker.options:SAGEMAKER_OPTIONS", "sdp_jupyter.launch.kernel.ssh:SSH_OPTIONS",
-                    "sdp_jupyter.launch.kernel.ray:RAY_OPTIONS",
+OPTION_PROVIDERS = ["sdp_jupyter.launch.kernel.sagemaker.options:SAGEMAKER_OPTIONS",
+                    "sdp_jupyter.launch.target_options:SSH_OPTIONS", "sdp_jupyter.launch.target_options:RAY_OPTIONS",
                     "sdp_jupyter.launch.parallel_options:PARALLEL_OPTIONS"]
 
 

@@ -18,7 +18,6 @@ from typing import Callable
 
 from sdp_jupyter._display import Shown
 from sdp_jupyter import jobdir
-from sdp_jupyter.launch.kernel import targets
 from sdp_jupyter.launch.spec import JobSpec
 
 TAIL_LINES = 2000  # lines per rank kept in memory for views opened late; the log file has them all
@@ -64,11 +63,29 @@ class Job(Shown):
         if not spec_file.is_file():
             raise JobError(f"no job {str(name_or_dir)!r}: {spec_file} does not exist. "
                            f"List jobs with %sdp_jobs or sdp_jupyter.launch.list_jobs()")
-        target = (jobdir.read_json(path / jobdir.STATUS, {}) or {}).get("target")
-        own = targets.load(targets.JOB_CLASSES[target]) if cls is Job and target in targets.JOB_CLASSES else None
-        if own is not None:  # e.g. a SageMaker job's class knows its logs (one per host) and remote state
+        own = cls.recorded_class(jobdir.read_json(path / jobdir.STATUS, {}) or {}) if cls is Job else None
+        if own is not None and own is not Job:  # e.g. a SageMaker job's class knows its logs (one per host)
             return own.open(path)
         return cls(JobSpec.from_json(spec_file.read_text()), path)
+
+    @classmethod
+    def class_record(cls) -> str:
+        """What a launcher writes as status.json's `job_class` when its jobs reopen as this class."""
+        return f"{cls.__module__}:{cls.__qualname__}"
+
+    @staticmethod
+    def recorded_class(status: dict):
+        """The Job class status.json names (`job_class`, written by the launcher: the directory says what
+        reopens it, so this module names no target); only one of ours, and only a Job. None otherwise."""
+        where = status.get("job_class")
+        if not isinstance(where, str) or not where.startswith("sdp_jupyter.") or where.count(":") != 1:
+            return None
+        module, name = where.split(":")
+        try:
+            found = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):
+            return None
+        return found if isinstance(found, type) and issubclass(found, Job) else None
 
     @classmethod
     def create_dir(cls, spec: JobSpec, push_bytes: bytes | None = None) -> tuple[Path, JobSpec]:

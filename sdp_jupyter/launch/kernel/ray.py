@@ -24,20 +24,15 @@ import sys
 import threading
 from pathlib import Path
 
-from sdp_jupyter.launch import channel
+from sdp_jupyter.launch import channel, target_options
 from sdp_jupyter import jobdir
 from sdp_jupyter.launch.kernel import remote
 from sdp_jupyter.launch.kernel.job import Job
 from sdp_jupyter.launch.kernel.push import pickle_push
 from sdp_jupyter.launch.kernel.remote import CONNECT_TIMEOUT
-from sdp_jupyter.launch.spec import JobSpec, Option, SpecError
+from sdp_jupyter.launch.spec import JobSpec, SpecError
 
-RAY_OPTIONS = (
-    Option("--address", "ray.address",
-           "--target ray: the cluster, HOST:PORT, auto or ray://HOST:10001 (default: $RAY_ADDRESS, else auto)",
-           metavar="ADDRESS"),
-)
-KEYS = {"address"}
+RAY_OPTIONS, KEYS = target_options.RAY_OPTIONS, target_options.RAY_KEYS
 PLACEMENT_TIMEOUT = 30   # seconds for the cluster to place every node's bundle
 RECV_WAIT = 0.2          # seconds an actor holds a poll for frames
 

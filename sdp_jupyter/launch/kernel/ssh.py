@@ -25,27 +25,17 @@ import threading
 from pathlib import Path
 
 from sdp_jupyter.launch import channel
-from sdp_jupyter.launch import process
+from sdp_jupyter.launch import process, target_options
 from sdp_jupyter import jobdir
 from sdp_jupyter.launch.kernel import remote
 from sdp_jupyter.launch.kernel.job import Job
 from sdp_jupyter.launch.kernel.push import pickle_push
 from sdp_jupyter.launch.kernel.remote import CONNECT_TIMEOUT
-from sdp_jupyter.launch.spec import JobSpec, Option, SpecError
+from sdp_jupyter.launch.spec import JobSpec, SpecError
 
 CONNECTED = "sdp-agent-connected"
 
-SSH_OPTIONS = (
-    Option("--hosts", "ssh.hosts", "--target ssh: host names, as `ssh HOST` reaches them (user@host works)",
-           kind="csv", metavar="H1,H2"),
-    Option("--hostfile", "ssh.hostfile", '--target ssh: a DeepSpeed-style host file ("gpu1 slots=8" per line)',
-           metavar="FILE"),
-    Option("--python", "ssh.python", "--target ssh: the interpreter on the hosts (default: this one's path)",
-           metavar="PATH"),
-    Option("--ssh-config", "ssh.config", "--target ssh: an ssh_config file for these hosts (ssh -F)",
-           metavar="FILE"),
-)
-KEYS = {"hosts", "hostfile", "python", "config"}
+SSH_OPTIONS, KEYS = target_options.SSH_OPTIONS, target_options.SSH_KEYS
 _HOST_RE = re.compile(r"^(?:[A-Za-z0-9_.-]+@)?[A-Za-z0-9_][A-Za-z0-9_.:-]*$")
 
 

@@ -1,7 +1,7 @@
-"""The one registry of targets: where each target's launcher (and, where a target has its own, its
-Job class) lives, as "module:attribute" strings imported when first used. A leaf: launch/__init__
-dispatches `launch(target=...)` through it and `Job.open` reopens a target's job through it, so no
-module of the launch package imports a target by name.
+"""The registry of targets' launchers: where each target's launcher lives, as "module:attribute"
+strings imported when first used. A leaf: launch/__init__
+dispatches `launch(target=...)` through it, so no module of the launch package imports a target by
+name. (A job that reopens as its own class says so in its status.json: `Job.recorded_class`.)
 """
 from __future__ import annotations
 
@@ -13,10 +13,6 @@ LAUNCHERS = {
     "ssh": "sdp_jupyter.launch.kernel.ssh:SSHLauncher",
     "ray": "sdp_jupyter.launch.kernel.ray:RayLauncher",
     "sagemaker": "sdp_jupyter.launch.kernel.sagemaker.submit:SageMakerLauncher",
-}
-# Targets whose jobs need their own class when reopened (remote state, one log per host).
-JOB_CLASSES = {
-    "sagemaker": "sdp_jupyter.launch.kernel.sagemaker.job:SageMakerJob",
 }
 
 

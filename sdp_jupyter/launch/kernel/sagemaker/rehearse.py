@@ -109,9 +109,9 @@ def check(plan) -> dict[str, str]:
         raise SpecError("script", f"does not compile ({e.msg}, line {e.lineno}); every host would fail "
                                   "at its first line") from None
     if plan.spec.backend == "nccl":
-        import torch
+        from sdp_jupyter.launch.host.ranks import gpu_count  # the kernel never imports torch
 
-        if not torch.cuda.is_available():
+        if gpu_count() == 0:
             raise SpecError("--backend", "nccl needs GPUs and a rehearsal runs the hosts on this machine, which "
                                          "has none. Fix: rehearse with --backend gloo (the request is the same "
                                          "apart from SDP_BACKEND)")

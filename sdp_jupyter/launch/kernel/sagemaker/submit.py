@@ -123,7 +123,7 @@ class SageMakerLauncher:
         source = build_source_dir(job_dir, plan)
         job = SageMakerJob(spec, job_dir)
         job.update_status(state="pending", created=time.time(), started=None, ended=None, exit_codes=[], restarts=0,
-                    error=None, target="sagemaker", world_size=spec.nodes * plan.procs_per_node,
+                    error=None, target="sagemaker", job_class=SageMakerJob.class_record(), world_size=spec.nodes * plan.procs_per_node,
                     sagemaker={"region": plan.region, "instance_type": plan.instance_type,
                                "image_uri": plan.image_uri, "role": plan.role, "output_path": plan.output_path,
                                "checkpoint_uri": plan.checkpoint_uri, "spot": plan.opts.spot,
