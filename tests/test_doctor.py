@@ -144,7 +144,7 @@ def test_a_missing_dev_shm_fails(tmp_path):
 @pytest.mark.parametrize("scope, status", [(1, INFO), (2, WARN), (3, WARN)])
 def test_a_refused_peer_read_says_what_the_engine_does_instead(monkeypatch, tmp_path, scope, status):
     (tmp_path / "ptrace_scope").write_text(f"{scope}\n")
-    monkeypatch.setattr(doctor, "_probe_peer_read", lambda: (False, "Operation not permitted"))
+    monkeypatch.setattr(doctor.checks, "_probe_peer_read", lambda: (False, "Operation not permitted"))
     r = Report()
     doctor.check_peer_reads(r, str(tmp_path / "ptrace_scope"))
     (line,) = r.checks
@@ -154,7 +154,7 @@ def test_a_refused_peer_read_says_what_the_engine_does_instead(monkeypatch, tmp_
 
 
 def test_the_peer_read_probe_answers_on_this_machine():
-    ok, why = doctor._probe_peer_read()
+    ok, why = doctor.checks._probe_peer_read()
     scope = Path("/proc/sys/kernel/yama/ptrace_scope")
     if not scope.exists() or scope.read_text().strip() == "0":
         assert ok, why
@@ -167,7 +167,7 @@ def _cleanup(check: Check) -> None:
 
 
 def test_a_crashing_smoke_run_is_a_fail_naming_the_signal(monkeypatch):
-    monkeypatch.setattr(doctor, "_SMOKE", "import os, signal, sys\nif sys.argv[1] == '1':\n"
+    monkeypatch.setattr(doctor.smoke, "_SMOKE", "import os, signal, sys\nif sys.argv[1] == '1':\n"
                                           "    os.kill(os.getpid(), signal.SIGSEGV)\n")
     check = doctor.run_smoke("cpu", timeout=30)
     assert check.status == FAIL and "rank 1 killed by SIGSEGV" in check.detail, check
@@ -176,7 +176,7 @@ def test_a_crashing_smoke_run_is_a_fail_naming_the_signal(monkeypatch):
 
 
 def test_a_hanging_smoke_run_is_killed_and_reported(monkeypatch):
-    monkeypatch.setattr(doctor, "_SMOKE", "import time\ntime.sleep(120)\n")
+    monkeypatch.setattr(doctor.smoke, "_SMOKE", "import time\ntime.sleep(120)\n")
     check = doctor.run_smoke("cpu", timeout=1.5)
     assert check.status == FAIL and "did not finish within 1.5 s" in check.detail, check
     assert "rank(s) 0, 1" in check.detail

@@ -1,102 +1,26 @@
-"""`python -m sdp_jupyter.doctor`: will it work on this machine? (also `%sdp_doctor` in a notebook)
+"""The doctor's checks of this machine, one Report line each: platform, Python, torch and the smddp
+entry point, numpy, this package, how the engine was built and what it links
+(sdp_jupyter._native_check), /dev/shm, cross-process memory reads (process_vm_readv), NVML.
 
-A report to paste into a bug report, in the spirit of DeepSpeed's `ds_report` and `accelerate env`:
-one line per check, each OK, WARN, FAIL or INFO, and for anything not OK the fix in words. It checks
-the platform, Python, torch, numpy, this package, how the engine was built and what it links
-(sdp_jupyter._native_check), /dev/shm, cross-process memory reads, NVML, and runs a 2-rank
-all_reduce through smddp against gloo in two fresh processes (and on CUDA tensors when torch sees a
-GPU), so that a hang or a crash becomes a FAIL line instead of a hung cell.
-
-    python -m sdp_jupyter.doctor [--json] [--no-smoke]      exit status 1 when any line is FAIL
-
-Imports no notebook package (the GPU machines have none) and torch only inside the checks.
-"""
+Torch, numpy and pynvml are imported only inside the checks (the GPU machines have no notebook
+packages, and the kernel runs the doctor in a subprocess: see report_in_subprocess)."""
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import json
 import os
 import platform
 import re
-import signal
 import subprocess
 import sys
 import tempfile
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from sdp_jupyter.launch.process import PACKAGE_PARENT, free_port
-
-OK, WARN, FAIL, INFO = "OK", "WARN", "FAIL", "INFO"
-STATUSES = (OK, WARN, FAIL, INFO)
+from sdp_jupyter.doctor.report import FAIL, INFO, OK, WARN, Report
 
 SHM_WARN_BYTES = 1 << 30  # below this, /dev/shm is WARN (Docker's default is 64 MiB)
-SMOKE_TIMEOUT_S = 60.0
 _MIB = 1 << 20
 
 
-@dataclass
-class Check:
-    name: str  # what was checked ("/dev/shm")
-    status: str  # OK / WARN / FAIL / INFO
-    detail: str  # what was found
-    fix: str = ""  # for anything not OK: what to do, in words
-    brief: str = ""  # a few words for summary_line ("/dev/shm 64 MiB"); default: name
-
-    def __post_init__(self):
-        if self.status not in STATUSES:
-            raise ValueError(f"status must be one of {STATUSES}, got {self.status!r}")
-
-
-@dataclass
-class Report:
-    checks: list[Check] = field(default_factory=list)
-
-    def add(self, name: str, status: str, detail: str, fix: str = "", brief: str = "") -> Check:
-        check = Check(name, status, detail, fix, brief)
-        self.checks.append(check)
-        return check
-
-    def counts(self) -> dict[str, int]:
-        return {s: sum(c.status == s for c in self.checks) for s in STATUSES}
-
-    @property
-    def failed(self) -> bool:
-        return any(c.status == FAIL for c in self.checks)
-
-    def to_dict(self) -> dict:
-        return {"checks": [dataclasses.asdict(c) for c in self.checks], "counts": self.counts(),
-                "failed": self.failed, "summary": summary_line(self)}
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "Report":
-        return cls([Check(**c) for c in data["checks"]])
-
-    def text(self) -> str:
-        width = max((len(c.name) for c in self.checks), default=0)
-        out = ["sdp_jupyter doctor: paste this into a bug report"]
-        for c in self.checks:
-            out.append(f"{c.status:<4}  {c.name:<{width}}  {c.detail}")
-            if c.fix and c.status != OK:
-                out.append(f"{'':<4}  {'':<{width}}  fix: {c.fix}")
-        out.append(summary_line(self))
-        return "\n".join(out)
-
-
-def summary_line(report: Report) -> str:
-    """One line: "doctor: 9 OK, 1 WARN (/dev/shm 64 MiB), 0 FAIL" (and the INFO count when any)."""
-    def part(status):
-        items = [c.brief or c.name for c in report.checks if c.status == status]
-        n = report.counts()[status]
-        return f"{n} {status}" + (f" ({'; '.join(items)})" if items and status in (WARN, FAIL) else "")
-
-    line = f"doctor: {part(OK)}, {part(WARN)}, {part(FAIL)}"
-    return line + (f", {part(INFO)}" if report.counts()[INFO] else "")
-
-
-# ---------------------------------------------------------------------------------------- checks
 def _mib(n: int) -> str:
     return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n // _MIB} MiB"
 
@@ -391,184 +315,3 @@ def check_nvml(r: Report, torch_cuda: bool) -> None:
             pynvml.nvmlShutdown()
         except Exception:  # noqa: BLE001
             pass
-
-
-# ---------------------------------------------------------------------------------------- smoke
-_SMOKE = r"""
-# sdp_jupyter doctor: a 2-rank all_reduce through smddp, checked against gloo on the same inputs
-import datetime, faulthandler, json, os, sys
-faulthandler.enable()
-rank, world, port, device, wait = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], float(sys.argv[5])
-import torch
-import torch.distributed as dist
-import sdp_jupyter.torch  # registers smddp even where the entry point is off
-if device == "cuda":
-    torch.cuda.set_device(0)  # both ranks may share GPU 0
-timeout = datetime.timedelta(seconds=wait)
-dist.init_process_group("smddp", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timeout)
-gloo = dist.new_group(backend="gloo", timeout=timeout)
-print(f"rank {rank}: process group up ({dist.get_backend()}) with gloo beside it", flush=True)
-bad = []
-cases = [(torch.float32, 1024), (torch.float32, 1 << 20), (torch.float64, 4099), (torch.int32, 1 << 16),
-         (torch.int64, 37), (torch.bfloat16, 1 << 12)]
-ops = [dist.ReduceOp.SUM, dist.ReduceOp.MAX]
-for dtype, n in cases:
-    for op in ops:
-        g = torch.Generator().manual_seed(1000 * rank + n)
-        x = torch.randint(-1000, 1000, (n,), generator=g).to(dtype)  # integers: exact in every dtype here
-        a, b = x.clone().to(device), x.clone().to(device)
-        dist.all_reduce(a, op=op)
-        dist.all_reduce(b, op=op, group=gloo)
-        if not torch.equal(a.cpu(), b.cpu()):
-            bad.append(f"{dtype} x {n} {op}: {(a.cpu() != b.cpu()).sum().item()} elements differ from gloo's")
-if device == "cuda":
-    torch.cuda.synchronize()
-dist.barrier()
-print(f"rank {rank}: " + json.dumps({"cases": len(cases) * len(ops), "bad": bad}), flush=True)
-dist.destroy_process_group()
-sys.exit(3 if bad else 0)
-"""
-
-
-def _signal_name(code: int) -> str:
-    try:
-        return signal.Signals(-code).name
-    except ValueError:
-        return f"signal {-code}"
-
-
-def run_smoke(device: str = "cpu", timeout: float = SMOKE_TIMEOUT_S) -> Check:
-    """Two fresh processes all_reduce through smddp and through gloo; a hang, crash or difference is FAIL."""
-    name = f"smoke all_reduce ({device})"
-    out = Path(tempfile.mkdtemp(prefix=f"sdp-doctor-{device}-"))
-    script = out / "smoke.py"
-    script.write_text(_SMOKE)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [PACKAGE_PARENT, env.get("PYTHONPATH")]))  # this very sdp_jupyter
-    env["PYTHONFAULTHANDLER"] = "1"
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)  # the doctor's own job variables (if run inside a job) must not leak in
-    port = free_port()
-    started = time.monotonic()
-    procs, logs = [], []
-    try:
-        for rank in range(2):
-            log = open(out / f"rank{rank}.log", "wb")
-            logs.append(log)
-            procs.append(subprocess.Popen([sys.executable, str(script), str(rank), "2", str(port), device,
-                                           str(max(5.0, timeout - 15))],
-                                          stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                          env=env, cwd=out, start_new_session=True))
-        deadline = started + timeout
-        hung = []
-        for rank, p in enumerate(procs):
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                hung.append(rank)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                p.wait()
-        for log in logs:
-            log.close()
-    took = time.monotonic() - started
-    where = f"output in {out}/rank0.log and rank1.log"
-    if hung:
-        return Check(name, FAIL, f"rank(s) {', '.join(map(str, hung))} did not finish within {timeout:g} s "
-                     f"(killed); {where}", "read the ranks' output; a hang in init_process_group often means the "
-                     "loopback interface or 127.0.0.1 is blocked; report it with this output", brief=f"smoke {device} hang")
-    codes = [p.returncode for p in procs]
-    crashed = [(rank, c) for rank, c in enumerate(codes) if c < 0]
-    if crashed:
-        sigs = ", ".join(f"rank {rank} killed by {_signal_name(c)}" for rank, c in crashed)
-        segv = any(c == -signal.SIGSEGV for _, c in crashed)
-        fix = ("a SIGSEGV here is the classic sign of two C++ runtimes in one process (an engine with its own "
-               "statically linked libstdc++ beside torch's): see the engine line, rebuild with the distribution's g++ "
-               "(CC=gcc CXX=g++ pip install -e .); the faulthandler stack is in the log" if segv else
-               "read the ranks' output (the faulthandler stack is there) and report it")
-        return Check(name, FAIL, f"{sigs}; {where}", fix, brief=f"smoke {device} {_signal_name(crashed[0][1])}")
-    if any(codes):
-        text = (out / "rank0.log").read_text(errors="replace") + (out / "rank1.log").read_text(errors="replace")
-        differ = [ln for ln in text.splitlines() if '"bad": [' in ln and '"bad": []' not in ln]
-        if differ:
-            return Check(name, FAIL, f"smddp's results differ from gloo's: {differ[0]}; {where}",
-                         "report it with the ranks' output: this is an engine bug", brief=f"smoke {device} wrong")
-        last = next((ln for ln in reversed(text.splitlines()) if ln.strip()), "no output")
-        return Check(name, FAIL, f"exit codes {codes}: {last[:300]}; {where}",
-                     "read the ranks' output; the last line usually names the cause and its fix",
-                     brief=f"smoke {device} failed")
-    said = re.search(r'"cases": (\d+)', (out / "rank0.log").read_text(errors="replace"))
-    for log in ("rank0.log", "rank1.log", "smoke.py"):
-        (out / log).unlink(missing_ok=True)
-    out.rmdir()
-    return Check(name, OK, f"2 ranks, {said.group(1) if said else '?'} all_reduces (fp32, fp64, bf16, int32, int64; "
-                 f"SUM and MAX; up to 4 MiB) equal to gloo's, {took:.1f} s with process start")
-
-
-# ---------------------------------------------------------------------------------------- the report
-def collect(smoke: bool = True, smoke_timeout: float = SMOKE_TIMEOUT_S) -> Report:
-    r = Report()
-    check_platform(r)
-    check_python(r)
-    torch = check_torch(r)
-    if torch is not None:
-        check_backend_registration(r)
-    check_numpy(r)
-    check_package(r)
-    check_engine(r)
-    check_shm(r)
-    check_peer_reads(r)
-    cuda = bool(torch is not None and torch.cuda.is_available())
-    check_nvml(r, cuda)
-    engine_ok = all(c.status != FAIL for c in r.checks if c.name == "engine")
-    if not smoke:
-        r.add("smoke all_reduce", INFO, "skipped (--no-smoke)")
-    elif torch is None or not engine_ok:
-        r.add("smoke all_reduce", INFO, "not run: torch or the engine failed above (fix those first)")
-    else:
-        r.checks.append(run_smoke("cpu", smoke_timeout))
-        if cuda:
-            r.checks.append(run_smoke("cuda", smoke_timeout))
-    return r
-
-
-def report_in_subprocess(smoke: bool = True, timeout: float = 3 * SMOKE_TIMEOUT_S) -> Report:
-    """The report, collected by `python -m sdp_jupyter.doctor --json` in a fresh process: what the magic
-    and the main job use, so that the kernel never imports torch and a stuck doctor costs `timeout`."""
-    argv = [sys.executable, "-m", "sdp_jupyter.doctor", "--json"] + ([] if smoke else ["--no-smoke"])
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [PACKAGE_PARENT, env.get("PYTHONPATH")]))
-    try:
-        p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env, stdin=subprocess.DEVNULL)
-    except subprocess.TimeoutExpired:
-        return Report([Check("doctor", FAIL, f"{' '.join(argv[1:])} did not finish within {timeout:g} s",
-                             "run it in a terminal to see where it stops", brief="doctor hung")])
-    try:
-        return Report.from_dict(json.loads(p.stdout))
-    except (ValueError, KeyError, TypeError):
-        why = f"killed by {_signal_name(p.returncode)}" if p.returncode < 0 else f"exit status {p.returncode}"
-        tail = (p.stderr.strip().splitlines() or ["no output"])[-1][:300]
-        return Report([Check("doctor", FAIL, f"{' '.join(argv[1:])} gave no report ({why}): {tail}",
-                             "run it in a terminal to see the whole error", brief="doctor failed")])
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m sdp_jupyter.doctor",
-                                 description="Will sdp_jupyter work on this machine? A report to paste into a bug report.")
-    ap.add_argument("--json", action="store_true", help="print the report as JSON")
-    ap.add_argument("--no-smoke", action="store_true", help="skip the 2-rank all_reduce runs (a few seconds each)")
-    ap.add_argument("--smoke-timeout", type=float, default=SMOKE_TIMEOUT_S, metavar="S",
-                    help=f"seconds a smoke run may take before it is killed and reported (default {SMOKE_TIMEOUT_S:g})")
-    args = ap.parse_args(argv)
-    report = collect(smoke=not args.no_smoke, smoke_timeout=args.smoke_timeout)
-    print(json.dumps(report.to_dict(), indent=2) if args.json else report.text(), flush=True)
-    return 1 if report.failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
