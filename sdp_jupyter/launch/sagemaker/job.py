@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from sdp_jupyter import jobdir
+from sdp_jupyter.instances import host_counts
 from sdp_jupyter.launch.job import Job, JobError
 from sdp_jupyter.launch.sagemaker.aws import boto_session
-from sdp_jupyter.launch.sagemaker.engine import host_counts
 from sdp_jupyter.launch.sagemaker.options import DEFAULT_POLL_INTERVAL, METRICS_POLL_INTERVAL, REQUEST_FILE
 
 
