@@ -37,6 +37,15 @@ def test_every_metrics_name_is_made_and_recognised_here(tmp_path):
     assert jobdir.host_log_path(tmp_path, 0).name == "algo-1.log"  # SageMaker's hosts count from 1
 
 
+def test_the_sagemaker_names_are_the_job_directorys():
+    from sdp_jupyter.launch import sagemaker
+    from sdp_jupyter.launch.sagemaker import rehearse
+
+    assert sagemaker.SOURCE_DIR == jobdir.SAGEMAKER_SOURCE and sagemaker.SOURCE_DIR in jobdir.KNOWN_ENTRIES
+    assert sagemaker.REQUEST_FILE == jobdir.SAGEMAKER_REQUEST and rehearse.REHEARSAL_DIR == jobdir.REHEARSAL
+    assert sagemaker.host_log_path is jobdir.host_log_path
+
+
 # ---------------------------------------------------------------- the tailer
 
 def test_tail_reads_at_most_read_cap_bytes_a_call(tmp_path):
@@ -216,3 +225,38 @@ def test_mirror_and_tail_meet(tmp_path):
     seen += tail.records(final=True)
     assert [r["step"] for r in seen] == list(range(200)) and tail.bad == 0
 
+
+def test_an_agents_metrics_frames_rebuild_the_files_in_the_notebooks_job_directory(tmp_path):
+    """The agent tails its host's metrics files with the tailer, a frame per bounded read; remote.py
+    writes them with the mirror writer: the notebook's files end up the same, names checked."""
+    import types
+
+    from sdp_jupyter.launch import agent as channel
+    from sdp_jupyter.launch.remote import RemoteRun
+
+    host, notebook = tmp_path / "host", tmp_path / "notebook"
+    (host / "metrics").mkdir(parents=True)
+    notebook.mkdir(mode=0o700)
+    big = b"".join(_line(i, loss=1.0 / (i + 1)) for i in range(70_000))  # over READ_CAP: several frames
+    jobdir.rank_metrics_path(host, 0).write_bytes(big)
+    jobdir.node_metrics_path(host, 1).write_bytes(b'{"t":1.0,"kind":"system","node":1}\n')
+    (host / "metrics" / "notes.jsonl").write_bytes(b'{"t":1.0}\n')  # not a metrics file: never sent
+    out = io.BytesIO()
+    agent = channel.Agent(io.BytesIO(), out)
+    agent.job_dir = host
+    stop = threading.Event()
+    stop.set()  # the last sweep
+    agent._tail_metrics(stop)
+    frames, stream = [], io.BytesIO(out.getvalue())
+    while stream.tell() < len(out.getvalue()):
+        frames.append(channel.decode(stream))
+    assert {f["file"] for f in frames} == {"rank-0.jsonl", "system-node-1.jsonl"}
+    assert len(frames) > 2 and all(len(f["lines"]) <= jobdir.READ_CAP for f in frames)
+    run = types.SimpleNamespace(_mirror_files=jobdir.Mirror(), job=types.SimpleNamespace(dir=notebook))
+    for frame in frames + [{"type": "metrics", "file": "../../escape.jsonl", "lines": "x\n"}]:
+        RemoteRun._metrics(run, frame)
+    run._mirror_files.close()
+    assert jobdir.rank_metrics_path(notebook, 0).read_bytes() == big
+    assert jobdir.node_metrics_path(notebook, 1).read_bytes() == b'{"t":1.0,"kind":"system","node":1}\n'
+    assert sorted(p.name for p in (notebook / "metrics").iterdir()) == ["rank-0.jsonl", "system-node-1.jsonl"]
+    assert not (tmp_path / "escape.jsonl").exists()

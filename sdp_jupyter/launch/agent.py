@@ -36,7 +36,6 @@ from __future__ import annotations
 import base64
 import json
 import os
-import re
 import shutil
 import socket
 import struct
@@ -48,7 +47,6 @@ from pathlib import Path
 MAX_FRAME = 1 << 30            # a frame over 1 GiB is refused (a --push that large belongs on shared storage)
 HEARTBEAT_EVERY = 1.0          # seconds between pings, both ways
 HEARTBEAT_TIMEOUT = 15.0       # no frame for this long: the other side is gone
-METRICS_FILE = re.compile(r"^(rank-\d+|system-node-\d+)\.jsonl$")
 
 
 class ChannelClosed(EOFError):
@@ -292,28 +290,25 @@ class Agent:
         proc.stdout.close()
 
     def _tail_metrics(self, stop: threading.Event) -> None:
-        """Send every complete new line of metrics/*.jsonl; one last sweep after `stop`."""
+        """Send every complete new line of the metrics files, a frame per bounded read (jobdir's
+        tailer: over-long lines are dropped, as the reader would); one last sweep after `stop`,
+        which also sends a last line its rank left without a newline."""
         from sdp_jupyter import jobdir
 
-        offsets: dict[str, int] = {}
-        folder = self.job_dir / jobdir.METRICS
+        tails: dict[str, jobdir.JsonLinesTail] = {}
         while True:
             last = stop.wait(0.5)
-            try:
-                names = sorted(n for n in os.listdir(folder) if METRICS_FILE.match(n))
-            except OSError:
-                names = []
-            for name in names:
-                try:
-                    with open(folder / name, "rb") as f:
-                        f.seek(offsets.get(name, 0))
-                        data = f.read(8 << 20)
-                except OSError:
-                    continue
-                cut = data.rfind(b"\n") + 1
-                if cut:
-                    offsets[name] = offsets.get(name, 0) + cut
-                    self.send({"type": "metrics", "file": name, "lines": data[:cut].decode("utf-8", "replace")})
+            for path in jobdir.metrics_paths(self.job_dir):
+                if jobdir.is_metrics_name(path.name) and path.name not in tails:
+                    tails[path.name] = jobdir.JsonLinesTail(path)
+            for name, tail in tails.items():
+                while True:
+                    lines = tail.read(final=last)
+                    if lines:
+                        text = b"".join(line + b"\n" for line in lines).decode("utf-8", "replace")
+                        self.send({"type": "metrics", "file": name, "lines": text})
+                    if not tail.behind:
+                        break
             if last:
                 return
 
