@@ -147,6 +147,34 @@ def get(name: str) -> Instance:
         raise KeyError(f"unknown instance type {name!r}; known: {', '.join(names())}") from None
 
 
+def host_counts(instance_type: str | None, region: str | None = None, *, sdk: bool = True) -> dict:
+    """One node's counts as the CloudWatch figures are divided by them and the SageMaker plan checks
+    them: ``{"gpus", "vcpus", "gpu_mem_bytes" (all its GPUs), "mem_bytes"}`` from the catalogue; for a
+    type it does not list, with `sdk`, ``{"gpus", "gpu_mem_bytes"}`` from the SageMaker SDK's GPU table
+    when the SDK is installed; else ``{}``."""
+    if not instance_type:
+        return {}
+    inst = catalogue().get(instance_type)
+    if inst is not None:
+        out = {"gpus": inst.gpus or None, "vcpus": inst.vcpus}
+        if inst.gpu_memory_gb and inst.gpus:
+            out["gpu_mem_bytes"] = inst.gpu_memory_gb * inst.gpus * 2**30
+        if inst.memory_gib:
+            out["mem_bytes"] = inst.memory_gib * 2**30
+        return out
+    if not sdk:
+        return {}
+    try:
+        from sagemaker.core import instance_types_gpu_info
+
+        info = instance_types_gpu_info.retrieve(region or "us-east-1").get(instance_type)
+    except Exception:  # no SDK, or one without the table
+        info = None
+    if info:
+        return {"gpus": info["Count"], "gpu_mem_bytes": info["TotalGpuMemoryInMiB"] * 2**20}
+    return {}
+
+
 def usable_cpus() -> int:
     """CPUs this process may run on (its affinity mask, not the machine's total)."""
     try:

@@ -1,4 +1,7 @@
-"""The job directory (docs/jobs.md): where it is, what is in it, and atomic writes of its files.
+"""The job directory (docs/jobs.md): its contract in code. Every name in it, the one reader of its
+JSON-lines files (`JsonLinesTail`), the one writer of files mirrored from elsewhere (`Mirror`), its
+states and its liveness. No other module spells a job-directory file name: ranks, samplers, the
+agent, the remote and SageMaker mirrors and the reader all ask here.
 
 A job directory can hold tokens (a cell's code, --env values in spec.json) and pickles that a rank
 or the notebook will unpickle, so it is private: directories 0700, files 0600, created with
@@ -11,12 +14,14 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import secrets
 import shutil
 import time
 from pathlib import Path
 
-from sdp_jupyter._files import UnsafePath, ensure_private_dir, open_checked, open_private, write_private
+from sdp_jupyter._files import (UnsafePath, ensure_private_dir, open_checked, open_private, private_writer,
+                                write_private)
 
 STATES = ("pending", "running", "succeeded", "failed", "stopped")
 FINAL_STATES = ("succeeded", "failed", "stopped")
@@ -29,9 +34,18 @@ PUSH = "push.pkl"
 LOGS = "logs"
 METRICS = "metrics"
 CHECKPOINTS = "checkpoints"
+MODEL, OUTPUT, DATA = "model", "output", "data"
+TRAIN_CHANNEL = f"{DATA}/train"  # SM_CHANNEL_TRAIN of a job that is not on SageMaker
+# the SageMaker target's own entries: the code channel it uploads, the request it sent, a rehearsal's hosts
+SAGEMAKER_SOURCE = "sagemaker_source"
+SAGEMAKER_REQUEST = "sagemaker_request.json"
+REHEARSAL = "rehearsal"
+# a SageMaker job's directory inside the training container ($SM_OUTPUT_DATA_DIR/sdp_job), so also
+# the folder of output.tar.gz that holds it
+CONTAINER_JOB_DIR = "sdp_job"
 # what a job directory may hold; a folder with anything else and no spec.json is not a job's
-KNOWN_ENTRIES = frozenset({SCRIPT, SPEC, STATUS, RESULT, PUSH, LOGS, METRICS, CHECKPOINTS, "model", "output",
-                           "data", "sagemaker_source"})
+KNOWN_ENTRIES = frozenset({SCRIPT, SPEC, STATUS, RESULT, PUSH, LOGS, METRICS, CHECKPOINTS, MODEL, OUTPUT, DATA,
+                           SAGEMAKER_SOURCE})
 
 
 def jobs_root(root: str | os.PathLike | None = None) -> Path:
@@ -43,8 +57,48 @@ def new_job_name() -> str:
     return time.strftime("job-%Y%m%d-%H%M%S-") + secrets.token_hex(2)
 
 
-def log_path(job_dir: Path, rank: int) -> Path:
+# ---------------------------------------------------------------------------------------------- file names
+def log_path(job_dir: str | os.PathLike, rank: int) -> Path:
+    """A rank's output (stdout and stderr)."""
     return Path(job_dir) / LOGS / f"rank-{rank}.log"
+
+
+def host_log_path(job_dir: str | os.PathLike, host: int) -> Path:
+    """A SageMaker host's output (its CloudWatch stream, every rank of host algo-<host+1>)."""
+    return Path(job_dir) / LOGS / f"algo-{host + 1}.log"
+
+
+def agent_log_path(job_dir: str | os.PathLike, node: int) -> Path:
+    """What a remote node's agent and its link said (kept when the job ends)."""
+    return Path(job_dir) / LOGS / f"agent-node-{node}.log"
+
+
+def sampler_log_path(job_dir: str | os.PathLike, node: int) -> Path:
+    """A node's utilization sampler's own output."""
+    return Path(job_dir) / LOGS / f"sampler-node-{node}.log"
+
+
+def rank_metrics_path(job_dir: str | os.PathLike, rank: int) -> Path:
+    """A rank's metrics lines (sdp_jupyter.report(), the DDP wrapper, the backend record)."""
+    return Path(job_dir) / METRICS / f"rank-{rank}.jsonl"
+
+
+def node_metrics_path(job_dir: str | os.PathLike, node: int) -> Path:
+    """A node's utilization samples (monitor/sampler.py, or CloudWatch's for a SageMaker host)."""
+    return Path(job_dir) / METRICS / f"system-node-{node}.jsonl"
+
+
+_METRICS_NAME = re.compile(r"^(rank-\d+|system-node-\d+)\.jsonl$")
+
+
+def is_metrics_name(name: str) -> bool:
+    """Whether `name` is one of the metrics files above: what an agent may send, never a path."""
+    return bool(_METRICS_NAME.match(name))
+
+
+def metrics_paths(job_dir: str | os.PathLike, ranks_only: bool = False) -> list[Path]:
+    """The job's metrics files, sorted (only the ranks' with ranks_only)."""
+    return sorted((Path(job_dir) / METRICS).glob("rank-*.jsonl" if ranks_only else "*.jsonl"))
 
 
 # The private-file rules live in sdp_jupyter._files; these names stay importable from here.
@@ -127,11 +181,13 @@ def prepare(job_dir: Path) -> None:
             shutil.rmtree(entry, ignore_errors=True)
         else:
             entry.unlink(missing_ok=True)
-    for sub in (LOGS, METRICS, "model", "output", "data", "data/train"):
+    for sub in (LOGS, METRICS, MODEL, OUTPUT, DATA, TRAIN_CHANNEL):
         ensure_private_dir(job_dir / sub)
 
 
-LINE_CAP = 1 << 20  # a log line longer than this is cut when read back (the file keeps it whole)
+LINE_CAP = 1 << 20  # a log line longer than this is cut when read back (the file keeps it whole);
+                    # a metrics line longer than this is skipped (counted), never held whole
+READ_CAP = 4 << 20  # at most this much of a JSON-lines file per read
 
 
 def read_log(path: Path, tail: int | None = None, line_cap: int = LINE_CAP) -> str:
@@ -157,6 +213,142 @@ def read_log(path: Path, tail: int | None = None, line_cap: int = LINE_CAP) -> s
     return b"".join(lines).decode("utf-8", errors="replace")
 
 
+# ---------------------------------------------------------------------------------------------- reading
+def parse_record(line: bytes | str) -> dict | None:
+    """One metrics line as a dict; None for a cut line, NUL bytes from a crash, text from elsewhere,
+    or JSON that is not an object."""
+    try:
+        value = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+class JsonLinesTail:
+    """Follows one JSON-lines file of the job directory (metrics/*.jsonl) as it grows: the one reader
+    of those files, for the kernel's reader, the agent, the SageMaker entry and the one-shot readers.
+
+    Bounded: a read() takes at most `read_cap` bytes (`behind` then says more is waiting), and a line
+    longer than `line_cap` is dropped up to its newline and counted in `bad`, so one runaway line is
+    never held whole. A partial last line is kept until its newline arrives; with `final` (its writer
+    has ended) a last line without one counts as it is. A file that shrinks or is replaced by another
+    (a new inode: a rotation, a re-run of the job) is read again from its start. Nothing here raises
+    on bad data: a missing file reads as empty."""
+
+    def __init__(self, path: str | os.PathLike, *, read_cap: int = READ_CAP, line_cap: int = LINE_CAP):
+        self.path = os.fspath(path)
+        self.read_cap, self.line_cap = read_cap, line_cap
+        self.offset = 0
+        self.ino = None
+        self.rest = b""
+        self.skipping = False  # inside an over-long line: drop bytes up to the next newline
+        self.behind = False    # the last read() left bytes in the file
+        self.bad = 0           # lines skipped: over line_cap, or (records()) not a JSON object
+
+    def read(self, final: bool = False) -> list[bytes]:
+        """The complete, non-blank lines (without their newline) that at most read_cap new bytes end."""
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            self.behind = False
+            return []
+        if st.st_ino != self.ino or st.st_size < self.offset:
+            self.ino, self.offset, self.rest, self.skipping = st.st_ino, 0, b"", False
+        data = b""
+        if st.st_size > self.offset:
+            try:
+                with open(self.path, "rb") as f:
+                    f.seek(self.offset)
+                    data = f.read(min(st.st_size - self.offset, self.read_cap))
+            except OSError:
+                pass
+        self.offset += len(data)
+        self.behind = bool(data) and st.st_size > self.offset
+        if self.skipping:
+            nl = data.find(b"\n")
+            data, self.skipping = (b"", True) if nl < 0 else (data[nl + 1:], False)
+        lines = []
+        if data:
+            pieces = (self.rest + data).split(b"\n")
+            self.rest = pieces.pop()
+            for line in pieces:
+                if len(line) > self.line_cap:
+                    self.bad += 1
+                elif line.strip():
+                    lines.append(line)
+            if len(self.rest) > self.line_cap:
+                self.bad += 1
+                self.rest, self.skipping = b"", True
+        if final and not self.behind and self.rest:
+            if self.rest.strip():
+                lines.append(self.rest)  # a finished writer's unterminated line: kept if it is whole
+            self.rest = b""
+        return lines
+
+    def drain(self, final: bool = False) -> list[bytes]:
+        """Every complete line there is now, read in pieces of at most read_cap bytes."""
+        lines = self.read(final)
+        while self.behind:
+            lines += self.read(final)
+        return lines
+
+    def records(self, final: bool = False) -> list[dict]:
+        """drain() parsed: the lines that are JSON objects; the others are counted in `bad`."""
+        out = []
+        for line in self.drain(final):
+            record = parse_record(line)
+            if record is None:
+                self.bad += 1
+            else:
+                out.append(record)
+        return out
+
+
+# ---------------------------------------------------------------------------------------------- mirroring
+class Mirror:
+    """Writes what another machine produced (an agent's frames, a SageMaker job's CloudWatch streams
+    and output archive) into a local job directory, under the directory's rules: files 0600, created
+    never through a link someone placed there, in 0700 folders (docs/security.md: a rank's output
+    and metrics can carry what the script printed, tokens included). Appended files stay open until
+    close() (frames come many per second); a whole file is replaced atomically, so a reader never
+    sees half of it. One writer thread per Mirror."""
+
+    def __init__(self):
+        self._files: dict[str, object] = {}
+
+    def append(self, path: str | os.PathLike, text: str | bytes, flush: bool = True) -> None:
+        key = os.fspath(path)
+        f = self._files.get(key)
+        if f is None:
+            ensure_private_dir(Path(key).parent)
+            f = self._files[key] = open_private(key, "ab")
+        f.write(text.encode() if isinstance(text, str) else text)
+        if flush:
+            f.flush()
+
+    def append_record(self, path: str | os.PathLike, record: dict, flush: bool = True) -> None:
+        """One metrics line, compact, as the reporter writes them."""
+        self.append(path, json.dumps(record, separators=(",", ":")) + "\n", flush)
+
+    def flush(self) -> None:
+        for f in self._files.values():
+            f.flush()
+
+    def replace(self, path: str | os.PathLike, data) -> None:
+        """`path`'s whole content from bytes or a binary file, renamed into place when complete."""
+        ensure_private_dir(Path(path).parent)
+        if isinstance(data, (bytes, bytearray, str)):
+            write_private(path, data)
+            return
+        with private_writer(path) as out:
+            shutil.copyfileobj(data, out)
+
+    def close(self) -> None:
+        files, self._files = self._files, {}
+        for f in files.values():
+            f.close()
+
+
 def list_job_dirs(root: str | os.PathLike | None = None) -> list[Path]:
     base = jobs_root(root)
     if not base.is_dir():
@@ -166,6 +358,9 @@ def list_job_dirs(root: str | os.PathLike | None = None) -> list[Path]:
 
 
 __all__ = ["STATES", "FINAL_STATES", "SCRIPT", "SPEC", "STATUS", "RESULT", "PUSH", "LOGS", "METRICS", "CHECKPOINTS",
-           "KNOWN_ENTRIES", "LINE_CAP", "jobs_root", "new_job_name", "log_path", "UnsafeJobDir",
-           "ensure_private_dir", "write_private", "open_private", "load_pickle", "write_json_atomic", "read_json",
-           "prepare", "read_log", "list_job_dirs"]
+           "MODEL", "OUTPUT", "DATA", "TRAIN_CHANNEL", "SAGEMAKER_SOURCE", "SAGEMAKER_REQUEST", "REHEARSAL", "CONTAINER_JOB_DIR",
+           "KNOWN_ENTRIES", "LINE_CAP", "READ_CAP", "jobs_root", "new_job_name", "log_path", "host_log_path",
+           "agent_log_path", "sampler_log_path", "rank_metrics_path", "node_metrics_path", "is_metrics_name",
+           "metrics_paths", "UnsafeJobDir", "ensure_private_dir", "write_private", "open_private", "load_pickle",
+           "write_json_atomic", "read_json", "prepare", "read_log", "parse_record", "JsonLinesTail", "Mirror",
+           "list_job_dirs"]

@@ -120,19 +120,16 @@ def test_wrong_types_are_skipped_and_counted(tmp_path):
 
 
 def test_huge_lines_are_never_held_whole(tmp_path):
-    from sdp_jupyter.monitor import reader
-
     job = tmp_path / "job"
     (job / "metrics").mkdir(parents=True)
     with open(job / "metrics" / "rank-0.jsonl", "wb") as f:
         f.write(json.dumps({"t": 1.0, "kind": "step", "rank": 0, "step": 0}).encode() + b"\n")
-        f.write(b'{"t": 2.0, "junk": "' + b"x" * (3 * reader.LINE_CAP) + b'"}\n')
+        f.write(b'{"t": 2.0, "junk": "' + b"x" * (3 * jobdir.LINE_CAP) + b'"}\n')
         f.write(json.dumps({"t": 3.0, "kind": "step", "rank": 0, "step": 1}).encode() + b"\n")
-    tail = reader._Tail(str(job / "metrics" / "rank-0.jsonl"))
-    out, bad = [], []
-    tail.read(out, bad, final=True)
-    assert [e["step"] for e in out] == [0, 1] and len(bad) == 1
-    assert len(tail.rest) <= reader.LINE_CAP
+    tail = jobdir.JsonLinesTail(job / "metrics" / "rank-0.jsonl")  # the one tailer the reader uses
+    out = tail.records(final=True)
+    assert [e["step"] for e in out] == [0, 1] and tail.bad == 1
+    assert len(tail.rest) <= jobdir.LINE_CAP
 
     log = tmp_path / "rank-0.log"
     with open(log, "wb") as f:

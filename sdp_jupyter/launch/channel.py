@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import base64
 import json
-import re
 import struct
 
 MAX_FRAME = 1 << 30            # a frame over 1 GiB is refused (a --push that large belongs on shared storage)
 HEARTBEAT_EVERY = 1.0          # seconds between pings, both ways
 HEARTBEAT_TIMEOUT = 15.0       # no frame for this long: the other side is gone
-METRICS_FILE = re.compile(r"^(rank-\d+|system-node-\d+)\.jsonl$")
 
 
 class ChannelClosed(EOFError):

@@ -28,6 +28,8 @@ import re
 import time
 from typing import Any, Callable
 
+from sdp_jupyter import instances
+
 __all__ = ["LOG_GROUP", "METRIC_NAMESPACE", "LINE_PREFIX", "METRIC_DEFINITIONS", "format_log_line",
            "parse_log_line", "host_index", "LogFollower", "HostMetrics", "CloudWatchSource"]
 
@@ -176,24 +178,6 @@ HOST_METRICS = {
 }
 
 
-def instance_counts(instance_type: str | None) -> dict:
-    """GPUs, vCPUs and memory per node from the instance catalogue (empty when not catalogued)."""
-    if not instance_type:
-        return {}
-    try:
-        from sdp_jupyter import instances
-
-        inst = instances.get(instance_type)
-    except (KeyError, ImportError):
-        return {}
-    out = {"gpus": inst.gpus or None, "vcpus": inst.vcpus}
-    if inst.gpu_memory_gb and inst.gpus:
-        out["gpu_mem_bytes"] = inst.gpu_memory_gb * inst.gpus * 2**30
-    if inst.memory_gib:
-        out["mem_bytes"] = inst.memory_gib * 2**30
-    return out
-
-
 class HostMetrics:
     """Reads the instance metrics of a job's hosts; `poll()` returns new `system` events, one per
     (host, device, minute), normalised to percent of the host (see the module docstring)."""
@@ -203,7 +187,7 @@ class HostMetrics:
                  lag_s: float = 3 * PERIOD_S):
         self.job_name = job_name
         self.hosts = hosts
-        self.counts = instance_counts(instance_type)
+        self.counts = instances.host_counts(instance_type, sdk=False)
         self.client = client or _session(session, region).client("cloudwatch")
         self.start = start if start is not None else time.time() - 3600
         self.lag_s = lag_s     # minutes this recent may still change: re-read, emit once complete

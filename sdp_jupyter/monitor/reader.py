@@ -17,8 +17,6 @@ knowing where numbers come from:
 from __future__ import annotations
 
 import bisect
-import glob
-import json
 import math
 import os
 from collections import OrderedDict, deque
@@ -59,59 +57,6 @@ def job_dir_of(job_or_dir: Any) -> str:
     raise TypeError(f"cannot find a job directory in {job_or_dir!r}: pass a Job, a path or a MetricsSource")
 
 
-LINE_CAP = 1 << 20    # a metrics line longer than this is skipped (counted), never held whole
-READ_CAP = 4 << 20    # at most this much of a file per poll
-
-
-class _Tail:
-    """Follows one JSON-lines file: keeps a partial last line until its newline arrives, starts over
-    when the file shrinks or is replaced. Reads are bounded: at most READ_CAP per poll, and a line
-    past LINE_CAP is dropped (counted as bad) up to its newline."""
-
-    def __init__(self, path: str):
-        self.path = path
-        self.offset = 0
-        self.ino = None
-        self.rest = b""
-        self.skipping = False  # inside an over-long line: drop bytes up to the next newline
-
-    def read(self, out: list, bad: list, final: bool) -> None:
-        try:
-            st = os.stat(self.path)
-        except OSError:
-            return  # missing or removed: nothing to read
-        if st.st_ino != self.ino or st.st_size < self.offset:
-            self.ino, self.offset, self.rest, self.skipping = st.st_ino, 0, b"", False
-        while st.st_size > self.offset:
-            try:
-                with open(self.path, "rb") as f:
-                    f.seek(self.offset)
-                    data = f.read(min(st.st_size - self.offset, READ_CAP))
-            except OSError:
-                return
-            if not data:
-                return
-            self.offset += len(data)
-            if self.skipping:
-                nl = data.find(b"\n")
-                if nl < 0:
-                    continue
-                data, self.skipping = data[nl + 1:], False
-            lines = (self.rest + data).split(b"\n")
-            self.rest = lines.pop()
-            for line in lines:
-                if len(line) > LINE_CAP:
-                    bad.append(line[:200])
-                else:
-                    _parse(line, out, bad)
-            if len(self.rest) > LINE_CAP:
-                bad.append(self.rest[:200])
-                self.rest, self.skipping = b"", True
-        if final and self.rest:
-            _parse(self.rest, out, bad)  # a finished job's unterminated line: keep it if it is whole
-            self.rest = b""
-
-
 def _number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
@@ -144,32 +89,19 @@ def valid_record(ev) -> bool:
     return True
 
 
-def _parse(line: bytes, out: list, bad: list) -> None:
-    line = line.strip()
-    if not line:
-        return
-    try:
-        ev = json.loads(line)
-    except (ValueError, RecursionError):  # a cut line, NUL bytes from a crash, text from elsewhere
-        bad.append(line[:200])
-        return
-    if valid_record(ev):
-        out.append(ev)
-    else:
-        bad.append(line[:200])
-
-
 def _load_json(path: str) -> dict:
     value = jobdir.read_json(path, {})
     return value if isinstance(value, dict) else {}
 
 
 class JobDirSource:
-    """Events from a local job directory: metrics/rank-*.jsonl and metrics/system-node-*.jsonl."""
+    """Events from a local job directory: its metrics files (jobdir.metrics_paths), each followed by
+    a jobdir.JsonLinesTail (bounded reads; partial, over-long and bad lines never raise)."""
 
     def __init__(self, job_dir: str):
         self.job_dir = os.path.abspath(job_dir)
-        self.tails: dict[str, _Tail] = {}
+        self.tails: dict[str, jobdir.JsonLinesTail] = {}
+        self.invalid = 0  # JSON objects of the wrong types (valid_record)
         self.skipped = 0
         self._done = False
 
@@ -180,14 +112,17 @@ class JobDirSource:
         if self._done:
             return []
         final = self._state() in jobdir.FINAL_STATES  # read it first: lines written before it count
-        for path in sorted(glob.glob(os.path.join(self.job_dir, jobdir.METRICS, "*.jsonl"))):
+        for path in map(str, jobdir.metrics_paths(self.job_dir)):
             if path not in self.tails:
-                self.tails[path] = _Tail(path)
+                self.tails[path] = jobdir.JsonLinesTail(path)
         events: list[dict] = []
-        bad: list = []
         for tail in self.tails.values():
-            tail.read(events, bad, final)
-        self.skipped += len(bad)
+            for ev in tail.records(final):
+                if valid_record(ev):
+                    events.append(ev)
+                else:
+                    self.invalid += 1
+        self.skipped = self.invalid + sum(tail.bad for tail in self.tails.values())
         self._done = final
         return events
 

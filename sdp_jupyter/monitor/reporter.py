@@ -61,7 +61,7 @@ class Reporter:
     def path(self) -> str | None:
         if not self.job_dir:
             return None
-        return os.path.join(self.job_dir, jobdir.METRICS, f"rank-{self.rank}.jsonl")
+        return str(jobdir.rank_metrics_path(self.job_dir, self.rank))
 
     def _open(self):
         # Reopen after fork: a child must not share the parent's buffered file object.

@@ -181,12 +181,11 @@ def run(job_dir: str, node: int, pids: list[int] | None = None, interval: float 
         force_cpu: bool = False, stop: threading.Event | None = None) -> None:
     stop = stop or threading.Event()
     parent = os.getppid()
-    metrics_dir = os.path.join(job_dir, jobdir.METRICS)
-    os.makedirs(metrics_dir, exist_ok=True)
+    path = jobdir.node_metrics_path(job_dir, node)
+    os.makedirs(path.parent, exist_ok=True)
     status_path = os.path.join(job_dir, jobdir.STATUS)
     source = open_source(job_dir, node, pids, force_cpu)
     print(f"[sdp sampler node {node}] {source.note}", file=sys.stderr, flush=True)
-    path = os.path.join(metrics_dir, f"system-node-{node}.jsonl")
     with open(path, "a", encoding="utf-8") as out:
         out.write(json.dumps({"t": time.time(), "kind": "sampler", "node": node, "source": source.name,
                               "pid": os.getpid(), "interval": interval, "note": source.note}) + "\n")

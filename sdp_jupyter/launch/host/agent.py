@@ -41,7 +41,7 @@ import threading
 import time
 from pathlib import Path
 
-from sdp_jupyter.launch.channel import (HEARTBEAT_EVERY, HEARTBEAT_TIMEOUT, METRICS_FILE, ChannelClosed, b64, decode,
+from sdp_jupyter.launch.channel import (HEARTBEAT_EVERY, HEARTBEAT_TIMEOUT, ChannelClosed, b64, decode,
                                         encode, unb64, version)
 
 
@@ -227,28 +227,25 @@ class Agent:
         proc.stdout.close()
 
     def _tail_metrics(self, stop: threading.Event) -> None:
-        """Send every complete new line of metrics/*.jsonl; one last sweep after `stop`."""
+        """Send every complete new line of the metrics files, a frame per bounded read (jobdir's
+        tailer: over-long lines are dropped, as the reader would); one last sweep after `stop`,
+        which also sends a last line its rank left without a newline."""
         from sdp_jupyter import jobdir
 
-        offsets: dict[str, int] = {}
-        folder = self.job_dir / jobdir.METRICS
+        tails: dict[str, jobdir.JsonLinesTail] = {}
         while True:
             last = stop.wait(0.5)
-            try:
-                names = sorted(n for n in os.listdir(folder) if METRICS_FILE.match(n))
-            except OSError:
-                names = []
-            for name in names:
-                try:
-                    with open(folder / name, "rb") as f:
-                        f.seek(offsets.get(name, 0))
-                        data = f.read(8 << 20)
-                except OSError:
-                    continue
-                cut = data.rfind(b"\n") + 1
-                if cut:
-                    offsets[name] = offsets.get(name, 0) + cut
-                    self.send({"type": "metrics", "file": name, "lines": data[:cut].decode("utf-8", "replace")})
+            for path in jobdir.metrics_paths(self.job_dir):
+                if jobdir.is_metrics_name(path.name) and path.name not in tails:
+                    tails[path.name] = jobdir.JsonLinesTail(path)
+            for name, tail in tails.items():
+                while True:
+                    lines = tail.read(final=last)
+                    if lines:
+                        text = b"".join(line + b"\n" for line in lines).decode("utf-8", "replace")
+                        self.send({"type": "metrics", "file": name, "lines": text})
+                    if not tail.behind:
+                        break
             if last:
                 return
 

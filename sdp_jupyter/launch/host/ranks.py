@@ -128,14 +128,14 @@ def environment(spec, *, rank: int, world_size: int, job_dir: str, job_name: str
         "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port),
         "SM_HOSTS": json.dumps(hosts), "SM_CURRENT_HOST": hosts[node],
         "SM_NUM_GPUS": str(min(ppn, gpus)),
-        "SM_MODEL_DIR": os.path.join(job_dir, "model"),
-        "SM_OUTPUT_DATA_DIR": os.path.join(job_dir, "output"),
+        "SM_MODEL_DIR": os.path.join(job_dir, jobdir.MODEL),
+        "SM_OUTPUT_DATA_DIR": os.path.join(job_dir, jobdir.OUTPUT),
         "SM_HPS": json.dumps(spec.hyperparameters),
         "SDP_JOB_DIR": job_dir, "SDP_JOB_NAME": job_name, "SDP_JOB_SECRET": secret,
         "SDP_BIND_ADDR": bind_addr, "SDP_NUM_NODES": str(spec.nodes), "SDP_BACKEND": spec.backend,
         "SDP_RESTART": str(attempt), "SDP_LAUNCHER_PID": str(os.getpid()),
     })
-    env.setdefault("SM_CHANNEL_TRAIN", os.path.join(job_dir, "data", "train"))
+    env.setdefault("SM_CHANNEL_TRAIN", os.path.join(job_dir, jobdir.TRAIN_CHANNEL))
     if split_gpus and gpus >= spec.nodes * ppn and "CUDA_VISIBLE_DEVICES" not in spec.env:
         parent = os.environ.get("CUDA_VISIBLE_DEVICES")
         ids = [v.strip() for v in parent.split(",")] if parent else [str(i) for i in range(gpus)]
@@ -182,7 +182,7 @@ def start_sampler(job_dir: str | os.PathLike, node: int) -> subprocess.Popen | N
         return None
     env = dict(os.environ, SDP_LAUNCHER_PID=str(os.getpid()),
                PYTHONPATH=rank_pythonpath(os.environ.get("PYTHONPATH"), compat=False))
-    with jobdir.open_private(Path(job_dir) / jobdir.LOGS / f"sampler-node-{node}.log") as log:
+    with jobdir.open_private(jobdir.sampler_log_path(job_dir, node)) as log:
         return subprocess.Popen(
             [sys.executable, "-m", "sdp_jupyter.launch.rank.worker", "--module", "sdp_jupyter.monitor.sampler",
              "--job-dir", str(job_dir), "--node", str(node)],

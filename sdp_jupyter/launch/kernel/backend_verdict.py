@@ -9,26 +9,16 @@ from sdp_jupyter.launch.rank.backend_check import KIND, OPTION
 
 def read_records(job_dir) -> dict[int, dict]:
     """Each rank's last "backend" record of the last attempt, from metrics/rank-*.jsonl."""
-    import json
-    from pathlib import Path
-
     from sdp_jupyter import jobdir
 
     found: list[dict] = []
-    for path in sorted((Path(job_dir) / jobdir.METRICS).glob("rank-*.jsonl")):
-        try:
-            with open(path, "rb") as f:
-                for line in f:
-                    if b'"kind":"backend"' not in line:
-                        continue
-                    try:
-                        row = json.loads(line)
-                    except ValueError:
-                        continue
-                    if isinstance(row, dict) and row.get("kind") == KIND and isinstance(row.get("rank"), int):
-                        found.append(row)
-        except OSError:
-            continue
+    for path in jobdir.metrics_paths(job_dir, ranks_only=True):
+        for line in jobdir.JsonLinesTail(path).drain(final=True):
+            if b'"kind":"backend"' not in line:
+                continue
+            row = jobdir.parse_record(line)
+            if row is not None and row.get("kind") == KIND and isinstance(row.get("rank"), int):
+                found.append(row)
     if not found:
         return {}
     last = max(int(r.get("attempt") or 0) for r in found)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import collections
 import importlib
 import importlib.util
-import json
 import os
 import threading
 import time
@@ -390,18 +389,6 @@ class Job(Shown):
 
 def read_metrics_lines(job_dir: str | os.PathLike) -> list[dict]:
     """Every JSON line under metrics/, sorted by time; tolerates partial and bad lines."""
-    rows = []
-    for path in sorted((Path(job_dir) / jobdir.METRICS).glob("*.jsonl")):
-        try:
-            text = path.read_text(errors="replace")
-        except OSError:
-            continue
-        for line in text.splitlines():
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(row, dict):
-                rows.append(row)
+    rows = [row for path in jobdir.metrics_paths(job_dir) for row in jobdir.JsonLinesTail(path).records(final=True)]
     rows.sort(key=lambda r: r.get("t", 0))
     return rows

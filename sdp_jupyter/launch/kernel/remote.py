@@ -103,7 +103,7 @@ class RemoteRun(supervise.Run):
         self.secret = secrets.token_hex(32)
         self.job: Job | None = None
         self.push_bytes: bytes | None = None
-        self._files: dict = {}  # path -> open append handle (logs and metrics), closed when the job ends
+        self._mirror_files = jobdir.Mirror()  # logs, metrics and the result, written into the job directory
         self.warm_choice = {"warm": True, "cold": False}.get(spec.start)  # --warm / --cold / auto
         self._starts: dict[int, tuple[bool, str | None]] = {}  # node -> (warm, why cold) this attempt
         self._links_closed = threading.Event()  # set by close_all: the pings stop
@@ -255,9 +255,8 @@ class RemoteRun(supervise.Run):
             state, error = "failed", f"the launcher failed: {type(e).__name__}: {e}"
         finally:
             self.close_all()
-            for f in self._files.values():
-                f.close()
             self._write_agent_logs()
+            self._mirror_files.close()
             supervise.unregister(self)
             if self.warm_after_job and self.pool_key(0) is not None:
                 from sdp_jupyter.launch.kernel import warm_pool
@@ -317,7 +316,7 @@ class RemoteRun(supervise.Run):
                     failure = self._failure_message(rank, code)
                     return self._fail(failure, codes, done)
             elif kind == "result":
-                jobdir.write_private(job.dir / jobdir.RESULT, channel.unb64(message["data"]))
+                self._mirror_files.replace(job.dir / jobdir.RESULT, channel.unb64(message["data"]))
             elif kind == "done":
                 done.add(node)
             elif kind == "error":
@@ -382,22 +381,14 @@ class RemoteRun(supervise.Run):
         return True
 
     def _out(self, rank: int, text: str) -> None:
-        self._append(jobdir.log_path(self.job.dir, rank), text)
+        self._mirror_files.append(jobdir.log_path(self.job.dir, rank), text)
         self.job.emit_output(rank, text)
-
-    def _append(self, path, text: str) -> None:
-        """Append to a mirrored file, keeping it open for the job (frames come many per second)."""
-        f = self._files.get(path)
-        if f is None:
-            f = self._files[path] = jobdir.open_private(path, "a")
-        f.write(text)
-        f.flush()
 
     def _metrics(self, message: dict) -> None:
         name = str(message.get("file", ""))
-        if not channel.METRICS_FILE.match(name):  # never a path: only the names the agent may send
+        if not jobdir.is_metrics_name(name):  # never a path: only the names the agent may send
             return
-        self._append(self.job.dir / jobdir.METRICS / name, str(message.get("lines", "")))
+        self._mirror_files.append(self.job.dir / jobdir.METRICS / name, str(message.get("lines", "")))
 
     def _failure_message(self, rank: int, code: int) -> str:
         node, local_rank = divmod(rank, self.spec.procs_per_node)
@@ -407,8 +398,7 @@ class RemoteRun(supervise.Run):
     def _write_agent_logs(self) -> None:
         for conn in self.conns:
             if conn.stderr:
-                with jobdir.open_private(self.job.dir / jobdir.LOGS / f"agent-node-{conn.node}.log", "a") as f:
-                    f.write("\n".join(conn.stderr) + "\n")
+                self._mirror_files.append(jobdir.agent_log_path(self.job.dir, conn.node), "\n".join(conn.stderr) + "\n")
 
     def kill_now(self) -> None:
         """At interpreter exit: close every connection at once; the agents stop their ranks."""

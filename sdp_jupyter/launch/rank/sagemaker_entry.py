@@ -11,14 +11,16 @@ SageMaker's Torchrun driver starts, on every host,
 
 and this file then, in each rank:
 
-1. fills the sdp_jupyter variables from SageMaker's (SDP_JOB_DIR under SM_OUTPUT_DATA_DIR, so it
-   is uploaded with the job's output; SDP_CHECKPOINT_DIR=/opt/ml/checkpoints, which SageMaker
-   syncs with the job's checkpoint S3 URI and restores after a spot interruption; SDP_NUM_NODES);
-2. with backend smddp and SDP_ENGINE=aws, imports SageMaker's own `smdistributed.dataparallel`,
+1. with backend smddp and SDP_ENGINE=aws, imports SageMaker's own `smdistributed.dataparallel`,
    which registers the "smddp" torch.distributed backend; with SDP_ENGINE=sdp (our engine), first
    pip-installs the shipped source package ``sdp_jupyter-<version>.tar.gz`` into the image's Python,
    compiling the engine, once per host (the host's other ranks wait on a lock), then imports
    `sdp_jupyter.torch`; either way it prints which engine serves smddp (ENGINE_LINE);
+2. fills the sdp_jupyter variables from SageMaker's (SDP_JOB_DIR under SM_OUTPUT_DATA_DIR, so it
+   is uploaded with the job's output; SDP_CHECKPOINT_DIR=/opt/ml/checkpoints, which SageMaker
+   syncs with the job's checkpoint S3 URI and restores after a spot interruption; SDP_NUM_NODES),
+   after step 1 because only then is sdp_jupyter importable, and the job directory's names are
+   sdp_jupyter.jobdir's;
 3. records which backend the script's groups really use, and with --init-process-group makes the
    default group with the job's backend first (launch/rank/backend_check.py, as the local worker does);
    then runs script.py as ``__main__`` exactly as the local worker does (both through launch/rank/bootstrap.py) (same argv: --args, then the
@@ -52,21 +54,24 @@ class EngineInstallError(RuntimeError):
 
 
 def fill_environment(env=os.environ) -> dict:
-    """Set the SDP_* variables a worker reads from the SM_* ones SageMaker provides; return them."""
+    """Set the SDP_* variables a worker reads from the SM_* ones SageMaker provides, make the job
+    directory's folders; return the variables. Needs sdp_jupyter importable (main: after the engine)."""
+    from sdp_jupyter import jobdir
+
     out_dir = env.get("SM_OUTPUT_DATA_DIR") or "/opt/ml/output/data"
     try:
         hosts = json.loads(env.get("SM_HOSTS") or "[]")
     except ValueError:
         hosts = []
     values = {
-        "SDP_JOB_DIR": os.path.join(out_dir, "sdp_job"),
+        "SDP_JOB_DIR": os.path.join(out_dir, jobdir.CONTAINER_JOB_DIR),
         "SDP_JOB_NAME": env.get("SDP_JOB_NAME") or env.get("TRAINING_JOB_NAME") or "sagemaker-job",
         "SDP_CHECKPOINT_DIR": env.get("SDP_CHECKPOINT_DIR") or "/opt/ml/checkpoints",
         "SDP_NUM_NODES": str(len(hosts) or 1),
         "SDP_TARGET": "sagemaker",
     }
     env.update(values)
-    for sub in ("metrics", "logs"):
+    for sub in (jobdir.METRICS, jobdir.LOGS):
         os.makedirs(os.path.join(values["SDP_JOB_DIR"], sub), exist_ok=True)
     os.makedirs(values["SDP_CHECKPOINT_DIR"], exist_ok=True)
     return values
@@ -180,13 +185,14 @@ def _say_engine(env, what: str) -> None:
 
 
 class MetricsEcho:
-    """Prints each new line of this rank's metrics file as a ``[sdp-metrics]`` stdout line."""
+    """Prints each new line of this rank's metrics file as a ``[sdp-metrics]`` stdout line (read
+    through jobdir's bounded tailer: an over-long or bad line is skipped, never printed)."""
 
     def __init__(self, job_dir: str, rank: int, interval: float = 0.5):
-        self.path = os.path.join(job_dir, "metrics", f"rank-{rank}.jsonl")
+        from sdp_jupyter import jobdir
+
+        self.tail = jobdir.JsonLinesTail(jobdir.rank_metrics_path(job_dir, rank))
         self.interval = interval
-        self.offset = 0
-        self.rest = b""
         self.last_t = None
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -204,22 +210,7 @@ class MetricsEcho:
         from sdp_jupyter.monitor.cloudwatch import format_log_line
 
         with self._lock:
-            try:
-                with open(self.path, "rb") as f:
-                    f.seek(self.offset)
-                    data = f.read()
-            except OSError:
-                return
-            self.offset += len(data)
-            lines = (self.rest + data).split(b"\n")
-            self.rest = lines.pop()
-            for line in lines:
-                try:
-                    record = json.loads(line)
-                except ValueError:
-                    continue
-                if not isinstance(record, dict):
-                    continue
+            for record in self.tail.records():
                 print(format_log_line(record, self.last_t), flush=True)
                 if record.get("kind") == "step" and isinstance(record.get("t"), (int, float)):
                     self.last_t = record["t"]
@@ -249,18 +240,20 @@ def _write_failure(exc: BaseException, env=os.environ) -> None:
 def main(argv: list[str] | None = None) -> int:
     if HERE not in sys.path:
         sys.path.insert(0, HERE)  # the uploaded copy of sdp_jupyter sits next to this file
-    values = fill_environment()
     try:
         load_smddp(installed=install_engine())  # with our engine, sdp_jupyter is importable from here on
     except EngineInstallError as e:
         print(f"[sdp_jupyter] {e}", file=sys.stderr, flush=True)
         _write_failure(e)
         return 1
+    values = fill_environment()
+    from sdp_jupyter import jobdir
     from sdp_jupyter.launch.rank import bootstrap
     bootstrap.arm_crash_report()
-    with open(os.path.join(HERE, "spec.json")) as f:
+    # the code channel holds the job directory's script, spec and pushed variables under their names
+    with open(os.path.join(HERE, jobdir.SPEC)) as f:
         spec = json.load(f)
-    push = bootstrap.load_push(os.path.join(HERE, "push.pkl"), checked=False)
+    push = bootstrap.load_push(os.path.join(HERE, jobdir.PUSH), checked=False)
     rank = int(os.environ.get("RANK", "0"))
     args = [str(a) for a in spec.get("args") or []]
     args += list(sys.argv[1:] if argv is None else argv)  # the hyperparameters, from the driver
@@ -270,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         _write_failure(RuntimeError("--init-process-group: init_process_group failed (see the rank's log)"))
         return 1
     try:
-        value = bootstrap.run_script(os.path.join(HERE, "script.py"), args, push, want_result=rank == 0)
+        value = bootstrap.run_script(os.path.join(HERE, jobdir.SCRIPT), args, push, want_result=rank == 0)
     except SystemExit as e:
         echo.stop()
         bootstrap.finish_distributed()

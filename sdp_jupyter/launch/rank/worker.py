@@ -69,7 +69,7 @@ def main() -> int:
     _load_backend(os.environ.get("SDP_BACKEND", spec.get("backend", "smddp")))
     if watch_backend(spec, os.environ.get("SDP_BACKEND", spec.get("backend", "smddp"))):
         return 1
-    push = load_push(os.path.join(job_dir, "push.pkl"))
+    push = load_push(os.path.join(job_dir, jobdir.PUSH))
     rank0 = os.environ.get("RANK", "0") == "0"
     try:
         value = run_script(os.environ["SDP_SCRIPT"], script_arguments(spec), push, want_result=rank0)

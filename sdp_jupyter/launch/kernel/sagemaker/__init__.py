@@ -38,8 +38,10 @@ re-exported here: ``from sdp_jupyter.launch.kernel.sagemaker import SageMakerJob
 from __future__ import annotations
 
 from sdp_jupyter.launch.kernel.sagemaker.aws import boto_session, resolve_aws
-from sdp_jupyter.launch.kernel.sagemaker.engine import check_smddp_instance, choose_engine, host_counts, smddp_instance_types
-from sdp_jupyter.launch.kernel.sagemaker.job import ENGINE_LINE, SageMakerJob, SageMakerRun, engine_line, host_log_path, job_state
+from sdp_jupyter.instances import host_counts
+from sdp_jupyter.jobdir import host_log_path
+from sdp_jupyter.launch.kernel.sagemaker.engine import check_smddp_instance, choose_engine, smddp_instance_types
+from sdp_jupyter.launch.kernel.sagemaker.job import ENGINE_LINE, SageMakerJob, SageMakerRun, engine_line, job_state
 from sdp_jupyter.launch.kernel.sagemaker.options import (CONTAINER_CHECKPOINT_DIR, DEFAULT_INSTANCE_TYPES, DEFAULT_MAX_RUN,
                                                   DEFAULT_POLL_INTERVAL, ENTRY_SCRIPT, FIELD_OPTIONS, OPERATION,
                                                   REQUEST_FILE, SAGEMAKER_OPTIONS, SECRET_FILE, SMDDP_FRAMEWORK_VERSION,

@@ -1,5 +1,6 @@
 """Instance types and who serves --backend smddp there (--engine): SageMaker's smdistributed
-library on the types it supports, sdp_jupyter's engine elsewhere; the hosts' GPU and CPU counts."""
+library on the types it supports, sdp_jupyter's engine elsewhere. (The hosts' GPU and CPU counts are
+instance facts: sdp_jupyter.instances.host_counts.)"""
 from __future__ import annotations
 
 from sdp_jupyter.launch.options import SpecError
@@ -51,20 +52,3 @@ def choose_engine(instance_type: str, backend: str, engine: str = "auto") -> tup
                                       "the job uses sdp_jupyter's engine (shipped as a source package and "
                                       "built in the container when the job starts; --engine aws to refuse)")
     return instances.ENGINE_SDP, None
-
-
-def host_counts(instance_type: str, region: str | None = None) -> dict:
-    """GPUs, vCPUs and memory of one instance: the catalogue, else the SDK's GPU table, else {}."""
-    from sdp_jupyter.monitor.cloudwatch import instance_counts
-
-    counts = instance_counts(instance_type)
-    if not counts:
-        try:
-            from sagemaker.core import instance_types_gpu_info
-
-            info = instance_types_gpu_info.retrieve(region or "us-east-1").get(instance_type)
-        except Exception:
-            info = None
-        if info:
-            counts = {"gpus": info["Count"], "gpu_mem_bytes": info["TotalGpuMemoryInMiB"] * 2**20}
-    return counts

@@ -2,8 +2,6 @@
 background poller that mirrors DescribeTrainingJob, CloudWatch Logs and metrics into it."""
 from __future__ import annotations
 
-import json
-import shutil
 import tarfile
 import threading
 import time
@@ -11,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from sdp_jupyter import jobdir
+from sdp_jupyter.instances import host_counts
 from sdp_jupyter.launch.kernel.job import Job, JobError
 from sdp_jupyter.launch.kernel.sagemaker.aws import boto_session
-from sdp_jupyter.launch.kernel.sagemaker.engine import host_counts
 from sdp_jupyter.launch.kernel.sagemaker.options import DEFAULT_POLL_INTERVAL, METRICS_POLL_INTERVAL, REQUEST_FILE
 
 
@@ -29,10 +27,6 @@ def job_state(status: str | None, secondary: str | None) -> str:
     if status == "InProgress" and (secondary is None or secondary in _STARTING):
         return "pending"
     return "running"
-
-
-def host_log_path(job_dir: Path, host: int) -> Path:
-    return Path(job_dir) / jobdir.LOGS / f"algo-{host + 1}.log"
 
 
 #: the line the container entry prints once the smddp backend is loaded (entry.load_smddp)
@@ -140,7 +134,7 @@ class SageMakerJob(Job):
             raise JobError(f"host {host} does not exist: job {self.name} has hosts 0..{self.hosts - 1} "
                            f"(algo-1..algo-{self.hosts})")
         try:
-            text = host_log_path(self.dir, host).read_text(errors="replace")
+            text = jobdir.host_log_path(self.dir, host).read_text(errors="replace")
         except FileNotFoundError:
             return ""
         if tail is not None:
@@ -168,23 +162,23 @@ class SageMakerJob(Job):
         root = desc["OutputDataConfig"]["S3OutputPath"].rstrip("/")
         uri = f"{root}/{self.training_job_name}/output/output.tar.gz"
         bucket, _, key = uri[len("s3://"):].partition("/")
-        target = self.dir / "output" / "output.tar.gz"
+        target = self.dir / jobdir.OUTPUT / "output.tar.gz"
         target.parent.mkdir(parents=True, exist_ok=True)
         try:
             self._boto().client("s3").download_file(bucket, key, str(target))
         except Exception as e:
             raise JobError(f"job {self.name}: cannot fetch {uri}: {e}", self) from e
+        mirror = jobdir.Mirror()
         with tarfile.open(target) as tar:
             for member in tar.getmembers():
                 parts = Path(member.name).parts
-                if not member.isfile() or len(parts) < 2 or parts[0] != "sdp_job" or ".." in parts:
+                if not member.isfile() or len(parts) < 2 or parts[0] != jobdir.CONTAINER_JOB_DIR or ".." in parts:
                     continue
                 dest = self.dir.joinpath(*parts[1:])
                 if dest.parent.name == jobdir.METRICS and dest.exists():
                     continue  # the mirror from the log lines is already there
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                with tar.extractfile(member) as src, open(dest, "wb") as out:
-                    shutil.copyfileobj(src, out)
+                with tar.extractfile(member) as src:
+                    mirror.replace(dest, src)
         return target
 
     def view(self):
@@ -218,7 +212,7 @@ class SageMakerRun:
         self.interval = float(job.sagemaker.get("poll_interval") or DEFAULT_POLL_INTERVAL)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"sdp-sagemaker-{job.name}", daemon=True)
-        self._files: dict[str, Any] = {}
+        self._mirror = jobdir.Mirror()  # host logs and metrics, written into the job directory
         self._last_t: dict = {}
         self.errors = 0
 
@@ -272,25 +266,14 @@ class SageMakerRun:
                     job.update_status(sagemaker=dict(job.sagemaker, poll_error=f"{type(e).__name__}: {e}"))
                 self._stop.wait(self.interval * min(2 ** self.errors, 30))
         finally:
-            for f in self._files.values():
-                f.close()
+            self._mirror.close()
             if job.supervisor is self:
                 job.supervisor = None
 
-    def _file(self, path: Path):
-        f = self._files.get(str(path))
-        if f is None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            f = self._files[str(path)] = open(path, "a", encoding="utf-8")
-        return f
-
     def _lines(self, lines) -> None:
-        touched = set()
         for host, text, t in lines:
             text = text.rstrip("\n")
-            f = self._file(host_log_path(self.job.dir, host))
-            f.write(text + "\n")
-            touched.add(f)
+            self._mirror.append(jobdir.host_log_path(self.job.dir, host), text + "\n", flush=False)
             self.job.emit_output(host, text + "\n")
             if ENGINE_LINE in text and not self.job.sagemaker.get("engine_ran"):
                 ran = text.split(ENGINE_LINE, 1)[1].strip()
@@ -298,21 +281,14 @@ class SageMakerRun:
             if self._prefix in text:
                 ev = self._parse(text, host, t)
                 if ev is not None:
-                    rank = ev.get("rank", host)
-                    m = self._file(self.job.dir / jobdir.METRICS / f"rank-{rank}.jsonl")
-                    m.write(json.dumps(ev, separators=(",", ":")) + "\n")
-                    touched.add(m)
-        for f in touched:
-            f.flush()
+                    self._mirror.append_record(jobdir.rank_metrics_path(self.job.dir, ev.get("rank", host)), ev,
+                                               flush=False)
+        self._mirror.flush()
 
     def _system(self, events) -> None:
-        touched = set()
         for ev in events:
-            f = self._file(self.job.dir / jobdir.METRICS / f"system-node-{ev['node']}.jsonl")
-            f.write(json.dumps(ev, separators=(",", ":")) + "\n")
-            touched.add(f)
-        for f in touched:
-            f.flush()
+            self._mirror.append_record(jobdir.node_metrics_path(self.job.dir, ev["node"]), ev, flush=False)
+        self._mirror.flush()
 
     def _status(self, desc: dict) -> None:
         job = self.job

@@ -7,13 +7,14 @@ import dataclasses
 import os
 from typing import Any
 
+from sdp_jupyter import jobdir
 from sdp_jupyter._env import env_float, parse_bool
 from sdp_jupyter.launch.options import Option, SpecError
 from sdp_jupyter.launch.kernel.sagemaker.validate import check as check_request
 
 OPERATION = "CreateTrainingJob"
-SOURCE_DIR = "sagemaker_source"     # in the job directory: what goes up as the code channel
-REQUEST_FILE = "sagemaker_request.json"
+SOURCE_DIR = jobdir.SAGEMAKER_SOURCE     # in the job directory: what goes up as the code channel
+REQUEST_FILE = jobdir.SAGEMAKER_REQUEST  # in the job directory: the CreateTrainingJob request as sent
 ENTRY_SCRIPT = "sdp_entry.py"
 SECRET_FILE = "job_secret"  # in the source directory with our engine: the entry's SDP_JOB_SECRET
 CONTAINER_CHECKPOINT_DIR = "/opt/ml/checkpoints"

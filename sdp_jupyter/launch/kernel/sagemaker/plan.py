@@ -10,7 +10,8 @@ from typing import Any
 
 from sdp_jupyter import jobdir
 from sdp_jupyter.launch.options import SpecError
-from sdp_jupyter.launch.kernel.sagemaker.engine import choose_engine, host_counts
+from sdp_jupyter.instances import host_counts
+from sdp_jupyter.launch.kernel.sagemaker.engine import choose_engine
 from sdp_jupyter.launch.kernel.sagemaker.options import (CONTAINER_CHECKPOINT_DIR, DEFAULT_INSTANCE_TYPES, DEFAULT_MAX_RUN, MAX_NAME,
                                                   NAME_SUFFIX, SMDDP_FRAMEWORK_VERSION, SageMakerOptions,
                                                   validate_request)

@@ -20,9 +20,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from sdp_jupyter import jobdir
 from sdp_jupyter.launch.options import SpecError
 
-REHEARSAL_DIR = "rehearsal"  # in the job directory: the hosts' /opt/ml trees and the image's packages
+REHEARSAL_DIR = jobdir.REHEARSAL  # in the job directory: the hosts' /opt/ml trees and the image's packages
 
 #: What a rehearsal checks (shown in its summary).
 CHECKED = (

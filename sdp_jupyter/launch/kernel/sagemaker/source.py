@@ -93,9 +93,9 @@ def build_source_dir(job_dir: Path, plan: Plan) -> Path:
     if src.exists():
         shutil.rmtree(src)
     src.mkdir(parents=True)
-    shutil.copy2(job_dir / jobdir.SCRIPT, src / "script.py")
+    shutil.copy2(job_dir / jobdir.SCRIPT, src / jobdir.SCRIPT)
     shutil.copy2(Path(__file__).parents[2] / "rank" / "sagemaker_entry.py", src / ENTRY_SCRIPT)
-    (src / "spec.json").write_text(plan.spec.to_json())
+    (src / jobdir.SPEC).write_text(plan.spec.to_json())
     if (job_dir / jobdir.PUSH).is_file():
         shutil.copy2(job_dir / jobdir.PUSH, src / jobdir.PUSH)
     (src / "requirements.txt").write_text(
