@@ -38,7 +38,7 @@ def test_every_metrics_name_is_made_and_recognised_here(tmp_path):
 
 
 def test_the_sagemaker_names_are_the_job_directorys():
-    from sdp_jupyter.launch import sagemaker
+    from sdp_jupyter.launch.kernel import sagemaker
     from sdp_jupyter.launch.kernel.sagemaker import rehearse
 
     assert sagemaker.SOURCE_DIR == jobdir.SAGEMAKER_SOURCE and sagemaker.SOURCE_DIR in jobdir.KNOWN_ENTRIES
@@ -231,7 +231,8 @@ def test_an_agents_metrics_frames_rebuild_the_files_in_the_notebooks_job_directo
     writes them with the mirror writer: the notebook's files end up the same, names checked."""
     import types
 
-    from sdp_jupyter.launch import agent as channel
+    from sdp_jupyter.launch import channel
+    from sdp_jupyter.launch.host.agent import Agent
     from sdp_jupyter.launch.kernel.remote import RemoteRun
 
     host, notebook = tmp_path / "host", tmp_path / "notebook"
@@ -242,7 +243,7 @@ def test_an_agents_metrics_frames_rebuild_the_files_in_the_notebooks_job_directo
     jobdir.node_metrics_path(host, 1).write_bytes(b'{"t":1.0,"kind":"system","node":1}\n')
     (host / "metrics" / "notes.jsonl").write_bytes(b'{"t":1.0}\n')  # not a metrics file: never sent
     out = io.BytesIO()
-    agent = channel.Agent(io.BytesIO(), out)
+    agent = Agent(io.BytesIO(), out)
     agent.job_dir = host
     stop = threading.Event()
     stop.set()  # the last sweep
