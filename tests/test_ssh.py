@@ -68,6 +68,13 @@ def test_more_nodes_than_hosts_is_refused_and_nodes_default_to_the_hosts():
     assert spec.nodes == 3 and hosts == ["a", "b", "c"]
     spec, hosts, _ = launcher.resolve(JobSpec(code="x", target="ssh", nodes=2, ssh={"hosts": ["a", "b", "c"]}))
     assert spec.nodes == 2 and hosts == ["a", "b"]
+    spec, hosts, _ = launcher.resolve(JobSpec(code="x", target="ssh", nodes=1, ssh={"hosts": ["a", "b", "c"]}))
+    assert spec.nodes == 1 and hosts == ["a"]  # --nodes 1 is one host, not "not given"
+    from sdp_jupyter.magics import SdpMagics, parse_line
+
+    args = parse_line(SdpMagics.sdp_train, "--target ssh --hosts a,b,c --nodes 1")
+    assert JobSpec.from_options(vars(args), code="x").nodes == 1
+    assert JobSpec.from_options(vars(parse_line(SdpMagics.sdp_train, "--target ssh --hosts a,b")), code="x").nodes is None
     with pytest.raises(SpecError, match="4 nodes but 3 host"):
         launcher.resolve(JobSpec(code="x", target="ssh", nodes=4, ssh={"hosts": ["a", "b", "c"]}))
 

@@ -149,10 +149,11 @@ def check(spec) -> dict:
         raise SpecError(FLAGS[next(iter(kept))], f"the hybrid-parallel options reach local and SageMaker jobs, not "
                                                  f"--target {spec.target}. Fix: --target local, or give "
                                                  f"the workers' variables instead: {env}")
+    nodes = spec.nodes or 1  # local and SageMaker jobs: 1 node unless --nodes says
     if spec.procs_per_node is not None:
-        errors = [f for f in validate_layout(config(values), spec.procs_per_node, spec.nodes) if f.level == "error"]
+        errors = [f for f in validate_layout(config(values), spec.procs_per_node, nodes) if f.level == "error"]
         if errors:
-            layout = f"--nodes {spec.nodes} x --procs-per-node {spec.procs_per_node}"
+            layout = f"--nodes {nodes} x --procs-per-node {spec.procs_per_node}"
             lines = [f"{e.message} Fix: {e.fix}." for e in errors]
             if values["offload_activations"]:
                 need = [opt for opt, missing in (
@@ -162,7 +163,7 @@ def check(spec) -> dict:
                 if need:
                     lines.append(f"With these options: add {', '.join(need)}, or drop --offload-activations.")
             if values["tp"] > spec.procs_per_node:
-                lines.append(f"A local node's GPUs are its --procs-per-node: e.g. --nodes {spec.nodes} "
+                lines.append(f"A local node's GPUs are its --procs-per-node: e.g. --nodes {nodes} "
                              f"--procs-per-node {values['tp']} --tp {values['tp']}.")
             raise SpecError(_KNOB_FLAGS.get(errors[0].knob, "--tp"),
                             f"this job's layout ({layout}, {config(values).describe()}) cannot run: "

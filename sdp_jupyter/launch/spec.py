@@ -153,7 +153,7 @@ class JobSpec:
     code: str | None = None
     script: str | None = None
     name: str | None = None
-    nodes: int = 1
+    nodes: int | None = None  # None: the target decides (the SSH target's hosts, else 1)
     procs_per_node: int | None = None
     backend: str = "smddp"
     init_process_group: bool = False
@@ -176,7 +176,8 @@ class JobSpec:
     ray: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        self.nodes = parse_whole(_flag("nodes"), self.nodes, 1, "4")
+        if self.nodes is not None:
+            self.nodes = parse_whole(_flag("nodes"), self.nodes, 1, "4")
         if self.procs_per_node is not None:
             self.procs_per_node = parse_whole(_flag("procs_per_node"), self.procs_per_node, 1, "1")
         self.max_restarts = parse_whole(_flag("max_restarts"), self.max_restarts, 0, "2")
@@ -259,6 +260,12 @@ class JobSpec:
     def _check_init_process_group(self) -> None:
         if not isinstance(self.init_process_group, bool):
             raise SpecError("--init-process-group", f"is a flag (True or False), got {self.init_process_group!r}")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the job: nodes x processes per node, the one place it is computed (a spec the
+        launcher has not resolved yet counts what it knows: 1 node, 1 process per node)."""
+        return (self.nodes or 1) * (self.procs_per_node or 1)
 
     def parallel_env(self) -> dict[str, str]:
         """The hybrid-parallel options as the workers' SDP_TP, SDP_PP, ... (ParallelConfig.env());

@@ -69,7 +69,7 @@ class Agent:
         self.inp, self.out = inp, out
         self._send_lock = threading.Lock()
         self._last_heard = time.monotonic()
-        self._procs: list = []
+        self._node = None  # this attempt's NodeRanks
         self._samplers: list = []
         self._attempt_thread: threading.Thread | None = None
         self.job_dir: Path | None = None
@@ -132,6 +132,7 @@ class Agent:
     def _start(self, m: dict) -> None:
         from sdp_jupyter import jobdir
         from sdp_jupyter.launch.host import ranks
+        from sdp_jupyter.launch.host.node import NodeRanks
         from sdp_jupyter.launch.spec import JobSpec
 
         if self._attempt_thread is not None and self._attempt_thread.is_alive():
@@ -157,7 +158,7 @@ class Agent:
         self.job_dir = job_dir
         (job_dir / jobdir.RESULT).unlink(missing_ok=True)
         ppn = spec.procs_per_node
-        world = spec.nodes * ppn
+        world = spec.world_size
         gpus = ranks.gpu_count()
         pool, reason = m.get("warm"), m.get("cold_reason")
         if pool:
@@ -165,7 +166,8 @@ class Agent:
 
             if pool.get("fingerprint") != warm.fingerprint():
                 pool, reason = None, "the installed code changed since the pool on this host started"
-        procs = []
+        node_ranks = NodeRanks(job_dir, lambda rank, raw: self.send(
+            {"type": "out", "rank": rank, "text": raw.decode("utf-8", errors="replace")}), name="sdp-agent")
         for local_rank in range(ppn):
             rank = node * ppn + local_rank
             env = ranks.environment(spec, rank=rank, world_size=world, job_dir=str(job_dir), job_name=name,
@@ -176,55 +178,35 @@ class Agent:
             proc = warm.fork_rank(pool["socket"], ranks.WORKER, env, owned=True) if pool else None
             if isinstance(proc, str):  # one cold rank makes the node cold
                 pool, reason = None, proc
-            procs.append((rank, ranks.spawn(env) if proc is None or isinstance(proc, str) else proc))
+            node_ranks.add(rank, ranks.spawn(env) if proc is None or isinstance(proc, str) else proc)
         self.send({"type": "started", "warm": pool is not None, "reason": reason})
-        self._procs = [p for _, p in procs]
+        self._node = node_ranks
         if not self._samplers:
             sampler = ranks.start_sampler(job_dir, node)
             if sampler is not None:
                 self._samplers.append(sampler)
-        self._attempt_thread = threading.Thread(target=self._watch, args=(procs,), daemon=True, name="sdp-agent-watch")
+        self._attempt_thread = threading.Thread(target=self._watch, args=(node_ranks,), daemon=True, name="sdp-agent-watch")
         self._attempt_thread.start()
 
-    def _watch(self, procs: list) -> None:
-        readers = {rank: threading.Thread(target=self._read, args=(rank, p), daemon=True) for rank, p in procs}
-        for t in readers.values():
-            t.start()
+    def _watch(self, node_ranks) -> None:
         tailer_stop = threading.Event()
         tailer = threading.Thread(target=self._tail_metrics, args=(tailer_stop,), daemon=True)
         tailer.start()
         codes = {}
-        pending = dict(procs)
-        while pending:
-            for rank, p in list(pending.items()):
-                code = p.poll()
-                if code is not None:
-                    pending.pop(rank)
-                    readers[rank].join(timeout=2)  # its last lines go out before its exit
-                    codes[rank] = code
-                    self.send({"type": "exit", "rank": rank, "code": code})
-            time.sleep(0.05)
+        while len(codes) < len(node_ranks.procs):
+            rank, code = node_ranks.exits.get()
+            node_ranks.last_lines(rank)  # its last lines go out before its exit
+            codes[rank] = code
+            self.send({"type": "exit", "rank": rank, "code": code})
         from sdp_jupyter import jobdir
-        from sdp_jupyter.launch.host import ranks
 
-        ranks.kill_groups([p for _, p in procs])
+        node_ranks.kill_groups()
         tailer_stop.set()
         tailer.join(timeout=5)
         result = self.job_dir / jobdir.RESULT
         if 0 in codes and codes[0] == 0 and result.is_file():
             self.send({"type": "result", "data": b64(result.read_bytes())})
         self.send({"type": "done", "codes": codes})
-
-    def _read(self, rank: int, proc) -> None:
-        from sdp_jupyter import jobdir
-
-        cap = jobdir.LINE_CAP
-        with jobdir.open_private(jobdir.log_path(self.job_dir, rank)) as log:
-            for raw in iter(lambda: proc.stdout.readline(cap), b""):
-                log.write(raw)
-                log.flush()
-                self.send({"type": "out", "rank": rank, "text": raw.decode("utf-8", errors="replace")})
-        proc.stdout.close()
 
     def _tail_metrics(self, stop: threading.Event) -> None:
         """Send every complete new line of the metrics files, a frame per bounded read (jobdir's
@@ -252,7 +234,8 @@ class Agent:
     def _stop_ranks(self, sigint_grace: float, sigterm_grace: float) -> None:
         from sdp_jupyter.launch.host import ranks
 
-        ranks.stop(self._procs, sigint_grace, sigterm_grace)
+        if self._node is not None:
+            self._node.stop(sigint_grace, sigterm_grace)
         if self._attempt_thread is not None:
             self._attempt_thread.join(timeout=10)
         ranks.stop_samplers(self._samplers)

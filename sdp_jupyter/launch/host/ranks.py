@@ -136,7 +136,7 @@ def environment(spec, *, rank: int, world_size: int, job_dir: str, job_name: str
         "SDP_RESTART": str(attempt), "SDP_LAUNCHER_PID": str(os.getpid()),
     })
     env.setdefault("SM_CHANNEL_TRAIN", os.path.join(job_dir, jobdir.TRAIN_CHANNEL))
-    if split_gpus and gpus >= spec.nodes * ppn and "CUDA_VISIBLE_DEVICES" not in spec.env:
+    if split_gpus and gpus >= spec.world_size and "CUDA_VISIBLE_DEVICES" not in spec.env:
         parent = os.environ.get("CUDA_VISIBLE_DEVICES")
         ids = [v.strip() for v in parent.split(",")] if parent else [str(i) for i in range(gpus)]
         env["CUDA_VISIBLE_DEVICES"] = ",".join(ids[node * ppn:(node + 1) * ppn])

@@ -157,7 +157,7 @@ class Job(Shown):
         st = self.status
         if st.get("world_size"):
             return int(st["world_size"])
-        return self.spec.nodes * (self.spec.procs_per_node or 1)
+        return self.spec.world_size
 
     @property
     def elapsed(self) -> float:

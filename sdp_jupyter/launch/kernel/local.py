@@ -9,21 +9,21 @@ in sdp_jupyter.launch.rank.worker), and an atexit hook (launch/kernel/supervise.
 """
 from __future__ import annotations
 
-import os
 import queue
 import secrets
 import signal
 import subprocess
-import threading
 import time
 from pathlib import Path
 
 from sdp_jupyter import jobdir
 from sdp_jupyter.launch.kernel import backend_verdict
 from sdp_jupyter.launch.host import ranks
+from sdp_jupyter.launch.host.node import NodeRanks, ViewCut
 from sdp_jupyter.launch.kernel import supervise
 from sdp_jupyter.launch.kernel import warm_pool
 from sdp_jupyter.launch.kernel.job import Job
+from sdp_jupyter.launch.kernel.launcher import create_job, prepared
 from sdp_jupyter.launch.kernel.push import pickle_push
 from sdp_jupyter.launch.spec import JobSpec, SpecError
 from sdp_jupyter.launch.host.ranks import gpu_count
@@ -55,18 +55,12 @@ class LocalLauncher:
         if gpus and spec.backend == "nccl" and ppn > gpus:
             raise SpecError("--procs-per-node", f"{ppn} processes but only {gpus} GPU(s) for nccl. "
                                                 f"Fix: --procs-per-node {gpus}")
-        if spec.script is not None and not Path(spec.script).is_file():
-            raise SpecError("script", f"{spec.script} does not exist; give the path of a .py file")
-        return spec.replace(name=spec.name or jobdir.new_job_name(), procs_per_node=ppn)
+        return prepared(spec, procs_per_node=ppn)
 
     def start(self, spec: JobSpec, push: dict | None = None) -> Job:
         spec = self.resolve(spec)
         push_bytes = pickle_push(spec.push, push or {})
-        job_dir, spec = Job.create_dir(spec, push_bytes)
-        job = Job(spec, job_dir)
-        job.update_status(state="pending", created=time.time(), started=None, ended=None, exit_codes=[],
-                    restarts=0, error=None, launcher_pid=os.getpid(), target="local",
-                    world_size=spec.nodes * spec.procs_per_node)
+        job = create_job(spec, push_bytes)
         run = LocalRun(job, self)
         job.supervisor = run
         run.start()
@@ -80,13 +74,12 @@ class LocalRun(supervise.Run):
         self.job = job
         self.spec = job.spec
         self.launcher = launcher
-        self.world_size = self.spec.nodes * self.spec.procs_per_node
+        self.world_size = self.spec.world_size
         self.secret = secrets.token_hex(32)
         self.gpus = gpu_count()
         self.warm_choice = launcher.start_choice(self.spec)
-        self._procs: list[subprocess.Popen] = []
+        self._node: NodeRanks | None = None  # this attempt's ranks (every node of a local job is on this host)
         self._samplers: list[subprocess.Popen] = []
-        self._readers: list[threading.Thread] = []
         supervise.Run.__init__(self, f"sdp-job-{job.name}")
 
     # ------------------------------------------------------------------ environment
@@ -118,8 +111,8 @@ class LocalRun(supervise.Run):
             self._terminate()
         finally:
             self._stop_samplers()
-            for t in self._readers:
-                t.join(timeout=2)
+            if self._node is not None:
+                self._node.join_readers()
             supervise.unregister(self)
             warm_pool.job_done(self.warm_choice, self.spec.preload)
             job.update_status(state=state, error=error, exit_codes=codes, ended=time.time(),
@@ -128,21 +121,20 @@ class LocalRun(supervise.Run):
     def _attempt(self, attempt: int, started: float) -> tuple[str, str | None, list]:
         port = free_port()
         script = str(self.job.dir / jobdir.SCRIPT) if self.spec.script is None else self.spec.script
-        self._procs, readers = [], []
-        exits: queue.Queue = queue.Queue()
+        views = {rank: ViewCut() for rank in range(self.world_size)}
+
+        def shown(rank: int, raw: bytes) -> None:
+            text = views[rank].text(raw)
+            if text is not None:
+                self.job.emit_output(rank, text)
+
+        node = self._node = NodeRanks(self.job.dir, shown, name=f"sdp-{self.job.name}")
         for rank in range(self.world_size):
             env = self.environment(rank, attempt, port)
             env["SDP_SCRIPT"] = script
-            proc = self._spawn(ranks.WORKER, env)
-            self._procs.append(proc)
-            reader = threading.Thread(target=self._read, args=(rank, proc), daemon=True,
-                                      name=f"sdp-{self.job.name}-out{rank}")
-            reader.start()
-            readers.append(reader)
-            self._readers.append(reader)
-            threading.Thread(target=lambda r=rank, p=proc: exits.put((r, p.wait())), daemon=True).start()
+            node.add(rank, self._spawn(ranks.WORKER, env))
         self.job.update_status(state="running", started=self.job.status.get("started") or time.time(),
-                         port=port, pids=[p.pid for p in self._procs])
+                         port=port, pids=node.pids)
         codes: list = [None] * self.world_size
         remaining = self.world_size
         while remaining:
@@ -153,13 +145,13 @@ class LocalRun(supervise.Run):
                 codes = self._terminate()
                 return "failed", f"timed out after {self.spec.timeout:g} s (--timeout)", codes
             try:
-                rank, code = exits.get(timeout=0.1)
+                rank, code = node.exits.get(timeout=0.1)
             except queue.Empty:
                 continue
             codes[rank] = code
             remaining -= 1
             if code != 0:
-                readers[rank].join(timeout=2)  # its last lines, for the error
+                node.last_lines(rank)  # its last lines, for the error
                 error = self._failure_message(rank, code)
                 codes = self._terminate(codes)
                 return "failed", error, codes
@@ -184,25 +176,6 @@ class LocalRun(supervise.Run):
         node, local_rank = divmod(rank, self.spec.procs_per_node)
         return ranks.failure_message(self.job, rank, f"rank {rank} (node {node}, local rank {local_rank})", code)
 
-    def _read(self, rank: int, proc: subprocess.Popen) -> None:
-        # Pieces of at most LINE_CAP bytes: the log gets every byte, the views get the first
-        # LINE_CAP of a line (a 64 MiB line is never held whole, nor sent to the notebook).
-        cap = jobdir.LINE_CAP
-        cut = False
-        with jobdir.open_private(jobdir.log_path(self.job.dir, rank)) as log:
-            for raw in iter(lambda: proc.stdout.readline(cap), b""):
-                log.write(raw)
-                log.flush()
-                if not cut:
-                    text = raw.decode("utf-8", errors="replace")
-                    if not raw.endswith(b"\n") and len(raw) >= cap:
-                        text += f" … [line cut at {cap} bytes in this view; the log has it all]\n"
-                        cut = True
-                    self.job.emit_output(rank, text)
-                elif raw.endswith(b"\n"):
-                    cut = False
-        proc.stdout.close()
-
     def _line(self, rank: int, text: str) -> None:
         with jobdir.open_private(jobdir.log_path(self.job.dir, rank), "a") as log:
             log.write(text)
@@ -210,10 +183,11 @@ class LocalRun(supervise.Run):
 
     def _terminate(self, codes: list | None = None) -> list:
         """Stop every live rank (launch/host/ranks.py: SIGINT, SIGTERM, SIGKILL); return exit codes."""
-        return ranks.stop(self._procs, self.launcher.sigint_grace, self.launcher.sigterm_grace)
+        return self._node.stop(self.launcher.sigint_grace, self.launcher.sigterm_grace) if self._node else []
 
     def _cleanup_groups(self) -> None:
-        ranks.kill_groups(self._procs)
+        if self._node is not None:
+            self._node.kill_groups()
 
     # ------------------------------------------------------------------ per-node samplers
     def _start_samplers(self) -> None:
@@ -228,10 +202,11 @@ class LocalRun(supervise.Run):
     def kill_now(self) -> None:
         """At interpreter exit: no grace, nothing may survive us."""
         self._stop.set()
-        for p in self._procs + self._samplers:
+        procs = (self._node.procs if self._node else []) + self._samplers
+        for p in procs:
             ranks.signal_group(p.pid, signal.SIGTERM)
         deadline = time.monotonic() + 1.0
-        while time.monotonic() < deadline and any(p.poll() is None for p in self._procs + self._samplers):
+        while time.monotonic() < deadline and any(p.poll() is None for p in procs):
             time.sleep(0.02)
-        for p in self._procs + self._samplers:
+        for p in procs:
             ranks.signal_group(p.pid, signal.SIGKILL)

@@ -22,12 +22,11 @@ import queue
 import socket
 import sys
 import threading
-from pathlib import Path
 
 from sdp_jupyter.launch import channel, target_options
-from sdp_jupyter import jobdir
 from sdp_jupyter.launch.kernel import remote
 from sdp_jupyter.launch.kernel.job import Job
+from sdp_jupyter.launch.kernel.launcher import prepared
 from sdp_jupyter.launch.kernel.push import pickle_push
 from sdp_jupyter.launch.kernel.remote import CONNECT_TIMEOUT
 from sdp_jupyter.launch.spec import JobSpec, SpecError
@@ -421,9 +420,7 @@ class RayLauncher:
     def start(self, spec: JobSpec, push: dict | None = None) -> Job:
         address = address_of(spec)
         _import_ray()
-        if spec.script is not None and not Path(spec.script).is_file():
-            raise SpecError("script", f"{spec.script} does not exist; give the path of a .py file")
-        spec = spec.replace(name=spec.name or jobdir.new_job_name())
+        spec = prepared(spec)
         push_bytes = pickle_push(spec.push, push or {})
         return remote.start_job(RayRun(spec, self, address), push_bytes, ray_address=address)
 

@@ -10,7 +10,6 @@ for local jobs (launch/kernel/supervise.py).
 from __future__ import annotations
 
 import collections
-import os
 import queue
 import secrets
 import sys
@@ -21,8 +20,10 @@ from sdp_jupyter.launch import channel
 from sdp_jupyter import jobdir
 from sdp_jupyter.launch.kernel import backend_verdict
 from sdp_jupyter.launch.host import ranks
+from sdp_jupyter.launch.host.node import ViewCut
 from sdp_jupyter.launch.kernel import supervise
 from sdp_jupyter.launch.kernel.job import Job
+from sdp_jupyter.launch.kernel.launcher import create_job
 from sdp_jupyter.launch.spec import JobSpec, SpecError
 
 CONNECT_TIMEOUT = 10       # seconds for a link to reach its node
@@ -71,15 +72,11 @@ def start_job(run: "RemoteRun", push_bytes: bytes | None, **status) -> Job:
     """Preflight `run`, make the job directory, start the run; nothing is left open on failure."""
     try:
         spec = run.preflight()
-        job_dir, spec = Job.create_dir(spec, push_bytes)
+        job = create_job(spec, push_bytes, hosts=run.hosts, host_names=[c.hello.get("hostname") for c in run.conns],
+                         **status)
     except BaseException:
         run.close_all()
         raise
-    job = Job(spec, job_dir)
-    job.update_status(state="pending", created=time.time(), started=None, ended=None, exit_codes=[], restarts=0,
-                error=None, launcher_pid=os.getpid(), target=spec.target, hosts=run.hosts,
-                host_names=[c.hello.get("hostname") for c in run.conns],
-                world_size=spec.nodes * spec.procs_per_node, **status)
     run.attach(job, push_bytes)
     job.supervisor = run
     run.start()
@@ -104,6 +101,7 @@ class RemoteRun(supervise.Run):
         self.job: Job | None = None
         self.push_bytes: bytes | None = None
         self._mirror_files = jobdir.Mirror()  # logs, metrics and the result, written into the job directory
+        self._views: dict[int, ViewCut] = {}  # what the job view shows of each rank's output
         self.warm_choice = {"warm": True, "cold": False}.get(spec.start)  # --warm / --cold / auto
         self._starts: dict[int, tuple[bool, str | None]] = {}  # node -> (warm, why cold) this attempt
         self._links_closed = threading.Event()  # set by close_all: the pings stop
@@ -245,7 +243,7 @@ class RemoteRun(supervise.Run):
         state, error, codes = "failed", None, []
         try:
             def announce(text: str) -> None:
-                for rank in range(spec.nodes * spec.procs_per_node):
+                for rank in range(spec.world_size):
                     self._out(rank, text)
 
             # a lost host is not restarted onto: the job names it and ends
@@ -263,12 +261,12 @@ class RemoteRun(supervise.Run):
 
                 warm_pool.job_done(self.warm_choice, spec.preload, start=self._warm_next)
             job.update_status(state=state, error=error, exit_codes=codes, ended=time.time(),
-                              **backend_verdict.verdict(job.dir, spec.backend, spec.nodes * spec.procs_per_node,
+                              **backend_verdict.verdict(job.dir, spec.backend, spec.world_size,
                                                         state))
 
     def _attempt(self, attempt: int) -> tuple[str, str | None, list]:
         spec, job = self.spec, self.job
-        world = spec.nodes * spec.procs_per_node
+        world = spec.world_size
         first = self.conns[0]
         port = self._ask_port(first)
         script = channel.b64((job.dir / jobdir.SCRIPT).read_bytes())
@@ -382,7 +380,9 @@ class RemoteRun(supervise.Run):
 
     def _out(self, rank: int, text: str) -> None:
         self._mirror_files.append(jobdir.log_path(self.job.dir, rank), text)
-        self.job.emit_output(rank, text)
+        shown = self._views.setdefault(rank, ViewCut()).text(text.encode("utf-8", "surrogateescape"))
+        if shown is not None:  # the view shows a line's first LINE_CAP bytes, as for a local job
+            self.job.emit_output(rank, shown)
 
     def _metrics(self, message: dict) -> None:
         name = str(message.get("file", ""))

@@ -26,9 +26,9 @@ from pathlib import Path
 
 from sdp_jupyter.launch import channel
 from sdp_jupyter.launch import process, target_options
-from sdp_jupyter import jobdir
 from sdp_jupyter.launch.kernel import remote
 from sdp_jupyter.launch.kernel.job import Job
+from sdp_jupyter.launch.kernel.launcher import prepared
 from sdp_jupyter.launch.kernel.push import pickle_push
 from sdp_jupyter.launch.kernel.remote import CONNECT_TIMEOUT
 from sdp_jupyter.launch.spec import JobSpec, SpecError
@@ -260,15 +260,11 @@ class SSHLauncher:
 
     def resolve(self, spec: JobSpec) -> tuple[JobSpec, list[str], int | None]:
         hosts, slots = hosts_of(spec)
-        nodes = len(hosts) if spec.nodes == 1 else spec.nodes  # --nodes defaults to the number of hosts
-        if nodes > len(hosts):
-            raise SpecError("--nodes", f"{nodes} nodes but {len(hosts)} host(s) ({', '.join(hosts)}). "
+        spec = prepared(spec, nodes=len(hosts), procs_per_node=spec.procs_per_node or slots)  # --nodes: every host
+        if spec.nodes > len(hosts):
+            raise SpecError("--nodes", f"{spec.nodes} nodes but {len(hosts)} host(s) ({', '.join(hosts)}). "
                                        f"Fix: --nodes {len(hosts)}, or name more hosts")
-        if spec.script is not None and not Path(spec.script).is_file():
-            raise SpecError("script", f"{spec.script} does not exist; give the path of a .py file")
-        spec = spec.replace(name=spec.name or jobdir.new_job_name(), nodes=nodes,
-                            procs_per_node=spec.procs_per_node or slots)
-        return spec, hosts[:nodes], slots
+        return spec, hosts[:spec.nodes], slots
 
     def start(self, spec: JobSpec, push: dict | None = None) -> Job:
         spec, hosts, _ = self.resolve(spec)

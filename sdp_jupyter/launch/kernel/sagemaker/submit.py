@@ -8,6 +8,8 @@ from pathlib import Path
 
 from sdp_jupyter import jobdir
 from sdp_jupyter.launch.kernel.job import JobError
+from sdp_jupyter.launch.kernel.launcher import create_job, prepared
+from sdp_jupyter.launch.kernel.push import pickle_push
 from sdp_jupyter.launch.options import SpecError
 from sdp_jupyter.launch.kernel.sagemaker.aws import resolve_aws
 from sdp_jupyter.launch.kernel.sagemaker.job import SageMakerJob
@@ -96,13 +98,9 @@ class SageMakerLauncher:
         self.session = session
 
     def resolve(self, spec: JobSpec) -> Plan:
-        if spec.script is not None and not Path(spec.script).is_file():
-            raise SpecError("script", f"{spec.script} does not exist; give the path of a .py file")
-        return make_plan(spec)
+        return make_plan(prepared(spec))
 
     def start(self, spec: JobSpec, push: dict | None = None) -> "SageMakerJob":
-        from sdp_jupyter.launch.kernel.push import pickle_push
-
         plan = self.resolve(spec)
         push_bytes = pickle_push(plan.spec.push, push or {})
         for note in plan.warnings:
@@ -118,17 +116,20 @@ class SageMakerLauncher:
         """Create the job directory and the training job of a checked plan. `extra`: more facts for
         status.json's `sagemaker`; `prepare(job)`: called once the directory exists, before the request."""
         sm_session = resolve_aws(plan, session if session is not None else self.session)
-        job_dir, spec = SageMakerJob.create_dir(plan.spec, push_bytes)
-        plan.spec = spec
-        source = build_source_dir(job_dir, plan)
-        job = SageMakerJob(spec, job_dir)
-        job.update_status(state="pending", created=time.time(), started=None, ended=None, exit_codes=[], restarts=0,
-                    error=None, target="sagemaker", job_class=SageMakerJob.class_record(), world_size=spec.nodes * plan.procs_per_node,
-                    sagemaker={"region": plan.region, "instance_type": plan.instance_type,
+        job = create_job(plan.spec, push_bytes, SageMakerJob, supervised_here=False,
+                         world_size=plan.spec.world_size,
+                         sagemaker={"region": plan.region, "instance_type": plan.instance_type,
                                "image_uri": plan.image_uri, "role": plan.role, "output_path": plan.output_path,
                                "checkpoint_uri": plan.checkpoint_uri, "spot": plan.opts.spot,
                                "poll_interval": plan.opts.poll_interval, "engine": plan.engine,
                                **(extra or {})})
+        plan.spec = spec = job.spec
+        job_dir = job.dir
+        try:
+            source = build_source_dir(job_dir, plan)
+        except Exception as e:  # the job exists (pending): it must not stay pending with nothing behind it
+            job.update_status(state="failed", ended=time.time(), error=f"the source directory was not built: {e}")
+            raise
         if prepare is not None:
             prepare(job)
         gate = RequestGate(job_dir / REQUEST_FILE).install(sm_session.boto_session)

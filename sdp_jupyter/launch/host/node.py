@@ -1,0 +1,88 @@
+"""One host's ranks of one attempt, run the same way by the local launcher (every node of a local job
+lives on this host) and by the per-host agent (its node of a remote job): each rank's output read in
+pieces of at most jobdir.LINE_CAP bytes, every byte into the rank's log, each piece handed on; each
+exit put on one queue; and the ranks stopped together (ranks.stop: SIGINT, SIGTERM, SIGKILL).
+
+    node = NodeRanks(job_dir, on_piece, name="sdp-job-x")
+    node.add(rank, proc)             # a Popen, or a warm pool's WarmProcess: same contract
+    rank, code = node.exits.get()    # in the order the ranks end
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from pathlib import Path
+from typing import Callable
+
+from sdp_jupyter import jobdir
+from sdp_jupyter.launch.host import ranks
+
+
+class ViewCut:
+    """What a view shows of one rank's pieces: the first LINE_CAP bytes of a line, then a note (a 64 MiB
+    line is never held whole, nor sent to the notebook); the log keeps every byte."""
+
+    def __init__(self, cap: int = jobdir.LINE_CAP):
+        self.cap, self.cut = cap, False
+
+    def text(self, raw: bytes) -> str | None:
+        """The view's text for this piece, or None while the rest of a cut line goes by."""
+        if self.cut:
+            if raw.endswith(b"\n"):
+                self.cut = False
+            return None
+        text = raw.decode("utf-8", errors="replace")
+        if not raw.endswith(b"\n") and len(raw) >= self.cap:
+            self.cut = True
+            text += f" … [line cut at {self.cap} bytes in this view; the log has it all]\n"
+        return text
+
+
+class NodeRanks:
+    """The ranks of one attempt on this host. `on_piece(rank, raw)` is called from the rank's reader
+    thread for every piece after it is in the log; `exits` gets (rank, exit code) as ranks end."""
+
+    def __init__(self, job_dir: str | Path, on_piece: Callable[[int, bytes], None], name: str = "sdp"):
+        self.job_dir, self.on_piece, self.name = Path(job_dir), on_piece, name
+        self.procs: list = []
+        self.exits: queue.Queue = queue.Queue()
+        self._readers: dict[int, threading.Thread] = {}
+
+    def add(self, rank: int, proc) -> None:
+        self.procs.append(proc)
+        reader = threading.Thread(target=self._read, args=(rank, proc), daemon=True, name=f"{self.name}-out{rank}")
+        reader.start()
+        self._readers[rank] = reader
+        threading.Thread(target=lambda: self.exits.put((rank, proc.wait())), daemon=True,
+                         name=f"{self.name}-wait{rank}").start()
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def last_lines(self, rank: int, timeout: float = 2.0) -> None:
+        """Wait (up to `timeout`) until a rank's reader has handed on its last piece."""
+        reader = self._readers.get(rank)
+        if reader is not None:
+            reader.join(timeout=timeout)
+
+    def join_readers(self, timeout: float = 2.0) -> None:
+        for rank in list(self._readers):
+            self.last_lines(rank, timeout)
+
+    def stop(self, sigint_grace: float, sigterm_grace: float) -> list:
+        """Stop every live rank (SIGINT, then SIGTERM, then SIGKILL to its process group); exit codes."""
+        return ranks.stop(self.procs, sigint_grace, sigterm_grace)
+
+    def kill_groups(self) -> None:
+        """After the ranks exited: whatever they left in their process groups goes too."""
+        ranks.kill_groups(self.procs)
+
+    def _read(self, rank: int, proc) -> None:
+        cap = jobdir.LINE_CAP
+        with jobdir.open_private(jobdir.log_path(self.job_dir, rank)) as log:
+            for raw in iter(lambda: proc.stdout.readline(cap), b""):
+                log.write(raw)
+                log.flush()
+                self.on_piece(rank, raw)
+        proc.stdout.close()
