@@ -1,0 +1,53 @@
+"""docs/architecture.md is the map of the house: every package directory and every module directly
+under sdp_jupyter/ (and every module of launch/, whose rooms are process boundaries) is named there as
+a path, and every sdp_jupyter/ path the page names exists. A new room without a place on the map, or
+a map entry for a room that moved, fails here."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "sdp_jupyter"
+PAGE = ROOT / "docs" / "architecture.md"
+PATH_RE = re.compile(r"(sdp_jupyter/[A-Za-z0-9_./]*[A-Za-z0-9_/])")
+
+
+def rooms() -> set[str]:
+    """What the map must name: packages (as 'sdp_jupyter/x/'), top-level modules, launch/'s modules."""
+    want = set()
+    for init in PKG.rglob("__init__.py"):
+        d = init.parent
+        if d != PKG and "_compat" not in d.relative_to(PKG).parts[:1]:
+            want.add(d.relative_to(ROOT).as_posix() + "/")
+    for f in PKG.glob("*.py"):
+        if f.name != "__init__.py":
+            want.add(f.relative_to(ROOT).as_posix())
+    for f in (PKG / "launch").rglob("*.py"):
+        if f.name != "__init__.py":
+            want.add(f.relative_to(ROOT).as_posix())
+    want.add("sdp_jupyter/_compat/")
+    return want
+
+
+def named(text: str) -> set[str]:
+    out = set()
+    for m in PATH_RE.finditer(text):
+        p = m.group(1)
+        out.add(p if (ROOT / p).is_file() else p.rstrip("/") + "/")
+    return out
+
+
+def test_every_room_is_on_the_map():
+    missing = sorted(rooms() - named(PAGE.read_text()))
+    assert not missing, f"not on docs/architecture.md (add each with a line on what it is): {missing}"
+
+
+def test_the_map_names_only_rooms_that_exist():
+    stale = sorted(p for p in named(PAGE.read_text()) if not (ROOT / p).exists())
+    assert not stale, f"docs/architecture.md names paths that do not exist (moved or gone): {stale}"
+
+
+def test_the_map_check_can_fail(tmp_path):
+    assert "sdp_jupyter/launch/rank/worker.py" in rooms() and "sdp_jupyter/launch/" in rooms()
+    assert named("see sdp_jupyter/launch/ and sdp_jupyter/jobdir.py.") == {"sdp_jupyter/launch/", "sdp_jupyter/jobdir.py"}
