@@ -19,10 +19,11 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
+from sdp_jupyter.launch import target_options
 from sdp_jupyter.launch.options import Option, SpecError, parse_whole  # noqa: F401  (their home; re-exported)
 
 BACKENDS = ("smddp", "gloo", "nccl")
-TARGETS = ("local", "ssh", "ray", "sagemaker")
+TARGETS = tuple(target_options.TARGETS)  # one record per target: launch/target_options.py
 RANKS_OUTPUT = ("0", "all")
 STARTS = ("auto", "warm", "cold")  # how ranks start: docs/warm.md
 
@@ -83,9 +84,8 @@ OPTIONS_BY_FIELD = {o.field: o for o in OPTIONS if o.field}
 
 # Modules that add rows to the option table ("module:ATTRIBUTE", a tuple of Option). Their fields are
 # "<dict field of JobSpec>.<key>", e.g. "sagemaker.instance_type" fills JobSpec.sagemaker["instance_type"].
-OPTION_PROVIDERS = ["sdp_jupyter.launch.kernel.sagemaker.options:SAGEMAKER_OPTIONS",
-                    "sdp_jupyter.launch.target_options:SSH_OPTIONS", "sdp_jupyter.launch.target_options:RAY_OPTIONS",
-                    "sdp_jupyter.launch.parallel_options:PARALLEL_OPTIONS"]
+OPTION_PROVIDERS = [t.options for t in target_options.TARGETS.values() if t.options] \
+    + ["sdp_jupyter.launch.parallel_options:PARALLEL_OPTIONS"]
 
 
 def all_options() -> tuple[Option, ...]:
@@ -236,20 +236,22 @@ class JobSpec:
             if not isinstance(name, str) or not _MODULE_RE.match(name):
                 raise SpecError("--preload", f"{name!r} is not a module name. Fix: --preload numpy,sklearn "
                                              "(comma-separated module names)")
-        if self.target not in ("local", "ssh", "ray") and (self.start == "warm" or self.preload):
+        warm = [name for name, t in target_options.TARGETS.items() if t.warm]
+        if self.target not in warm and (self.start == "warm" or self.preload):
             flag = "--warm" if self.start == "warm" else "--preload"
-            raise SpecError(flag, f"warm starts are for the local, ssh and ray targets so far, and the target is "
+            names = ", ".join(warm[:-1]) + f" and {warm[-1]}" if len(warm) > 1 else warm[0]
+            raise SpecError(flag, f"warm starts are for the {names} targets so far, and the target is "
                                   f"{self.target}. Fix: remove {flag}")
-        for target in ("ssh", "ray"):  # a target's own options, refused with another target
-            options = getattr(self, target)
+        for target, record in target_options.TARGETS.items():  # a target's own options
+            if record.field is None:
+                continue
+            options = getattr(self, record.field)
             if not isinstance(options, dict):
-                raise SpecError(target, f"must be a dict of {target} options, got {type(options).__name__}")
-            if options and self.target != target:
+                raise SpecError(record.field, f"must be a dict of {target} options, got {type(options).__name__}")
+            if record.exclusive and options and self.target != target:  # refused with another target
                 flag = "--" + next(iter(options)).replace("_", "-").replace("config", "ssh-config")
                 raise SpecError(flag, f"is an option of --target {target}, and the target is {self.target}. "
                                       f"Fix: add --target {target}, or remove {flag}")
-        if not isinstance(self.sagemaker, dict):
-            raise SpecError("sagemaker", f"must be a dict of SageMaker options, got {type(self.sagemaker).__name__}")
         if self.parallel is None:
             self.parallel = {}
         if not isinstance(self.parallel, dict):

@@ -1,10 +1,23 @@
-"""The SSH and Ray targets' own option rows (JobSpec.ssh, JobSpec.ray), in a leaf: the option table
-(spec.all_options) reads them without importing the targets, which import spec (launch/kernel/ssh.py
-and ray.py use them from here). The SageMaker target's rows: launch/kernel/sagemaker/options.py.
+"""Each target as JobSpec sees it, one record per target: its name, the JobSpec dict field its own
+options fill, where its option rows are, whether its ranks can start warm, and whether its options
+are refused with another target. spec.py derives the target names, the option table and those checks
+from TARGETS. The other half of a target, its launcher, is in launch/kernel/targets.py: the launchers
+import spec, so spec must not import them (a leaf here; the SSH and Ray rows live here too, the
+SageMaker rows beside the rest of that target's options).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from sdp_jupyter.launch.options import Option
+
+
+@dataclass(frozen=True)
+class Target:
+    field: str | None = None      # the JobSpec dict field its own options fill ("ssh" -> JobSpec.ssh)
+    options: str | None = None    # "module:ATTRIBUTE", a tuple of Option rows, loaded when the table is built
+    warm: bool = False            # --warm/--preload apply (ranks forked from a warm pool)
+    exclusive: bool = False       # its options are refused with another --target
 
 SSH_OPTIONS = (
     Option("--hosts", "ssh.hosts", "--target ssh: host names, as `ssh HOST` reaches them (user@host works)",
@@ -24,3 +37,11 @@ RAY_OPTIONS = (
            metavar="ADDRESS"),
 )
 RAY_KEYS = {"address"}
+
+
+TARGETS: dict[str, Target] = {
+    "local": Target(warm=True),
+    "ssh": Target("ssh", "sdp_jupyter.launch.target_options:SSH_OPTIONS", warm=True, exclusive=True),
+    "ray": Target("ray", "sdp_jupyter.launch.target_options:RAY_OPTIONS", warm=True, exclusive=True),
+    "sagemaker": Target("sagemaker", "sdp_jupyter.launch.kernel.sagemaker.options:SAGEMAKER_OPTIONS"),
+}
