@@ -43,6 +43,12 @@ def load_push(path: str, checked: bool = True) -> dict:
         return pickle.load(f)
 
 
+def job_backend(spec: dict) -> str:
+    """The backend this rank's job asked for: $SDP_BACKEND (the launcher sets it from --backend; a
+    SageMaker request carries it), else the spec's, else smddp. The one place a rank reads it."""
+    return os.environ.get("SDP_BACKEND") or spec.get("backend") or "smddp"
+
+
 def watch_backend(spec: dict, backend: str) -> int:
     """Record which backend this rank really uses (launch/rank/backend_check.py); with --init-process-group,
     make the default group with `backend` now. 1 when that failed (the error is printed), else 0."""

@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     args = [str(a) for a in spec.get("args") or []]
     args += list(sys.argv[1:] if argv is None else argv)  # the hyperparameters, from the driver
     echo = MetricsEcho(values["SDP_JOB_DIR"], rank).start()
-    if bootstrap.watch_backend(spec, os.environ.get("SDP_BACKEND", spec.get("backend", "smddp"))):
+    if bootstrap.watch_backend(spec, bootstrap.job_backend(spec)):
         echo.stop()
         _write_failure(RuntimeError("--init-process-group: init_process_group failed (see the rank's log)"))
         return 1

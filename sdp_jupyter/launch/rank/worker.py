@@ -18,9 +18,9 @@ import sys
 import traceback
 
 from sdp_jupyter.launch.process import arm_parent_death_signal
+from sdp_jupyter.launch.rank.bootstrap import (arm_crash_report, finish_distributed, job_backend, load_push, run_script,
+                                               save_result, user_frames, watch_backend)
 
-from sdp_jupyter.launch.rank.bootstrap import (arm_crash_report, finish_distributed, load_push, run_script, save_result,
-                                          user_frames, watch_backend)
 
 def script_arguments(spec: dict) -> list[str]:
     """The script's argv[1:]: --args, then each hyperparameter as --KEY VALUE (SageMaker's convention)."""
@@ -66,8 +66,9 @@ def main() -> int:
 
     with open(os.path.join(job_dir, jobdir.SPEC)) as f:
         spec = json.load(f)
-    _load_backend(os.environ.get("SDP_BACKEND", spec.get("backend", "smddp")))
-    if watch_backend(spec, os.environ.get("SDP_BACKEND", spec.get("backend", "smddp"))):
+    backend = job_backend(spec)
+    _load_backend(backend)
+    if watch_backend(spec, backend):
         return 1
     push = load_push(os.path.join(job_dir, jobdir.PUSH))
     rank0 = os.environ.get("RANK", "0") == "0"
