@@ -28,7 +28,7 @@ from sdp_jupyter.doctor.checks import (SHM_WARN_BYTES, check_backend_registratio
                                        check_shm, check_torch)
 from sdp_jupyter.doctor.report import FAIL, INFO, OK, STATUSES, WARN, Check, Report, summary_line
 from sdp_jupyter.doctor.smoke import SMOKE_TIMEOUT_S, run_smoke, signal_name
-from sdp_jupyter.launch.process import PACKAGE_PARENT
+from sdp_jupyter.launch.process import rank_pythonpath
 
 __all__ = ["FAIL", "INFO", "OK", "SHM_WARN_BYTES", "SMOKE_TIMEOUT_S", "STATUSES", "WARN", "Check", "Report",
            "check_backend_registration", "check_engine", "check_numpy", "check_nvml", "check_package",
@@ -67,7 +67,7 @@ def report_in_subprocess(smoke: bool = True, timeout: float = 3 * SMOKE_TIMEOUT_
     and the main job use, so that the kernel never imports torch and a stuck doctor costs `timeout`."""
     argv = [sys.executable, "-m", "sdp_jupyter.doctor", "--json"] + ([] if smoke else ["--no-smoke"])
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [PACKAGE_PARENT, env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = rank_pythonpath(env.get("PYTHONPATH"), compat=False)
     try:
         p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env, stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from sdp_jupyter.doctor.report import FAIL, OK, Check
-from sdp_jupyter.launch.process import PACKAGE_PARENT, free_port
+from sdp_jupyter.launch.process import rank_pythonpath, free_port
 
 SMOKE_TIMEOUT_S = 60.0
 
@@ -68,7 +68,7 @@ def run_smoke(device: str = "cpu", timeout: float = SMOKE_TIMEOUT_S) -> Check:
     script = out / "smoke.py"
     script.write_text(_SMOKE)
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [PACKAGE_PARENT, env.get("PYTHONPATH")]))  # this very sdp_jupyter
+    env["PYTHONPATH"] = rank_pythonpath(env.get("PYTHONPATH"), compat=False)  # this very sdp_jupyter
     env["PYTHONFAULTHANDLER"] = "1"
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)  # the doctor's own job variables (if run inside a job) must not leak in
