@@ -7,7 +7,7 @@ import secrets
 import subprocess
 import sys
 import tempfile
-from sdp_jupyter.launch.process import free_port
+from sdp_jupyter._net import free_port
 
 
 def bench_parser(doc: str):

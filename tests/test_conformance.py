@@ -1,7 +1,7 @@
 """PyTorch's own distributed suite for the operations smddp added (gather, scatter and the object
 collective on it, all_gather_coalesced, send/recv, any-source receives, batch_isend_irecv, sparse
 all_reduce) and torch's timeout contract, run by `python -m
-sdp_jupyter.conformance` with gloo as the reference. The suite tests all_to_all only for MPI;
+sdp_jupyter.testing.conformance` with gloo as the reference. The suite tests all_to_all only for MPI;
 tests/test_torch_backend.py checks ours against gloo. The full table is a command, not a CI job."""
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ CI_TESTS = ("test_gather$", "test_scatter$", "test_scatter_object_list$",
 
 
 def test_selection_anchors_and_excludes():
-    from sdp_jupyter.conformance import select
+    from sdp_jupyter.testing.conformance import select
 
     names = ["test_gather", "test_gather_checks", "test_gather_cuda", "test_all_gather"]
     assert select(names, ["test_gather$"]) == ["test_gather"]
@@ -33,7 +33,7 @@ def test_selection_anchors_and_excludes():
 def test_suite_passes_on_smddp_wherever_it_passes_on_gloo(tmp_path):
     args = [a for t in CI_TESTS for a in ("-k", t)]
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    p = subprocess.run([sys.executable, "-m", "sdp_jupyter.conformance", *args, "--json", "--budget", "400",
+    p = subprocess.run([sys.executable, "-m", "sdp_jupyter.testing.conformance", *args, "--json", "--budget", "400",
                         "--log-dir", str(tmp_path)], capture_output=True, text=True, env=env, timeout=460, cwd=ROOT)
     out = p.stdout[p.stdout.index("{"):]
     rows = json.loads(out)["rows"]

@@ -252,3 +252,19 @@ def test_the_kernel_never_imports_torch():
 def test_the_boundary_checks_can_fail():
     assert _room("sdp_jupyter.launch.rank.worker") == RANK and _room("sdp_jupyter.launch.spec") is None
     assert "sdp_jupyter.launch.kernel.sagemaker.submit" in graph()[0]["sdp_jupyter.launch.kernel.targets"]
+
+
+def test_a_rank_and_an_agent_load_none_of_the_kernel():
+    """What runs, not only what the graph says: importing the worker or the agent runs the launch
+    package's __init__ first, and that must load no kernel module (its names are loaded on first use)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "import sdp_jupyter.launch.rank.worker, sdp_jupyter.launch.host.agent, sdp_jupyter.launch.host.warm\n"
+            "loaded = sorted(m for m in sys.modules if m.startswith('sdp_jupyter.launch.kernel'))\n"
+            "assert not loaded, loaded\n"
+            "from sdp_jupyter.launch import Job, launch\n"  # and the public names still resolve
+            "assert callable(launch) and Job.__module__ == 'sdp_jupyter.launch.kernel.job'\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr

@@ -107,8 +107,10 @@ def test_target_sagemaker_dispatches_or_says_not_available(ip, monkeypatch):
             seen["spec"] = spec
             raise launching.SpecError("--target", "fake SageMaker launcher reached")
 
-    real = launching.get_launcher
-    monkeypatch.setattr(launching, "get_launcher", lambda t: FakeSageMaker() if t == "sagemaker" else real(t))
+    from sdp_jupyter.launch.kernel import api  # where launch() finds a target's launcher
+
+    real = api.get_launcher
+    monkeypatch.setattr(api, "get_launcher", lambda t: FakeSageMaker() if t == "sagemaker" else real(t))
     _, error = run(ip, "%%sdp_train --target sagemaker --nodes 2\nx = 1")
     assert "fake SageMaker launcher reached" in str(error) and seen["spec"].nodes == 2
 

@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 
 from sdp_jupyter.parallel_config import ParallelConfig
 from sdp_jupyter.parallel import gpt
-from sdp_jupyter.launch.process import free_port
+from sdp_jupyter._net import free_port
 
 CFG = gpt.GPTConfig(layers=4, hidden=32, heads=4, vocab=64, seq_len=8)
 BATCH = 8

@@ -1,7 +1,7 @@
 """notebooks/04_sagemaker.ipynb end to end in a real kernel, with no AWS credentials.
 
 Without credentials the notebook starts a local moto server and the SageMaker stand-in of
-sdp_jupyter.launch.kernel.sagemaker.standin (product code, not the test tree), which runs the job's two hosts on this machine with SageMaker's own Torchrun
+sdp_jupyter.testing.sagemaker_standin (product code, not the test tree), which runs the job's two hosts on this machine with SageMaker's own Torchrun
 driver and writes their output into moto's CloudWatch Logs. So the `%%sdp_train --target sagemaker`
 cell goes through the magic, the SDK, the request checks, S3 uploads, the container entry, report()'s
 log lines, the CloudWatch mirror, the reader and the result download, with nothing reaching AWS.

@@ -21,8 +21,8 @@ import sdp_jupyter  # noqa: E402
 from sdp_jupyter.launch import JobSpec, SpecError, launch  # noqa: E402
 from sdp_jupyter.launch.kernel import sagemaker as sm# noqa: E402
 from sdp_jupyter.launch.kernel.sagemaker import rehearse as sagemaker_rehearse  # noqa: E402
-from sdp_jupyter.launch.kernel.sagemaker import standin as sagemaker_standin  # noqa: E402
-from sdp_jupyter.launch.kernel.sagemaker.standin import MotoAWS  # noqa: E402
+from sdp_jupyter.testing import sagemaker_standin  # noqa: E402
+from sdp_jupyter.testing.sagemaker_standin import MotoAWS  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

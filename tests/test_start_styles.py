@@ -14,7 +14,7 @@ import threading
 
 import pytest
 
-from sdp_jupyter.launch.process import free_port as _free_port
+from sdp_jupyter._net import free_port as _free_port
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,8 @@ import time
 from pathlib import Path
 
 from sdp_jupyter.doctor.report import FAIL, OK, Check
-from sdp_jupyter.launch.process import rank_pythonpath, free_port
+from sdp_jupyter._net import free_port
+from sdp_jupyter.launch.process import rank_pythonpath
 
 SMOKE_TIMEOUT_S = 60.0
 

@@ -10,119 +10,55 @@ training job (sdp_jupyter.launch.kernel.sagemaker); TARGET_LAUNCHERS is the regi
 """
 from __future__ import annotations
 
-import os
+import importlib
 import sys
-import threading
 import types
 
-from sdp_jupyter import jobdir
-from sdp_jupyter.launch.kernel import targets
-from sdp_jupyter.launch.kernel.job import Job, JobError
-from sdp_jupyter.launch.kernel.local import LocalLauncher
-from sdp_jupyter.launch.spec import OPTIONS, JobSpec, Option, SpecError
-
-__all__ = ["launch", "Job", "JobSpec", "JobError", "SpecError", "LocalLauncher", "Option", "OPTIONS",
-           "get_launcher", "jobs", "get_job", "list_jobs"]
-
-_JOBS: dict[str, Job] = {}  # jobs launched by this process, by name (latest last)
-_JOBS_LOCK = threading.Lock()
-
-
-TARGET_LAUNCHERS = targets.LAUNCHERS  # the one registry of targets (launch/kernel/targets.py)
-
-
-def get_launcher(target: str):
-    """The launcher object for `target` (a key of TARGET_LAUNCHERS)."""
-    if target not in targets.LAUNCHERS:
-        raise SpecError("--target", f"{target!r} is not one of {', '.join(targets.LAUNCHERS)}")
-    cls = targets.load(targets.LAUNCHERS[target])
-    if cls is None:
-        raise SpecError("--target", f"{target} is not available in this installation "
-                                    f"({targets.LAUNCHERS[target]} is missing). Fix: --target local")
-    return cls()
+# Loaded on first use, so that importing a rank's or a host agent's module (which runs this package's
+# __init__ first) loads none of the kernel's code; `from sdp_jupyter.launch import Job` works as before.
+_LAZY = {
+    "Job": "sdp_jupyter.launch.kernel.job:Job",
+    "JobError": "sdp_jupyter.launch.kernel.job:JobError",
+    "LocalLauncher": "sdp_jupyter.launch.kernel.local:LocalLauncher",
+    "get_launcher": "sdp_jupyter.launch.kernel.api:get_launcher",
+    "jobs": "sdp_jupyter.launch.kernel.api:jobs",
+    "get_job": "sdp_jupyter.launch.kernel.api:get_job",
+    "list_jobs": "sdp_jupyter.launch.kernel.api:list_jobs",
+    "TARGET_LAUNCHERS": "sdp_jupyter.launch.kernel.targets:LAUNCHERS",
+    "JobSpec": "sdp_jupyter.launch.spec:JobSpec",
+    "OPTIONS": "sdp_jupyter.launch.spec:OPTIONS",
+    "Option": "sdp_jupyter.launch.options:Option",
+    "SpecError": "sdp_jupyter.launch.options:SpecError",
+}
+__all__ = ["launch"] + sorted(_LAZY)
 
 
-def _launch(spec_or_script: JobSpec | str | os.PathLike | None = None, *, push: dict | None = None,
-            **fields) -> Job:
-    """Start a job and return its handle at once (use job.wait() to block).
-
-    spec_or_script: a JobSpec, or the path of a .py file; or leave it out and pass code="...".
-    fields: JobSpec fields (nodes=4, backend="gloo", hyperparameters={...}, ...) overriding the spec.
-    push: values of the variables named in the spec's `push` list, sent to every rank.
-    A target's own options may be given by their key too: `launch(..., target="ray", address="h:6379")`
-    is `ray={"address": "h:6379"}`, `hosts=[...]` is `ssh={"hosts": [...]}`.
-    """
-    fields = _target_keywords(fields)
-    if isinstance(spec_or_script, JobSpec):
-        spec = spec_or_script.replace(**fields) if fields else spec_or_script
-    elif spec_or_script is not None:
-        spec = JobSpec(script=str(spec_or_script), **fields)
-    else:
-        spec = JobSpec(**fields)
-    if push and not spec.push:
-        spec = spec.replace(push=list(push))
-    job = get_launcher(spec.target).start(spec, push=push)
-    with _JOBS_LOCK:
-        _JOBS.pop(job.name, None)
-        _JOBS[job.name] = job
-    return job
-
-
-def _target_keywords(fields: dict) -> dict:
-    """Move keywords that name a key of a dict field (`address` -> ray["address"], `hosts` ->
-    ssh["hosts"], `instance_type` -> sagemaker["instance_type"]) into that field; a key two fields
-    share is left alone (JobSpec then names it as unknown)."""
-    from dataclasses import fields as dc_fields
-
-    from sdp_jupyter.launch.spec import all_options
-
-    known = {f.name for f in dc_fields(JobSpec)}
-    owners: dict[str, set[str]] = {}
-    for opt in all_options():
-        if opt.field and "." in opt.field:
-            top, key = opt.field.split(".", 1)
-            owners.setdefault(key, set()).add(top)
-    out = dict(fields)
-    for key in [k for k in fields if k not in known and len(owners.get(k, ())) == 1]:
-        top = next(iter(owners[key]))
-        out[top] = {**(out.get(top) or {}), key: out.pop(key)}
-    return out
+def __getattr__(name: str):
+    where = _LAZY.get(name)
+    if where is None:
+        raise AttributeError(f"module 'sdp_jupyter.launch' has no attribute {name!r}")
+    module, attr = where.split(":")
+    value = getattr(importlib.import_module(module), attr)
+    globals()[name] = value
+    return value
 
 
 class _LaunchModule(types.ModuleType):
-    """This package is callable: `sdp_jupyter.launch(...)` starts a job and `sdp_jupyter.launch.get_job`
-    is the package's function, whichever was imported first."""
+    """This package is callable: `sdp_jupyter.launch(...)` starts a job (kernel/api.py's `launch`)
+    and `sdp_jupyter.launch.get_job` is the package's function, whichever was imported first."""
 
-    def __call__(self, spec_or_script=None, *, push=None, **fields) -> Job:
-        return _launch(spec_or_script, push=push, **fields)
+    def __call__(self, spec_or_script=None, *, push=None, **fields):
+        """Start a job and return its handle at once (use job.wait() to block).
 
-    __call__.__doc__ = _launch.__doc__
+        spec_or_script: a JobSpec, or the path of a .py file; or leave it out and pass code="...".
+        fields: JobSpec fields (nodes=4, backend="gloo", hyperparameters={...}, ...) overriding the spec.
+        push: values of the variables named in the spec's `push` list, sent to every rank.
+        A target's own options may be given by their key too: `launch(..., target="ray", address="h:6379")`
+        is `ray={"address": "h:6379"}`, `hosts=[...]` is `ssh={"hosts": [...]}`.
+        """
+        api = importlib.import_module("sdp_jupyter.launch.kernel.api")
+        return api.launch(spec_or_script, push=push, **fields)
 
 
 sys.modules[__name__].__class__ = _LaunchModule
 launch = sys.modules[__name__]  # `from sdp_jupyter.launch import launch` is this same callable
-
-
-def jobs() -> list[Job]:
-    """Jobs launched by this process, oldest first."""
-    with _JOBS_LOCK:
-        return list(_JOBS.values())
-
-
-def get_job(name: str | None = None, root: str | os.PathLike | None = None) -> Job:
-    """A job of this process by name (the latest if name is None), else reopened from disk."""
-    with _JOBS_LOCK:
-        if name is None:
-            if not _JOBS:
-                raise JobError("no job has been launched in this kernel yet")
-            return list(_JOBS.values())[-1]
-        if name in _JOBS:
-            return _JOBS[name]
-    return Job.open(name, root)
-
-
-def list_jobs(root: str | os.PathLike | None = None) -> list[Job]:
-    """This process's jobs plus every job found under the jobs root, oldest first."""
-    mine = {job.dir: job for job in jobs()}
-    found = [mine.pop(d, None) or Job.open(d) for d in jobdir.list_job_dirs(root)]
-    return found + [j for j in mine.values() if j.dir.exists()]

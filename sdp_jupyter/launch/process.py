@@ -1,5 +1,5 @@
 """Process facts every side of a launch shares, each written once: where a rank finds this package
-(its PYTHONPATH), a free TCP port, and the parent-death signal that keeps no rank, agent, pool or
+(its PYTHONPATH) and the parent-death signal that keeps no rank, agent, pool or
 ssh client alive after the process that started it. A leaf: it imports nothing of ours, so the
 kernel, the host and the rank (`python -m sdp_jupyter.launch.rank.worker`) can all use it.
 """
@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 from pathlib import Path
 
 PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])  # the folder holding sdp_jupyter/
@@ -32,12 +31,6 @@ def rank_pythonpath(existing: str | None = None, compat: bool = True) -> str:
     paths = ([COMPAT_DIR] if compat and not smdistributed_installed() else []) + [PACKAGE_PARENT]
     return os.pathsep.join(paths + ([existing] if existing else []))
 
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on `host` now (the usual race: another process may take it before we bind)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def expect_parent(pid: int) -> None:

@@ -264,6 +264,12 @@ class JobSpec:
             raise SpecError("--init-process-group", f"is a flag (True or False), got {self.init_process_group!r}")
 
     @property
+    def default_nodes(self) -> int | None:
+        """What --nodes left out means for this target: 1, or None where the target decides later
+        (the SSH target: its number of hosts), so `--nodes 1` there is said, not dropped."""
+        return None if target_options.TARGETS[self.target].nodes_from_hosts else 1
+
+    @property
     def world_size(self) -> int:
         """Ranks in the job: nodes x processes per node, the one place it is computed (a spec the
         launcher has not resolved yet counts what it knows: 1 node, 1 process per node)."""
@@ -343,7 +349,7 @@ class JobSpec:
                 parts += _render_key(opt, (getattr(self, top) or {}).get(key))
                 continue
             value = getattr(self, opt.field)
-            if value == getattr(default, opt.field):
+            if value == getattr(default, opt.field) or (opt.field == "nodes" and value == self.default_nodes):
                 continue
             if opt.field == "env":
                 parts += [tok for k, v in value.items() for tok in ("--env", shlex.quote(f"{k}={v}"))]

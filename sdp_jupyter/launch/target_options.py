@@ -18,6 +18,7 @@ class Target:
     options: str | None = None    # "module:ATTRIBUTE", a tuple of Option rows, loaded when the table is built
     warm: bool = False            # --warm/--preload apply (ranks forked from a warm pool)
     exclusive: bool = False       # its options are refused with another --target
+    nodes_from_hosts: bool = False  # --nodes left out: one node per host given (else 1 node)
 
 SSH_OPTIONS = (
     Option("--hosts", "ssh.hosts", "--target ssh: host names, as `ssh HOST` reaches them (user@host works)",
@@ -41,7 +42,8 @@ RAY_KEYS = {"address"}
 
 TARGETS: dict[str, Target] = {
     "local": Target(warm=True),
-    "ssh": Target("ssh", "sdp_jupyter.launch.target_options:SSH_OPTIONS", warm=True, exclusive=True),
+    "ssh": Target("ssh", "sdp_jupyter.launch.target_options:SSH_OPTIONS", warm=True, exclusive=True,
+                  nodes_from_hosts=True),
     "ray": Target("ray", "sdp_jupyter.launch.target_options:RAY_OPTIONS", warm=True, exclusive=True),
     "sagemaker": Target("sagemaker", "sdp_jupyter.launch.kernel.sagemaker.options:SAGEMAKER_OPTIONS"),
 }

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from sdp_jupyter.launch.kernel.local import free_port
+from sdp_jupyter._net import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "test-artifacts"

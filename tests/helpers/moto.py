@@ -1,4 +1,4 @@
-"""Test glue on the AWS stand-in (sdp_jupyter.launch.kernel.sagemaker.standin): the module-scoped `aws`
+"""Test glue on the AWS stand-in (sdp_jupyter.testing.sagemaker_standin): the module-scoped `aws`
 fixture, and the stand-in's names re-exported for the tests that import them from here.
 
 The server runs in the pytest process, so a test plays the part of SageMaker itself: it moves a
@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("moto.server")
 
-from sdp_jupyter.launch.kernel.sagemaker.standin import (  # noqa: E402  (re-exported for the tests)
+from sdp_jupyter.testing.sagemaker_standin import (  # noqa: E402  (re-exported for the tests)
     ACCOUNT, BUCKET, LOG_GROUP, METRIC_NAMESPACE, REGION, ROLE, LocalContainers, MotoAWS, SageMakerStandIn,
     aws_environment, container_env, download_channel, moto_aws)
 

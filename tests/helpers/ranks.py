@@ -10,7 +10,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from sdp_jupyter.launch.process import free_port
+from sdp_jupyter._net import free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # SDP_TEST_PACKAGE_ROOT: where sdp_jupyter comes from for the ranks (a sanitizer or portable build

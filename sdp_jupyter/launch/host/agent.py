@@ -101,7 +101,7 @@ class Agent:
                 if kind == "start":
                     self._start(message)
                 elif kind == "port":
-                    from sdp_jupyter.launch.process import free_port
+                    from sdp_jupyter._net import free_port
 
                     self.send({"type": "port", "port": free_port(self.addr)})
                 elif kind == "stop":

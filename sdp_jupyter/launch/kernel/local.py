@@ -27,7 +27,7 @@ from sdp_jupyter.launch.kernel.launcher import create_job, prepared
 from sdp_jupyter.launch.kernel.push import pickle_push
 from sdp_jupyter.launch.spec import JobSpec, SpecError
 from sdp_jupyter.launch.host.ranks import gpu_count
-from sdp_jupyter.launch.process import free_port
+from sdp_jupyter._net import free_port
 
 
 class LocalLauncher:

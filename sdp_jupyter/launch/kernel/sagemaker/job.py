@@ -90,7 +90,7 @@ class SageMakerJob(Job):
 
     def _boto(self):
         if self.rehearsal:  # the local stand-in that played AWS, never AWS itself
-            from sdp_jupyter.launch.kernel.sagemaker.standin import MotoAWS
+            from sdp_jupyter.testing.sagemaker_standin import MotoAWS
 
             return MotoAWS(endpoint=self.rehearsal["endpoint"], env={})
         return boto_session(self.sagemaker.get("region"))

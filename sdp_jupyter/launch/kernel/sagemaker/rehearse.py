@@ -134,7 +134,7 @@ def rehearse(launcher, plan, push_bytes):
         import importlib
 
         importlib.import_module("moto.server")
-        from sdp_jupyter.launch.kernel.sagemaker import standin as sagemaker_standin
+        from sdp_jupyter.testing import sagemaker_standin
     except ImportError as e:
         raise SpecError("--rehearse", f"needs moto and boto3 ({e}). Fix: pip install 'sdp_jupyter[rehearse]'") \
             from None

@@ -11,8 +11,8 @@ import os
 import threading
 import time
 
-from sdp_jupyter.launch.kernel.sagemaker.standin.server import MotoAWS
-from sdp_jupyter.launch.process import free_port
+from sdp_jupyter.testing.sagemaker_standin.server import MotoAWS
+from sdp_jupyter._net import free_port
 
 
 def download_channel(aws: MotoAWS, uri: str, dest) -> None:

@@ -32,9 +32,9 @@ import os
 import threading
 from dataclasses import dataclass
 
-from sdp_jupyter.launch.kernel.sagemaker.standin.containers import (LocalContainers, SageMakerStandIn, container_env,
+from sdp_jupyter.testing.sagemaker_standin.containers import (LocalContainers, SageMakerStandIn, container_env,
                                                                     download_channel, image_without)
-from sdp_jupyter.launch.kernel.sagemaker.standin.server import (ACCOUNT, BUCKET, LOG_GROUP, METRIC_NAMESPACE, REGION,
+from sdp_jupyter.testing.sagemaker_standin.server import (ACCOUNT, BUCKET, LOG_GROUP, METRIC_NAMESPACE, REGION,
                                                                 ROLE, MotoAWS, aws_environment, moto_aws, patch_moto,
                                                                 pointed_at)
 

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import ClassVar
 
-from sdp_jupyter.launch.process import free_port
+from sdp_jupyter._net import free_port
 
 ACCOUNT = "123456789012"
 REGION = "us-west-2"

@@ -1,10 +1,10 @@
 """PyTorch's own distributed test suite, run for smddp and for gloo, side by side.
 
-    python -m sdp_jupyter.conformance                      # the default selection, world size 2
-    python -m sdp_jupyter.conformance -k scatter -k gather # tests whose name holds any pattern
-    python -m sdp_jupyter.conformance -k 'test_gather$'    # exactly that test
-    python -m sdp_jupyter.conformance --world-size 8 -k _group
-    python -m sdp_jupyter.conformance --all --budget 3600  # everything, stop after an hour
+    python -m sdp_jupyter.testing.conformance                      # the default selection, world size 2
+    python -m sdp_jupyter.testing.conformance -k scatter -k gather # tests whose name holds any pattern
+    python -m sdp_jupyter.testing.conformance -k 'test_gather$'    # exactly that test
+    python -m sdp_jupyter.testing.conformance --world-size 8 -k _group
+    python -m sdp_jupyter.testing.conformance --all --budget 3600  # everything, stop after an hour
 
 It runs torch's `torch.testing._internal.distributed.distributed_test` (shipped in the torch
 wheel) as pytorch's `test/distributed/test_distributed_spawn.py` does, once per backend, and
@@ -110,7 +110,7 @@ def _worker(out_path: str, names: list[str]) -> None:
 def all_test_names() -> list[str]:
     """Every test of the suite (the names are the same for both backends)."""
     code = ("import os; os.environ.setdefault('%s', 'gloo');"
-            "import sdp_jupyter.conformance as c; import unittest;"
+            "import sdp_jupyter.testing.conformance as c; import unittest;"
             "print('\\n'.join(unittest.TestLoader().getTestCaseNames(c.TestDistBackendWithSpawn)))" % _ENV_BACKEND)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_suite_env("gloo", 2, ""),
                          check=True)
@@ -153,7 +153,7 @@ def run_backend(backend: str, world: int, names: list[str], budget_s: float, log
     """Run the tests for one backend in one worker process; stop it at the budget."""
     out_path = os.path.join(log_dir, f"{backend}-w{world}.jsonl")
     tmp = tempfile.mkdtemp(prefix=f"sdp-conf-{backend}-")
-    code = ("import sys, json, sdp_jupyter.conformance as c;"
+    code = ("import sys, json, sdp_jupyter.testing.conformance as c;"
             "c._worker(sys.argv[1], json.loads(sys.argv[2]))")
     with open(os.path.join(log_dir, f"{backend}-w{world}.log"), "w") as log:
         proc = subprocess.Popen([sys.executable, "-c", code, out_path, json.dumps(names)], env=_suite_env(backend, world, tmp),
@@ -203,7 +203,7 @@ def render(rows, world: int, smddp: dict, gloo: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m sdp_jupyter.conformance", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m sdp_jupyter.testing.conformance", description=__doc__.split("\n\n")[0])
     ap.add_argument("-k", dest="patterns", action="append",
                     help="run tests whose name holds this (repeatable; a trailing $ anchors the end)")
     ap.add_argument("--all", action="store_true", help="every test of the suite (slow: ~10-15 s each per backend)")
