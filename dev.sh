@@ -32,7 +32,7 @@ install_browser() {
 }
 
 install_toolchains() {
-    # Debian's clang for the engine's clang build (tools/build_matrix.py, tests/test_native_builds.py).
+    # Debian's clang for the engine's clang build (tools/build_matrix.py, tests/engine/test_native_builds.py).
     if ! command -v clang >/dev/null 2>&1 || ! command -v clang++ >/dev/null 2>&1; then
         echo "[dev.sh] installing Debian's clang for the engine's clang build test"
         if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi

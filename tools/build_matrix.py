@@ -6,7 +6,7 @@ libstdc++.so.6) before anything of sdp_jupyter (issue 33).
     .venv/bin/python tools/build_matrix.py [--fast] [--only NAME,...] [--json PATH]
 
 Exit status 1 when a row that ran failed; a row whose compiler is missing is skipped, not passed.
-tests/test_native_builds.py runs the same functions.
+tests/engine/test_native_builds.py runs the same functions.
 """
 from __future__ import annotations
 
@@ -49,27 +49,27 @@ VARIANTS = {v.name: v for v in [
             "apt-get install g++"),
     # a portable engine has no SIMD kernels and never reads SDP_NO_SIMD, so it refuses no value of it
     Variant("portable", {"SDP_PORTABLE": "1"},
-            deselect=("tests/test_engine.py::test_no_simd_reads_booleans_as_python_does[maybe-error]",)),
+            deselect=("tests/engine/test_engine.py::test_no_simd_reads_booleans_as_python_does[maybe-error]",)),
 ]}
 
 # --fast: every collective (all_reduce in every op and dtype, broadcast, reduce, all_gather,
 # reduce_scatter, send/recv ring, barrier, gather, scatter, all_to_all) on the shared-memory and
 # the TCP path, the kernels in every dtype, and mismatch errors (count, dtype, gather/scatter).
 FAST_ENGINE_TESTS = [
-    "test_engine.py::test_hmac_matches_python",
-    "test_engine.py::test_kernels_match_numpy",
-    "test_engine.py::test_bf16_conversion_rounds_to_nearest_even",
-    "test_engine.py::test_every_collective_matches_numpy[2-2]",
-    "test_engine.py::test_every_collective_matches_numpy[2-1]",
-    "test_engine.py::test_every_collective_matches_numpy[3-1]",
-    "test_engine.py::test_every_collective_matches_numpy[4-2]",
-    "test_engine.py::test_node_gather_scatter_all_to_all_through_the_engine[10001-0]",
-    "test_engine.py::test_node_gather_scatter_all_to_all_through_the_engine[100-0]",
-    "test_engine.py::test_mismatch_fails_every_rank_and_reduces_nothing[2-2-count]",
-    "test_engine.py::test_mismatch_fails_every_rank_and_reduces_nothing[2-1-dtype]",
-    "test_engine.py::test_gather_scatter_mismatch_fails_every_rank[2-1-reduce_scatter]",
+    "engine/test_engine.py::test_hmac_matches_python",
+    "engine/test_engine.py::test_kernels_match_numpy",
+    "engine/test_engine.py::test_bf16_conversion_rounds_to_nearest_even",
+    "engine/test_engine.py::test_every_collective_matches_numpy[2-2]",
+    "engine/test_engine.py::test_every_collective_matches_numpy[2-1]",
+    "engine/test_engine.py::test_every_collective_matches_numpy[3-1]",
+    "engine/test_engine.py::test_every_collective_matches_numpy[4-2]",
+    "engine/test_engine.py::test_node_gather_scatter_all_to_all_through_the_engine[10001-0]",
+    "engine/test_engine.py::test_node_gather_scatter_all_to_all_through_the_engine[100-0]",
+    "engine/test_engine.py::test_mismatch_fails_every_rank_and_reduces_nothing[2-2-count]",
+    "engine/test_engine.py::test_mismatch_fails_every_rank_and_reduces_nothing[2-1-dtype]",
+    "engine/test_engine.py::test_gather_scatter_mismatch_fails_every_rank[2-1-reduce_scatter]",
 ]
-FULL_ENGINE_TESTS = ["test_engine.py"]
+FULL_ENGINE_TESTS = ["engine/test_engine.py"]
 
 
 @dataclass
@@ -158,7 +158,7 @@ def exports(root: Path) -> dict:
 
 
 def engine_tests(root: Path, fast: bool, deselect: tuple = ()) -> tuple[bool, str, str]:
-    """tests/test_engine.py (or --fast's selection) on the variant: (ok, summary, output tail)."""
+    """tests/engine/test_engine.py (or --fast's selection) on the variant: (ok, summary, output tail)."""
     from helpers.native_builds import run_pytest
 
     args = [a for t in deselect for a in ("--deselect", t)]  # (run_pytest keeps the checkout off the path)

@@ -12,7 +12,7 @@
 #   2. install  pip install --no-deps --no-build-isolation --no-index -e .   (downloads nothing)
 #   3. engine   the engine's export report (sdp_jupyter/_native_check.py)
 #   4. doctor   python -m sdp_jupyter.doctor, if that module exists
-#   5. tests    pytest --noconftest -q tests/test_gpu.py   (tests/conftest.py imports Ray/sshd/moto helpers)
+#   5. tests    pytest --noconftest -q tests/torch/test_gpu.py   (tests/conftest.py imports Ray/sshd/moto helpers)
 #   6. bench    python benchmarks/gpu.py --out $OUT/gpu_bench.json
 # The CPU half is the same with CUDA_VISIBLE_DEVICES= after step 1: the GPU tests skip and the benchmark
 # says there is no CUDA. The whole run has GPU_CHECK_BUDGET seconds (default 300): each step gets what is
@@ -94,7 +94,7 @@ import importlib, os, sys
 mode, mode_file = sys.argv[1], sys.argv[2]
 print(f"python {sys.version.split()[0]} at {sys.executable}; checkout {os.getcwd()}")
 need = {"torch": "torch", "numpy": "numpy", "psutil": "psutil", "pybind11": "pybind11 (builds the engine)",
-        "pytest": "pytest (runs tests/test_gpu.py)", "setuptools": "setuptools (builds the engine)"}
+        "pytest": "pytest (runs tests/torch/test_gpu.py)", "setuptools": "setuptools (builds the engine)"}
 missing = []
 for mod, what in need.items():
     try:
@@ -146,6 +146,6 @@ if "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('sdp_
 else
     skip doctor "no sdp_jupyter.doctor module in this checkout"
 fi
-step tests "$PY" -m pytest --noconftest -q -rs -p no:cacheprovider tests/test_gpu.py
+step tests "$PY" -m pytest --noconftest -q -rs -p no:cacheprovider tests/torch/test_gpu.py
 left=$(echo "$BUDGET $(elapsed "$START")" | awk '{printf "%d", $1 - $2 - 5}')
 step bench "$PY" benchmarks/gpu.py --out "$OUT/gpu_bench.json" --timeout "$((left > 10 ? left : 10))"

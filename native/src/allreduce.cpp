@@ -26,7 +26,7 @@ void Collectives::start() {
 
 // A shard of a chunk (plus slack for uneven splits), rounded to 64 bytes so every slot starts
 // aligned for any element type (3 nodes and 4 KiB chunks once put slot 1 at an odd address:
-// UBSan's misaligned-load report, found by the sanitizer run in tests/test_native_builds.py).
+// UBSan's misaligned-load report, found by the sanitizer run in tests/engine/test_native_builds.py).
 size_t Collectives::recv_slot_bytes() const {
   size_t b = chunk_bytes_ / size_t(topo_.num_nodes()) + 64;
   return (b + 63) / 64 * 64;

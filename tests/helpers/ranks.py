@@ -14,7 +14,7 @@ from sdp_jupyter._net import free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # SDP_TEST_PACKAGE_ROOT: where sdp_jupyter comes from for the ranks (a sanitizer or portable build
-# of the engine, see tests/test_native_builds.py); the repository by default.
+# of the engine, see tests/engine/test_native_builds.py); the repository by default.
 ROOT = os.environ.get("SDP_TEST_PACKAGE_ROOT") or os.path.dirname(os.path.dirname(HERE))
 
 

@@ -10,7 +10,7 @@ import time
 import psutil
 import pytest
 
-from test_magics_kernel import execute
+from helpers.kernel import execute
 from sdp_jupyter.jobdir import log_path
 from tools.main_job import kernel_env
 

@@ -10,7 +10,7 @@ import pytest
 from sdp_jupyter.monitor.reader import Metrics, read
 from sdp_jupyter.monitor.reporter import Reporter
 from sdp_jupyter.ui.dashboard import dashboard, header_text, scaling_efficiency, snapshot
-from test_monitor_helpers import lines, run_job, set_state, wait_for
+from helpers.monitor_jobs import lines, run_job, set_state, wait_for
 
 STEPS = 60
 TRAIN = f"""
@@ -63,7 +63,7 @@ def test_live_two_node_job_streams_into_the_dashboard(tmp_path):
 
 @pytest.mark.slow
 def test_redraws_are_rate_limited(tmp_path):
-    from test_monitor_helpers import start_workers
+    from helpers.monitor_jobs import start_workers
 
     procs = start_workers(tmp_path, ranks=2, steps=300, dt=0.01)  # ~100 lines/s per rank
     t0 = time.monotonic()

@@ -2,7 +2,7 @@
 collective on it, all_gather_coalesced, send/recv, any-source receives, batch_isend_irecv, sparse
 all_reduce) and torch's timeout contract, run by `python -m
 sdp_jupyter.testing.conformance` with gloo as the reference. The suite tests all_to_all only for MPI;
-tests/test_torch_backend.py checks ours against gloo. The full table is a command, not a CI job."""
+tests/torch/test_torch_backend.py checks ours against gloo. The full table is a command, not a CI job."""
 from __future__ import annotations
 
 import json

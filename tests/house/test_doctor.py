@@ -16,7 +16,7 @@ import pytest
 from sdp_jupyter import _native_check, doctor
 from sdp_jupyter.doctor import FAIL, INFO, OK, STATUSES, WARN, Check, Report, summary_line
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """The GPU checks: smddp against gloo on CUDA tensors in real rank processes, and the NVML sampler.
 
-    pytest --noconftest -q tests/test_gpu.py      # on a GPU machine; tools/gpu_check.sh runs it
+    pytest --noconftest -q tests/torch/test_gpu.py      # on a GPU machine; tools/gpu_check.sh runs it
 
 Every test is marked `gpu` and skips when torch.cuda.is_available() is False. The module is
 self-contained: it needs nothing from tests/conftest.py (whose imports pull in the Ray, sshd and
@@ -35,7 +35,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from helpers.ranks import ROOT, assert_all_ok, free_port, run_ranks
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: helpers (--noconftest)
+from helpers.ranks import ROOT, assert_all_ok, free_port, run_ranks  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA (torch.cuda.is_available() is False): run on a GPU machine, "
@@ -235,7 +236,7 @@ _WORK = {"collectives": _collectives, "messages": _messages, "ddp": _ddp, "fsdp2
 
 def _run(what: str, device: str = "cuda") -> list[dict]:
     """`what` on 2 ranks sharing GPU 0; a fresh 32-hex SDP_JOB_SECRET, as a launcher would give."""
-    env = {"PYTHONPATH": os.pathsep.join([TESTS, ROOT, os.environ.get("PYTHONPATH", "")]),
+    env = {"PYTHONPATH": os.pathsep.join([TESTS, os.path.dirname(TESTS), ROOT, os.environ.get("PYTHONPATH", "")]),
            "SDP_JOB_SECRET": secrets.token_hex(16), "CUBLAS_WORKSPACE_CONFIG": ":4096:8", "OMP_NUM_THREADS": "2"}
     ports = [free_port(), free_port()]
     return assert_all_ok(run_ranks("test_gpu:rank_main", WORLD, WORLD, args=(what, device, ports), env=env,

@@ -11,7 +11,7 @@ import pytest
 import sdp_jupyter
 from sdp_jupyter import jobsetup as setup_mod
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOK = ROOT / "notebooks" / "02_job_setup.ipynb"
 
 # The training code of notebooks/02_job_setup.ipynb (its %%sdp_cell train cell), read from the notebook

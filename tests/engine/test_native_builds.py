@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 
 # What the sanitized engine runs: every collective, dtype and layout check, the failure tests,
 # the hardening scenarios and the fuzzers (bounded by SDP_FUZZ_SECONDS).
-ENGINE_TESTS = ["test_engine.py", "test_hardening.py", "test_fuzz.py"]
+ENGINE_TESTS = ["engine/test_engine.py", "engine/test_hardening.py", "engine/test_fuzz.py"]
 
 
 def _preload() -> str:
@@ -45,7 +45,7 @@ def test_portable_build_without_intrinsics():
     check = subprocess.run([sys.executable, "-c", "from sdp_jupyter import _engine; print(_engine.kernel_isa())"],
                            capture_output=True, text=True, env={"PYTHONPATH": str(root)}, cwd=str(root))
     assert check.stdout.strip() == "portable", check.stderr
-    p = run_pytest(root, ["test_engine.py", "-k", "kernels_match or every_collective or bf16 or mismatch"], timeout=600)
+    p = run_pytest(root, ["engine/test_engine.py", "-k", "kernels_match or every_collective or bf16 or mismatch"], timeout=600)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
 
 

@@ -14,7 +14,7 @@ import ast
 import re
 from pathlib import Path
 
-PKG = Path(__file__).resolve().parent.parent / "sdp_jupyter"
+PKG = Path(__file__).resolve().parents[2] / "sdp_jupyter"
 
 # Cycles allowed, each as the sorted list of its modules (a strongly connected component): none.
 # (The launch/ cycle went with the target registry in launch/kernel/targets.py, the spec/parallel_options one

@@ -8,6 +8,7 @@ import time
 import pytest
 
 from conftest import wait_no_processes, worker_processes
+from helpers.kernel import execute
 from tools.main_job import kernel_env
 
 pytestmark = pytest.mark.slow
@@ -17,22 +18,6 @@ import time
 print("up", flush=True)
 time.sleep(300)
 """
-
-
-def execute(kc, code, timeout=60):
-    """Run code; return (reply content, iopub messages of this request)."""
-    msg_id = kc.execute(code)
-    reply = kc.get_shell_msg(timeout=timeout)
-    while reply["parent_header"].get("msg_id") != msg_id:
-        reply = kc.get_shell_msg(timeout=timeout)
-    messages = []
-    while True:
-        msg = kc.get_iopub_msg(timeout=timeout)
-        if msg["parent_header"].get("msg_id") != msg_id:
-            continue
-        messages.append(msg)
-        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
-            return reply["content"], messages
 
 
 def wait_workers(root, n, timeout=60):

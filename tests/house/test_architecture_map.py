@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "sdp_jupyter"
 PAGE = ROOT / "docs" / "architecture.md"
 PATH_RE = re.compile(r"(sdp_jupyter/[A-Za-z0-9_./]*[A-Za-z0-9_/])")

@@ -233,7 +233,7 @@ def test_nodes_of_different_sizes(nodes):
 def test_node_gather_scatter_all_to_all_through_the_engine(n, no_cma):
     # 3 ranks on one node. 80 KB blocks: read straight from the peers' memory, or through the
     # slots in 4 KiB chunks (SDP_NO_CMA=1); 800 bytes: the one-barrier small slots. The sanitized
-    # build runs this too (tests/test_native_builds.py).
+    # build runs this too (tests/engine/test_native_builds.py).
     w = 3
     vals = assert_all_ok(run_ranks("engine_workers:node_blocks", w, w, args=(n,), timeout=120,
                                    env={"SDP_CHUNK_BYTES": "4096", "SDP_NO_CMA": no_cma}))

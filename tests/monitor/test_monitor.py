@@ -14,7 +14,7 @@ import pytest
 
 from sdp_jupyter.monitor import reporter
 from sdp_jupyter.monitor.reader import JobDirSource, Metrics, Reader, read
-from test_monitor_helpers import (lines, run_job, set_state, start_sampler, start_workers, wait_for,
+from helpers.monitor_jobs import (lines, run_job, set_state, start_sampler, start_workers, wait_for,
                                   worker_env)
 
 

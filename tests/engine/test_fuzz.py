@@ -8,7 +8,7 @@
 Each target runs for SDP_FUZZ_SECONDS (default 15) from a fixed seed (SDP_FUZZ_SEED), in a child
 process where a crash would kill only the child: the test fails on any crash (signal), any hang
 past the per-case deadline, or any exception other than the engine's own error. Inputs that once
-failed are kept in tests/fuzz_corpus/ and replayed first, every run.
+failed are kept in tests/engine/fuzz_corpus/ and replayed first, every run.
 """
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def mutate(b: bytes) -> bytes:
     return bytes(b)
 
 def corpus_inputs(kind):
-    """Regression inputs: tests/fuzz_corpus/<kind>.jsonl, one JSON object per line."""
+    """Regression inputs: tests/engine/fuzz_corpus/<kind>.jsonl, one JSON object per line."""
     path = os.path.join(corpus, kind + ".jsonl")
     if not os.path.exists(path):
         return []

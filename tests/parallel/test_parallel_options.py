@@ -24,7 +24,7 @@ def test_every_key_has_one_option_and_one_worker_variable():
     assert sorted(full.parallel_env()) == sorted(ENV_NAMES)
     # the names the workers read, each listed in docs/jobs.md
     assert sorted(ParallelConfig(active_microbatches=2, virtual_stages=2).env()) == sorted(ENV_NAMES)
-    jobs_md = (Path(__file__).resolve().parent.parent / "docs" / "jobs.md").read_text()
+    jobs_md = (Path(__file__).resolve().parents[2] / "docs" / "jobs.md").read_text()
     assert [n for n in ENV_NAMES if f"`{n}`" not in jobs_md] == []
 
 
@@ -63,7 +63,7 @@ def test_not_passed_to_ray_silently():
     assert "--env SDP_SHARD_OPTIMIZER=optimizer" in str(info.value)
     # the old way still works everywhere: --env without the options is passed through unchanged
     assert JobSpec(code="x", target="ray", env={"SDP_TP": "2"}).env == {"SDP_TP": "2"}
-    # SageMaker jobs take them (tests/test_sagemaker.py checks the request's Environment)
+    # SageMaker jobs take them (tests/launch/sagemaker/test_sagemaker.py checks the request's Environment)
     assert JobSpec(code="x", target="sagemaker", parallel={"tp": 2}).parallel == {"tp": 2}
 
 
