@@ -20,51 +20,25 @@
 
 namespace sdp {
 
-struct Mailbox::Op {
-  bool send = false;
-  int peer = -1;  // destination, or source (-1: any)
-  int64_t tag = 0;
-  char* data = nullptr;
-  size_t nbytes = 0;
-  bool finished = false;
-  std::string error;
-  int source = -1;
-};
-
 struct Mailbox::In {  // the connection rank `src` opened to send to this rank
   int fd = -1;
-  bool closed = false;
-  std::string closed_why;
   MessageHeader hdr{};
-  size_t hdr_got = 0;
-  std::shared_ptr<Op> cur;    // the receive the message in flight goes to (null: kept or dropped)
-  std::vector<char> spill;    // a message nobody waits for yet: what has arrived of it so far
-  bool keep = false;          // spill goes to unexpected_ when complete (else it is dropped)
-  size_t got = 0;
-  bool reader = false;        // a waiting receive reads this connection itself (out of the epoll set)
-  bool parked = false;        // a large message waits in the socket for a receive (out of the epoll set)
+  size_t hdr_got = 0;   // bytes of the next message's header read (its payload: match_)
+  bool reader = false;  // a waiting receive reads this connection itself (out of the epoll set)
 };
 
 struct Mailbox::Out {  // this rank's connection to rank `dst`
   int fd = -1;
   bool broken = false;
   std::string broken_why;
-  std::deque<std::shared_ptr<Op>> q;
+  std::deque<MailOpPtr> q;
   MessageHeader hdr{};
   size_t sent = 0;  // bytes of the front message sent, header included
 };
 
-namespace {
-std::string tag_text(int64_t tag) { return "tag " + std::to_string(tag); }
-constexpr size_t kSpillStep = 1 << 20;  // bytes of an unmatched message kept per read
-// A message above this that arrives with no receive from its sender posted waits in the socket
-// (parked) instead of being read into a fresh buffer and copied again when its receive comes.
-constexpr size_t kParkMinBytes = kSpinMaxBytes;
-}  // namespace
-
 Mailbox::Mailbox(int rank, int world_size, std::string secret, std::string bind_addr, double timeout_s, bool spin)
     : rank_(rank), world_(world_size), secret_(std::move(secret)), bind_addr_(std::move(bind_addr)), timeout_s_(timeout_s),
-      spin_(spin), drain_(1 << 16) {
+      spin_(spin), match_(world_size, *this) {
   if (world_size < 1 || rank < 0 || rank >= world_size) throw Error("mailbox: rank outside the group");
   for (int r = 0; r < world_; ++r) {
     in_.push_back(std::make_unique<In>());
@@ -128,7 +102,7 @@ void Mailbox::accept_loop() {
       [this](const PeerIdentity& id, int fd) {
         std::lock_guard<std::mutex> g(mu_);
         bool ok = id.role == Role::P2P && id.rank < uint32_t(world_) && int(id.rank) != rank_ &&
-                  in_[id.rank]->fd < 0 && !in_[id.rank]->closed;
+                  in_[id.rank]->fd < 0 && !match_.gone(int(id.rank));
         if (!ok) {
           log_warning("rank " + std::to_string(rank_) + " dropped a message connection claiming to be rank " +
                       std::to_string(id.rank) + " that it did not expect");
@@ -146,7 +120,7 @@ void Mailbox::accept_loop() {
 
 uint64_t Mailbox::isend(int dst, int64_t tag, const void* data, size_t nbytes) {
   if (dst < 0 || dst >= world_) throw Error("send: destination rank " + std::to_string(dst) + " is outside the group");
-  auto op = std::make_shared<Op>();
+  auto op = std::make_shared<MailOp>();
   op->send = true;
   op->peer = dst;
   op->tag = tag;
@@ -157,7 +131,7 @@ uint64_t Mailbox::isend(int dst, int64_t tag, const void* data, size_t nbytes) {
     if (shut_) throw Error("send: the process group was shut down");
     uint64_t h = next_++;
     ops_[h] = op;
-    deliver(op, rank_, op->data, nbytes);
+    match_.deliver_whole(rank_, tag, op->data, nbytes);
     op->finished = true;
     return h;
   }
@@ -231,7 +205,7 @@ uint64_t Mailbox::isend(int dst, int64_t tag, const void* data, size_t nbytes) {
 
 uint64_t Mailbox::irecv(int src, int64_t tag, void* data, size_t nbytes) {
   if (src < -1 || src >= world_) throw Error("recv: source rank " + std::to_string(src) + " is outside the group");
-  auto op = std::make_shared<Op>();
+  auto op = std::make_shared<MailOp>();
   op->peer = src;
   op->tag = tag;
   op->data = static_cast<char*>(data);
@@ -240,94 +214,15 @@ uint64_t Mailbox::irecv(int src, int64_t tag, void* data, size_t nbytes) {
   if (shut_) throw Error("recv: the process group was shut down");
   uint64_t h = next_++;
   ops_[h] = op;
-  for (auto it = unexpected_.begin(); it != unexpected_.end(); ++it) {
-    if ((src == -1 || it->src == src) && it->tag == tag) {
-      Unexpected m = std::move(*it);
-      unexpected_.erase(it);
-      deliver(op, m.src, m.data.data(), m.data.size());
-      return h;
-    }
-  }
-  if (src >= 0 && src != rank_ && in_[size_t(src)]->closed) {
-    fail_op(op, who(src) + " " + in_[size_t(src)]->closed_why);
-    return h;
-  }
-  posted_.push_back(op);
-  // A parked message from this source is read again: straight into this receive if it fits, else
-  // kept as before (this receive may wait for a message behind it on the same connection).
-  auto unpark = [this](int r) {
-    In& c = *in_[size_t(r)];
-    if (!c.parked) return;
-    c.parked = false;
-    if (!c.reader) watch_in(r, true);  // level-triggered: the I/O thread reads it at once
-  };
-  if (src >= 0) {
-    unpark(src);  // one flag on the common path, not a loop over the group
-  } else {
-    for (int r = 0; r < world_; ++r) unpark(r);
-  }
+  match_.post(op);
   return h;
-}
-
-void Mailbox::deliver(const std::shared_ptr<Op>& op, int src, const char* data, size_t n) {
-  // A whole message for a receive, or a message to this rank itself (mu_ held).
-  if (!op->send) {
-    if (n != op->nbytes) {
-      fail_op(op, "recv of " + std::to_string(op->nbytes) + " bytes got a message of " + std::to_string(n) +
-                      " bytes from " + who(src) + " (" + tag_text(op->tag) + "): the two sides disagree on the size");
-      return;
-    }
-    if (n) std::memcpy(op->data, data, n);
-    op->source = src;
-    op->finished = true;
-    cv_.notify_all();
-    return;
-  }
-  // Sending to itself: the oldest receive that fits, else kept.
-  if (auto r = take_posted(src, op->tag)) {
-    deliver(r, src, data, n);
-    return;
-  }
-  unexpected_.push_back({src, op->tag, std::vector<char>(data, data + n)});
-}
-
-std::deque<std::shared_ptr<Mailbox::Op>>::iterator Mailbox::posted_for(int src, int64_t tag) {
-  return std::find_if(posted_.begin(), posted_.end(), [&](const std::shared_ptr<Op>& r) {
-    return (r->peer == -1 || r->peer == src) && r->tag == tag;
-  });
-}
-
-std::shared_ptr<Mailbox::Op> Mailbox::take_posted(int src, int64_t tag) {
-  auto it = posted_for(src, tag);
-  if (it == posted_.end()) return nullptr;
-  auto op = *it;
-  posted_.erase(it);
-  return op;
-}
-
-void Mailbox::fail_op(const std::shared_ptr<Op>& op, const std::string& why) {
-  if (op->finished) return;
-  op->error = why;
-  op->finished = true;
-  cv_.notify_all();
 }
 
 void Mailbox::peer_closed_in(int src, const std::string& why) {
   In& c = *in_[size_t(src)];
   if (c.fd >= 0) ::close(c.fd);
   c.fd = -1;
-  c.closed = true;
-  c.closed_why = why;
-  if (c.cur) fail_op(c.cur, who(src) + " " + why + " in the middle of a message");
-  c.cur.reset();
-  for (auto it = posted_.begin(); it != posted_.end();) {
-    if ((*it)->peer == src) {
-      fail_op(*it, who(src) + " " + why);
-      it = posted_.erase(it);
-    } else {
-      ++it;
-    }
-  }
+  match_.source_gone(src, why);
 }
 
 void Mailbox::peer_closed_out(int dst, const std::string& why) {
@@ -336,30 +231,21 @@ void Mailbox::peer_closed_out(int dst, const std::string& why) {
   o.fd = -1;
   o.broken = true;
   o.broken_why = why;
-  for (auto& op : o.q) fail_op(op, "send to " + who(dst) + " failed: " + why);
+  for (auto& op : o.q) match_.fail(op, "send to " + who(dst) + " failed: " + why);
   o.q.clear();
 }
 
-// A receive posted while message `c` arrives unmatched takes it: what has arrived is copied over
-// and the rest goes straight into the receive's buffer (a 64 MiB message no longer lands in a
-// fresh buffer first and is copied again). The oldest receive that fits, as at the header; if its
-// size differs it is left to fail, naming both sizes, when the message completes.
-void Mailbox::adopt(In& c, int src) {
-  auto it = posted_for(src, c.hdr.tag);
-  if (it == posted_.end() || (*it)->nbytes != size_t(c.hdr.nbytes)) return;
-  c.cur = *it;
-  posted_.erase(it);
-  if (c.got) std::memcpy(c.cur->data, c.spill.data(), c.got);
-  std::vector<char>().swap(c.spill);
-  c.keep = false;
+void Mailbox::resume(int src) {
+  if (!in_[size_t(src)]->reader) watch_in(src, true);  // level-triggered: the I/O thread reads it at once
 }
 
 void Mailbox::pump_in(int src) {
-  // Read everything that has arrived on src's connection: headers, then payloads straight into
-  // the matched receive's buffer (or kept for a later receive). mu_ held; called by the I/O
-  // thread, or by a receive that waits for src and reads its connection itself (wait_reading).
+  // Read everything that has arrived on src's connection: headers, then payloads where the
+  // matcher says (straight into the matched receive's buffer, or kept for a later receive). mu_
+  // held; called by the I/O thread, or by a receive that waits for src and reads its connection
+  // itself (wait_reading).
   In& c = *in_[size_t(src)];
-  while (c.fd >= 0 && !c.parked) {
+  while (c.fd >= 0 && !match_.parked(src)) {
     if (c.hdr_got < sizeof(MessageHeader)) {
       ssize_t r = ::recv(c.fd, reinterpret_cast<char*>(&c.hdr) + c.hdr_got, sizeof(MessageHeader) - c.hdr_got, 0);
       if (r == 0) { peer_closed_in(src, c.hdr_got ? "closed its connection in the middle of a message" : "closed its connection (it left the group or died)"); break; }
@@ -374,74 +260,25 @@ void Mailbox::pump_in(int src) {
         peer_closed_in(src, "sent a malformed message header");
         break;
       }
-      c.got = 0;
-      c.keep = false;
-      c.cur = take_posted(src, c.hdr.tag);
-      bool mismatch = c.cur && c.cur->nbytes != c.hdr.nbytes;
-      if (mismatch) {  // the receive fails naming both sizes; the message is consumed
-        auto op = c.cur;
-        c.cur.reset();
-        deliver(op, src, nullptr, size_t(c.hdr.nbytes));
-      }
-      if (!c.cur) {
-        c.keep = !mismatch;
-        c.spill.clear();
-        if (c.keep) c.spill.reserve(size_t(c.hdr.nbytes));  // address space only, filled as it arrives
-        bool waited_for = std::any_of(posted_.begin(), posted_.end(),
-                                      [&](const std::shared_ptr<Op>& r) { return r->peer == -1 || r->peer == src; });
-        if (c.keep && size_t(c.hdr.nbytes) > kParkMinBytes && !waited_for) {
-          // Nobody waits for this rank: its message stays in the socket until a receive is posted
-          // (irecv puts the connection back), as gloo's sends wait for their receives.
-          c.parked = true;
-          if (!c.reader) watch_in(src, false);
-          break;
-        }
+      match_.begin(src, c.hdr.tag, size_t(c.hdr.nbytes));
+      if (match_.parked(src)) {  // nobody waits for src: the message stays in the socket
+        if (!c.reader) watch_in(src, false);
+        break;
       }
     }
-    size_t total = size_t(c.hdr.nbytes);
-    if (c.got < total) {
-      if (!c.cur && c.keep) adopt(c, src);
-      char* dst;
-      size_t want = total - c.got;
-      if (c.cur) {
-        dst = c.cur->data + c.got;
-      } else if (c.keep) {  // kept a piece at a time, so a receive posted meanwhile takes the rest
-        size_t upto = std::min(total, c.got + kSpillStep);
-        if (c.spill.size() < upto) c.spill.resize(upto);
-        dst = c.spill.data() + c.got;
-        want = upto - c.got;
-      } else {  // dropped (its receive timed out, or the sizes differ)
-        dst = drain_.data();
-        want = std::min(want, drain_.size());
-      }
-      ssize_t r = ::recv(c.fd, dst, want, 0);
+    if (match_.receiving(src)) {
+      Matcher::Space to = match_.space(src);
+      ssize_t r = ::recv(c.fd, to.data, to.len, 0);
       if (r == 0) { peer_closed_in(src, "closed its connection in the middle of a message"); break; }
       if (r < 0) {
         if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) break;
         peer_closed_in(src, std::string("lost its connection (") + std::strerror(errno) + ")");
         break;
       }
-      c.got += size_t(r);
-      if (c.got < total) continue;
+      match_.received(src, size_t(r));
+      if (match_.receiving(src)) continue;
     }
-    // The message is complete.
-    if (c.cur) {
-      c.cur->source = src;
-      c.cur->finished = true;
-      c.cur.reset();
-      cv_.notify_all();
-    } else if (c.keep) {
-      // A receive may have been posted while this message was arriving: it takes it now.
-      if (auto op = take_posted(src, c.hdr.tag)) {
-        deliver(op, src, c.spill.data(), c.spill.size());
-      } else {
-        unexpected_.push_back({src, c.hdr.tag, std::move(c.spill)});
-      }
-      c.spill.clear();
-    }
-    c.hdr_got = 0;
-    c.got = 0;
-    c.keep = false;
+    c.hdr_got = 0;  // the message is complete
   }
 }
 
@@ -475,7 +312,7 @@ void Mailbox::io_loop() {
       for (int i = 0; i < ready; ++i) {
         int src = int(evs[i].data.u32);
         In& c = *in_[size_t(src)];
-        if (c.fd >= 0 && !c.reader && !c.parked) pump_in(src);  // a waiting receive may be reading it itself
+        if (c.fd >= 0 && !c.reader && !match_.parked(src)) pump_in(src);  // a waiting receive may be reading it itself
       }
     }
     for (int dst : who_out) {
@@ -544,8 +381,6 @@ int Mailbox::wait(uint64_t handle, double timeout_s) {
   what += " (" + tag_text(op->tag) + ", " + std::to_string(op->nbytes) + " bytes)";
   if (!op->finished) {
     // Withdraw it, so nothing writes into (or reads from) the caller's buffer any more.
-    auto pit = std::find(posted_.begin(), posted_.end(), op);
-    if (pit != posted_.end()) posted_.erase(pit);
     if (shut_) throw Error(what + " failed: the process group was shut down");
     if (op->send) {
       Out& o = *out_[size_t(op->peer)];
@@ -556,13 +391,7 @@ int Mailbox::wait(uint64_t handle, double timeout_s) {
         o.q.erase(qit);
       }
     } else {
-      for (auto& c : in_) {
-        if (c->cur == op) {  // half received: the rest of the message is dropped
-          c->cur.reset();
-          c->keep = false;
-          c->spill.clear();
-        }
-      }
+      match_.withdraw(op);  // out of the posted list; the rest of a message it was taking is dropped
     }
     op->finished = true;
     throw Error(what + ": Timed out after " + fmt_seconds(t) + " s on rank " + std::to_string(rank_));
@@ -571,7 +400,7 @@ int Mailbox::wait(uint64_t handle, double timeout_s) {
   return op->source;
 }
 
-void Mailbox::wait_reading(std::unique_lock<std::mutex>& lk, const Op& op, int src, double deadline) {
+void Mailbox::wait_reading(std::unique_lock<std::mutex>& lk, const MailOp& op, int src, double deadline) {
   // A small receive from one rank (up to kSpinMaxBytes) reads that rank's connection in its own
   // thread: no hand-off from the I/O thread, whose wake-up costs tens of microseconds on a busy
   // machine, most of a small message's time. It polls before it sleeps unless SDP_SPIN=0. mu_
@@ -599,7 +428,7 @@ void Mailbox::wait_reading(std::unique_lock<std::mutex>& lk, const Op& op, int s
       spin.progress();
     }
   }
-  if (c.fd == fd && !c.parked) watch_in(src, true);  // the I/O thread reads it again (at once if data waits)
+  if (c.fd == fd && !match_.parked(src)) watch_in(src, true);  // the I/O thread reads it again (at once if data waits)
   c.reader = false;
   cv_.notify_all();  // shutdown waits for readers to let go before closing the connections
 }
@@ -616,8 +445,8 @@ void Mailbox::shutdown() {
     std::lock_guard<std::mutex> g(mu_);
     if (shut_) return;
     shut_ = true;
-    for (auto& [h, op] : ops_) fail_op(op, "the process group was shut down");
-    posted_.clear();
+    for (auto& [h, op] : ops_) match_.fail(op, "the process group was shut down");
+    match_.drop_posted();
   }
   stop_ = true;
   wake();

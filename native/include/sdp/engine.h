@@ -18,8 +18,9 @@
 // broken: every later call fails with the first error.
 //
 // Layers: frame.h (what travels), peer.h (links to other nodes' leaders), shm_node.h (the
-// node's shared memory), collectives.h (the algorithms, against those two only). The engine
-// itself holds the queue, the progress thread, the first-error latch and the lifecycle.
+// node's shared memory), collectives.h (the algorithms, against those two only), engine_setup.h
+// (connecting the ranks, and the liveness sockets of a node's ranks). The engine itself holds
+// the queue, the progress thread, the first-error latch and the lifecycle.
 #pragma once
 #include <atomic>
 #include <condition_variable>
@@ -32,6 +33,7 @@
 
 #include "sdp/collectives.h"
 #include "sdp/common.h"
+#include "sdp/engine_setup.h"
 #include "sdp/frame.h"
 #include "sdp/group.h"
 #include "sdp/peer.h"
@@ -86,15 +88,13 @@ class Engine : private OpState {
   int local_rank() const { return topo_.local; }
   int local_size() const { return topo_.local_size(); }
   bool is_leader() const { return topo_.is_leader(); }
-  int listen_port() const { return port_; }
+  int listen_port() const { return conns_.port(); }
   std::string broken_message();
   Stats stats();
 
  private:
   void progress_loop();
   void execute_front(std::unique_lock<std::mutex>& lk);
-  void acceptor_loop();
-  void accept_peers(double deadline);
   void run(const Work& w);
   [[noreturn]] void fail(const std::string& msg, bool remote = false) override;
   void check_health() override;
@@ -105,18 +105,7 @@ class Engine : private OpState {
   Links links_;
   ShmNode shm_;
   Collectives colls_;
-  int port_ = 0;
-  int listen_fd_ = -1;
-  std::vector<int> local_fds_;       // leader: liveness sockets of the other local ranks, by local index
-  std::vector<bool> local_gone_;     // leader: local rank said goodbye
-  int leader_fd_ = -1;               // non-leader: liveness socket to the node leader
-
-  // set-up hand-off from the acceptor thread
-  std::mutex accept_mu_;
-  std::condition_variable accept_cv_;
-  std::vector<std::pair<PeerIdentity, int>> accepted_;
-  std::atomic<bool> setup_done_{false};
-  std::thread acceptor_;
+  Connections conns_;
 
   // work queue
   std::mutex mu_;

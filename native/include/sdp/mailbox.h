@@ -9,13 +9,18 @@
 // kSpinMaxBytes) that waits for one rank reads that rank's connection in its own thread
 // meanwhile (no thread hand-off; see wait_reading).
 //
-// Matching is MPI's: a message goes to the oldest posted receive whose source (or "any") and
-// tag fit; a message nobody waits for yet is kept until a receive takes it, except that one over
-// kSpinMaxBytes arriving while no receive from its sender is posted stays in the socket until one
-// is (parked: no fresh buffer to fill and copy again; its send completes when the receiver
-// posts, as gloo's do). A receive whose size differs from the message fails naming both sizes.
-// Every wait has a deadline; a wait that times out withdraws its operation, and a rank that
-// closes its connection fails the receives that wait for it, naming it.
+// Matching is MPI's and lives apart from the sockets, in matching.h (posted receives, kept
+// messages, any-source, tags, parking, sizes, a sender that left): this file only moves bytes and
+// tells the matcher what arrived. Every wait has a deadline; a wait that times out withdraws its
+// operation, and a rank that closes its connection fails the receives that wait for it, naming it.
+//
+// Why not on the collectives' framed links (peer.h)? The connections here are already
+// authenticated with the same handshake (transport.h, role P2P). Links exist only between node
+// leaders, carry only frames the running collective posted (an unsolicited one is a protocol
+// error that breaks the engine), and are pumped by the collective's thread under its deadline:
+// messages on them would need links between every pair of ranks, a demultiplexer in front of the
+// collectives' checks, and a lock on every frame, and a large message would hold up an all_reduce
+// on the same stream (and the other way round). See docs/engine.md.
 #pragma once
 #include <atomic>
 #include <condition_variable>
@@ -27,6 +32,8 @@
 #include <string>
 #include <thread>
 #include <vector>
+
+#include "sdp/matching.h"
 
 namespace sdp {
 
@@ -41,11 +48,11 @@ struct MessageHeader {
 };
 #pragma pack(pop)
 
-class Mailbox {
+class Mailbox : private MatchEvents {
  public:
   // spin: a receive reading its connection polls before it sleeps (SpinWindow; SDP_SPIN=0 turns it off).
   Mailbox(int rank, int world_size, std::string secret, std::string bind_addr, double timeout_s, bool spin = true);
-  ~Mailbox();
+  ~Mailbox() override;
   Mailbox(const Mailbox&) = delete;
   Mailbox& operator=(const Mailbox&) = delete;
 
@@ -64,8 +71,6 @@ class Mailbox {
   bool test(uint64_t handle);
   void shutdown();
 
-  struct Op;
-
  private:
   struct In;
   struct Out;
@@ -73,18 +78,14 @@ class Mailbox {
   void accept_loop();
   void pump_in(int src);
   void watch_in(int src, bool on);
-  void wait_reading(std::unique_lock<std::mutex>& lk, const Op& op, int src, double deadline);
-  void deliver(const std::shared_ptr<Op>& op, int src, const char* data, size_t n);
-  void adopt(In& c, int src);
-  // The oldest posted receive that a message from `src` with `tag` goes to, or posted_.end() (mu_ held).
-  std::deque<std::shared_ptr<Op>>::iterator posted_for(int src, int64_t tag);
-  // The same receive, taken out of posted_ (null: none).
-  std::shared_ptr<Op> take_posted(int src, int64_t tag);
-  void fail_op(const std::shared_ptr<Op>& op, const std::string& why);
+  void wait_reading(std::unique_lock<std::mutex>& lk, const MailOp& op, int src, double deadline);
   void peer_closed_in(int src, const std::string& why);
   void peer_closed_out(int dst, const std::string& why);
   void wake();
-  std::string who(int r) const;
+  // MatchEvents (mu_ held)
+  void finished() override { cv_.notify_all(); }
+  void resume(int src) override;
+  std::string who(int r) const override;
 
   int rank_, world_;
   std::string secret_, bind_addr_;
@@ -94,21 +95,14 @@ class Mailbox {
   int wake_[2] = {-1, -1};
   int ep_ = -1;       // epoll set of the incoming connections the I/O thread reads
   int stop_fd_ = -1;  // eventfd, readable once shutdown starts
-  std::vector<char> drain_;  // where the bytes of a dropped message go (mu_ held)
   std::vector<std::string> addrs_;
   std::vector<int> ports_;
 
   std::mutex mu_;
   std::condition_variable cv_;
-  std::map<uint64_t, std::shared_ptr<Op>> ops_;
+  std::map<uint64_t, MailOpPtr> ops_;
   uint64_t next_ = 1;
-  std::deque<std::shared_ptr<Op>> posted_;  // receives no message has matched yet, oldest first
-  struct Unexpected {
-    int src;
-    int64_t tag;
-    std::vector<char> data;
-  };
-  std::deque<Unexpected> unexpected_;  // messages no receive has taken yet, in arrival order
+  Matcher match_;  // posted receives, kept and parked messages (mu_ held)
   std::vector<std::unique_ptr<In>> in_;   // by source rank
   std::vector<std::unique_ptr<Out>> out_;  // by destination rank
   std::mutex connect_mu_;                  // one connection attempt at a time
