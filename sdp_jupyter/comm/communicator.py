@@ -1,57 +1,28 @@
-"""The engine's Python face: collectives on numpy arrays and raw buffers, no torch needed.
-
-    from sdp_jupyter import comm
-    c = comm.init()                      # reads RANK, WORLD_SIZE, GROUP_RANK, MASTER_ADDR/PORT, SDP_JOB_SECRET
-    c.all_reduce(array, op="sum")        # in place; returns when done
-    w = c.all_reduce(array, async_op=True); ...; w.wait()
-
-The torch backend (`sdp_jupyter.torch`) builds on the same `Communicator` with a torch store.
-"""
+"""The Communicator: one group of ranks on the native engine (set-up, rendezvous, topology) and its
+numpy face for the engine's own collectives and for messages; gather, scatter and all_to_all come
+from `Routes` (routing.py), which picks shared memory, peer reads or messages by topology."""
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import hmac
 import json
 import os
 import socket
-import threading
-import weakref
 from typing import Any, Callable
 
 import numpy as np
 
 from sdp_jupyter import _engine
 from sdp_jupyter._env import env_float, env_int
+from sdp_jupyter.comm import usage
+from sdp_jupyter.comm.codes import (COLL_ALLGATHER, COLL_ALLREDUCE, COLL_BROADCAST, COLL_REDUCE_SCATTER,
+                                    DEFAULT_CHUNK_BYTES, DEFAULT_TIMEOUT, DTYPES, NUMPY_DTYPES, OPS, EngineError,
+                                    SmddpError)
+from sdp_jupyter.comm.routing import Routes
 from sdp_jupyter.comm.secret import (FROM_CALLER, FROM_ENV, FROM_FILE, JobSecret, SecretError, check_secret,
-                                     env_secret, group_secret, is_loopback)
-
-EngineError = _engine.EngineError
-
-# The engine's codes (native/include/sdp/common.h), as its module binds them: no copy to drift.
-DTYPES = {name: int(v) for name, v in _engine.DType.__members__.items()}
-OPS = {name: int(v) for name, v in _engine.ReduceOp.__members__.items()}
-_COLLS = {name: int(v) for name, v in _engine.Coll.__members__.items()}
-COLL_ALLREDUCE, COLL_BROADCAST, COLL_ALLGATHER, COLL_REDUCE_SCATTER = (
-    _COLLS["all_reduce"], _COLLS["broadcast"], _COLLS["all_gather"], _COLLS["reduce_scatter"])
-COLL_GATHER, COLL_SCATTER, COLL_ALLTOALL = _COLLS["gather"], _COLLS["scatter"], _COLLS["all_to_all"]
-_NUMPY_DTYPES = {np.dtype(k): v for k, v in DTYPES.items() if k != "bfloat16"}
-
-DEFAULT_TIMEOUT = 300.0
-DEFAULT_CHUNK_BYTES = 4 << 20
-
-
-class SmddpError(RuntimeError):
-    """A collective failed on this rank: mismatch, dead or stalled peer, bad secret, timeout."""
-
-
-def submit_to(engine, coll: int, ptr: int, count: int, dtype: int, op: int = 0, root: int = 0, src: int = 0,
-              blocks=()) -> int:
-    """Queue one collective on `engine` and return its handle. The common call has a binding of its
-    own (nothing for pybind to convert per call: microseconds count at 4 KiB); gather/scatter's
-    per-rank buffers and all_to_all's input take `submit_buffers`."""
-    if src or blocks:
-        return engine.submit_buffers(coll, ptr, count, dtype, op, root, src, list(blocks))
-    return engine.submit(coll, ptr, count, dtype, op, root)
+                                     group_secret, is_loopback)
+from sdp_jupyter.comm.work import Channels, Work
 
 
 def node_key() -> str:
@@ -78,59 +49,20 @@ def bind_address() -> str:
         return "127.0.0.1"
 
 
-class Work:
-    """Handle of an asynchronous collective or message. `wait()` re-raises the engine's error;
-    for a receive it returns the sender's rank (`source`)."""
-
-    def __init__(self, comm: "Communicator", handle: int, keepalive: Any = None,
-                 finish: Callable[[], None] | None = None, message: bool = False):
-        self._comm = comm
-        self._handle = handle
-        self._keepalive = keepalive
-        self._finish = finish
-        self._waiter = comm._mailbox if message else comm._engine
-        self._done = False
-        self._lock = threading.Lock()
-        self.source: int | None = None
-
-    def wait(self, timeout: float | None = None) -> int | None:
-        with self._lock:
-            if self._done:
-                return self.source
-            try:
-                got = self._waiter.wait(self._handle, float(timeout or 0.0))
-            except EngineError as exc:
-                self._done = True  # a message that failed or timed out is withdrawn
-                self._keepalive = None
-                raise SmddpError(str(exc)) from None
-            if self._waiter is self._comm._mailbox:
-                self.source = got
-            if self._finish is not None:
-                self._finish()
-            self._done = True
-            self._keepalive = None
-            return self.source
-
-    def is_completed(self) -> bool:
-        if self._done:
-            return True
-        try:
-            return self._waiter.test(self._handle)
-        except EngineError as exc:
-            raise SmddpError(str(exc)) from None
-
-
-class Communicator:
+class Communicator(Routes):
     """One engine instance: a group of ranks, each on a node, talking through the native engine.
 
     `store` is anything with set(key, bytes) and blocking get(key) -> bytes (torch c10d stores
     or `TCPKeyValueStore`). Node membership comes from each rank's `node` key (GROUP_RANK by
-    default); ranks with the same key share memory, different keys talk TCP.
+    default); ranks with the same key share memory, different keys talk TCP. `error` makes the
+    exception a failed collective or message raises from its message (default SmddpError; the
+    torch adapter passes one that makes torch's DistBackendError).
     """
 
     def __init__(self, rank: int, world_size: int, store, *, node: str | None = None,
                  secret: bytes | str | JobSecret | None = None, prefix: str = "sdp", timeout: float | None = None,
-                 chunk_bytes: int | None = None, bind_addr: str | None = None, close_store: bool = False):
+                 chunk_bytes: int | None = None, bind_addr: str | None = None, close_store: bool = False,
+                 error: Callable[[str], BaseException] = SmddpError):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside a world of {world_size}")
         self.rank = rank
@@ -142,6 +74,7 @@ class Communicator:
         spin = env_int("SDP_SPIN", -1, min=-1)  # -1: the engine's default
         self._store = store
         self._close_store = close_store
+        self._error = error
         node = node if node is not None else node_key()
         self._prefix = prefix
         # No secret in the store, ever: it comes from the launcher (SDP_JOB_SECRET) or, on one
@@ -160,7 +93,8 @@ class Communicator:
             self._connect(rank, world_size, store, node, bind_addr, chunk, spin)
         finally:
             self._job_secret.released()  # failed: the one-host file must not outlive the attempt
-        _opened(self)
+        self._channels = Channels(self._engine, self._mailbox, error)
+        usage.opened(self)
 
     def _connect(self, rank, world_size, store, node, bind_addr, chunk, spin) -> None:
         secret = self._secret
@@ -284,26 +218,74 @@ class Communicator:
         operations posted."""
         return {**self._engine.stats(), "messages": self.messages}
 
-    # ---- raw submission, for the numpy face below (the torch process group submits to the engine
-    # itself, to raise torch's DistBackendError instead of SmddpError; the engine's DDP wrapper goes
-    # through torch.distributed)
+    # ---- raw buffers (pointers): what the numpy face below, routing.py and the torch adapter build on
     def submit(self, coll: int, ptr: int, count: int, dtype: int, op: int = 0, root: int = 0,
                keepalive: Any = None, finish: Callable[[], None] | None = None, *, src: int = 0,
                blocks=()) -> Work:
-        """`src`: all_to_all's input; `blocks`: the root's one buffer per rank of gather and scatter."""
+        """Queue one engine collective (a code of codes.COLLS) on the buffer at `ptr`. `src`:
+        all_to_all's input; `blocks`: the root's one buffer per rank of gather and scatter."""
+        if src or blocks:
+            h = self.submit_handle(coll, ptr, count, dtype, op, root, src, blocks)
+        else:  # the common call, one frame less (microseconds count at 4 KiB)
+            try:
+                h = self._engine.submit(coll, ptr, count, dtype, op, root)
+            except EngineError as exc:
+                raise self._error(str(exc)) from None
+        return Work(self._channels, (h,), (), keepalive, () if finish is None else (finish,))
+
+    def submit_handle(self, coll: int, ptr: int, count: int, dtype: int, op: int = 0, root: int = 0, src: int = 0,
+                      blocks=()) -> int:
+        """`submit`'s engine handle alone. The common call has a binding of its own (nothing for
+        pybind to convert per call: microseconds count at 4 KiB)."""
         try:
-            h = submit_to(self._engine, coll, ptr, count, dtype, op, root, src, blocks)
+            if src or blocks:
+                return self._engine.submit_buffers(coll, ptr, count, dtype, op, root, src, list(blocks))
+            return self._engine.submit(coll, ptr, count, dtype, op, root)
         except EngineError as exc:
-            raise SmddpError(str(exc)) from None
-        return Work(self, h, keepalive, finish)
+            raise self._error(str(exc)) from None
+
+    def post_send(self, dst: int, tag: int, ptr: int, nbytes: int) -> int:
+        """Post a message of `nbytes` at `ptr` to rank dst; returns its mailbox handle (see `messages_work`)."""
+        return self._post_one(self._mailbox.isend, dst, tag, ptr, nbytes)
+
+    def post_recv(self, src: int, tag: int, ptr: int, nbytes: int) -> int:
+        """Post a receive of `nbytes` into `ptr` from rank src (-1: any rank); returns its mailbox handle."""
+        return self._post_one(self._mailbox.irecv, src, tag, ptr, nbytes)
+
+    def _post_one(self, post, peer: int, tag: int, ptr: int, nbytes: int) -> int:
+        try:
+            h = post(peer, tag, ptr, nbytes)
+        except EngineError as exc:
+            raise self._error(str(exc)) from None
+        self.messages += 1
+        return h
+
+    def messages_work(self, handles, keepalive: Any = None, finish=(), engine_handles=()) -> Work:
+        """One work for posted messages (and engine collectives that run beside them)."""
+        return Work(self._channels, tuple(engine_handles), tuple(handles), keepalive, tuple(finish))
+
+    def join(self, works) -> Work:
+        """One work for several (the coalesced calls)."""
+        return Work.joined(self._channels, works)
+
+    def done(self, keepalive: Any = None) -> Work:
+        """A work that is already complete (an operation finished before it returned)."""
+        return Work(self._channels, (), (), keepalive)
+
+    @staticmethod
+    def copy(dst: int, src: int, nbytes: int) -> None:
+        """memmove between raw buffers (the GIL released)."""
+        if nbytes and dst != src:
+            ctypes.memmove(dst, src, nbytes)
 
     # ---- numpy face
     @staticmethod
-    def _buffer(arr) -> tuple[np.ndarray, int]:
+    def _buffer(arr, writable: bool = True) -> tuple[np.ndarray, int]:
         a = arr if isinstance(arr, np.ndarray) else np.asarray(memoryview(arr))
-        if not a.flags.c_contiguous or not a.flags.writeable:
-            raise ValueError("collectives need a C-contiguous, writable array (use np.ascontiguousarray)")
-        code = _NUMPY_DTYPES.get(a.dtype)
+        if not a.flags.c_contiguous or (writable and not a.flags.writeable):
+            raise ValueError("collectives need a C-contiguous" + (", writable" if writable else "")
+                             + " array (use np.ascontiguousarray)")
+        code = NUMPY_DTYPES.get(a.dtype)
         if code is None:
             raise TypeError(f"dtype {a.dtype} is not supported; use one of {', '.join(DTYPES)}")
         return a, code
@@ -315,7 +297,8 @@ class Communicator:
         except KeyError:
             raise ValueError(f"unknown reduce op {op!r}; use one of {', '.join(OPS)}") from None
 
-    def _done(self, work: Work, async_op: bool):
+    @staticmethod
+    def _done(work: Work, async_op: bool):
         if async_op:
             return work
         work.wait()
@@ -342,14 +325,12 @@ class Communicator:
         """out (world_size * n elements, or a list of world_size arrays) <- every rank's inp."""
         if isinstance(out, (list, tuple)):
             flat = np.empty((self.world_size,) + np.shape(inp), dtype=np.asarray(inp).dtype)
-            work = self.all_gather(flat, inp, async_op=True)
             outs = list(out)
 
             def scatter_back():
                 for r, o in enumerate(outs):
                     o[...] = flat[r]
-            work._finish = _chain(work._finish, scatter_back)
-            return self._done(work, async_op)
+            return self._done(self.all_gather(flat, inp, async_op=True).then(scatter_back), async_op)
         o, code = self._buffer(out)
         i = np.ascontiguousarray(inp)
         if o.size != i.size * self.world_size or o.dtype != i.dtype:
@@ -376,7 +357,7 @@ class Communicator:
         """Sends arr to rank dst; matched by the receive on dst with this rank (or any) and tag."""
         a = self._message_buffer(arr)
         self._check_peer(dst, "destination")
-        return self._done(self._message(self._mailbox.isend, dst, tag, a), async_op)
+        return self._done(self.messages_work([self.post_send(dst, tag, a.ctypes.data, a.nbytes)], a), async_op)
 
     def recv(self, arr, src: int | None = None, tag: int = 0, async_op: bool = False):
         """Receives into arr from rank src (None: any rank); returns the sender's rank, or with
@@ -384,16 +365,8 @@ class Communicator:
         a = self._message_buffer(arr, writable=True)
         if src is not None:
             self._check_peer(src, "source")
-        work = self._message(self._mailbox.irecv, -1 if src is None else src, tag, a)
+        work = self.messages_work([self.post_recv(-1 if src is None else src, tag, a.ctypes.data, a.nbytes)], a)
         return work if async_op else work.wait()
-
-    def _message(self, post, peer: int, tag: int, a: np.ndarray) -> Work:
-        try:
-            h = post(peer, tag, a.ctypes.data, a.nbytes)
-        except EngineError as exc:
-            raise SmddpError(str(exc)) from None
-        self.messages += 1
-        return Work(self, h, a, message=True)
 
     @staticmethod
     def _message_buffer(arr, writable: bool = False) -> np.ndarray:
@@ -406,17 +379,17 @@ class Communicator:
         if not 0 <= r < self.world_size:
             raise ValueError(f"{what} rank {r} is not a rank of this group of {self.world_size}")
 
+    def _check_root(self, root: int) -> None:
+        if not 0 <= root < self.world_size:
+            raise ValueError(f"root {root} is not a rank of this group of {self.world_size}")
+
     def barrier(self, async_op: bool = False):
         token = np.zeros(1, dtype=np.uint8)
         return self._done(self.submit(COLL_ALLREDUCE, token.ctypes.data, 1, DTYPES["uint8"], OPS["max"], 0, token),
                           async_op)
 
-    def _check_root(self, root: int) -> None:
-        if not 0 <= root < self.world_size:
-            raise ValueError(f"root {root} is not a rank of this group of {self.world_size}")
-
     def close(self) -> None:
-        _closing(self)
+        usage.closing(self)
         self._engine.shutdown()
         self._mailbox.shutdown()
         if self._close_store and hasattr(self._store, "close"):
@@ -427,86 +400,3 @@ class Communicator:
 
     def __exit__(self, *exc):
         self.close()
-
-
-def _chain(a: Callable[[], None] | None, b: Callable[[], None]) -> Callable[[], None]:
-    def both():
-        if a is not None:
-            a()
-        b()
-    return both
-
-
-# What this process's engines did, for the job's end report (launch/backend_check.py: did the ranks
-# ever run a collective?). Closed communicators leave their count behind; live ones are asked.
-_live: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
-_closed = {"communicators": 0, "collectives": 0}
-_usage_lock = threading.Lock()
-
-
-def _opened(c: Communicator) -> None:
-    with _usage_lock:
-        _live.add(c)
-
-
-def _closing(c: Communicator) -> None:
-    with _usage_lock:
-        if c not in _live:
-            return
-        _live.discard(c)
-        _closed["communicators"] += 1
-        try:
-            _closed["collectives"] += int(c.stats()["collectives"])
-        except Exception:  # noqa: BLE001 - a broken engine still closes
-            pass
-
-
-def usage() -> dict:
-    """{"communicators", "collectives"}: the engines this process made (every smddp group has one)
-    and the collectives they ran, closed ones included."""
-    with _usage_lock:
-        live, total = list(_live), dict(_closed)
-    for c in live:
-        try:
-            total["collectives"] += int(c.stats()["collectives"])
-        except Exception:  # noqa: BLE001
-            pass
-    total["communicators"] += len(live)
-    return total
-
-
-_default: Communicator | None = None
-
-
-def init(*, timeout: float | None = None, chunk_bytes: int | None = None) -> Communicator:
-    """Join the job described by the environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
-    GROUP_RANK, SDP_JOB_SECRET), as torchrun, SageMaker or `sdp-train` set it."""
-    global _default
-    if _default is not None:
-        return _default
-    missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
-    if missing:
-        raise RuntimeError(f"sdp_jupyter.comm.init() needs {', '.join(missing)} in the environment: "
-                           "start this script with %%sdp_train, sdp-train or torchrun")
-    from sdp_jupyter.comm.store import TCPKeyValueStore
-
-    rank, world = env_int("RANK", 0, min=0), env_int("WORLD_SIZE", 1, min=1)
-    t = timeout if timeout is not None else env_float("SDP_TIMEOUT", DEFAULT_TIMEOUT, min=0.001)
-    try:
-        secret = env_secret(t)
-    except SecretError as exc:
-        raise SmddpError(str(exc)) from None
-    store = TCPKeyValueStore(os.environ["MASTER_ADDR"], env_int("MASTER_PORT", 0, min=1), server=rank == 0, timeout=t,
-                             secret=secret.value)
-    _default = Communicator(rank, world, store, timeout=t, chunk_bytes=chunk_bytes, close_store=True, secret=secret)
-    return _default
-
-
-def shutdown() -> None:
-    global _default
-    if _default is not None:
-        _default.close()
-        _default = None
-
-
-__all__ = ["Communicator", "Work", "SmddpError", "EngineError", "init", "shutdown", "usage", "DTYPES", "OPS"]
