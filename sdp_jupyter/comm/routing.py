@@ -159,7 +159,11 @@ class Routes:
         destination, source, bytes) is copied right after posting, while the I/O thread moves them."""
         work = self.messages_work(self._post(sends, recvs), keepalive, finish)
         if local is not None:
-            self._after_posting(work, lambda: self.copy(*local))
+            try:
+                self.copy(*local)
+            except BaseException:
+                self._finish_posted(work)
+                raise
         return work
 
     def _split(self, sends, recvs, submit: Callable[[], int], keepalive, finish):
@@ -168,21 +172,21 @@ class Routes:
         if not sends and not recvs:
             return self.messages_work((), keepalive, finish, (submit(),))
         handles = self._post(sends, recvs)
-        h = self._after_posting(self.messages_work(handles), submit)
+        try:
+            h = submit()
+        except BaseException:
+            self._finish_posted(self.messages_work(handles))
+            raise
         return self.messages_work(handles, keepalive, finish, (h,))
 
     @staticmethod
-    def _after_posting(work, step):
-        """step() once `work`'s messages are posted; if it fails, the messages (which belong to the
-        peers' collective too) finish before its error is raised, so no buffer goes while in use."""
+    def _finish_posted(work) -> None:
+        """When a step after posting fails, the messages (which belong to the peers' collective
+        too) finish before its error is raised, so no buffer goes while in use."""
         try:
-            return step()
-        except BaseException:
-            try:
-                work.wait()
-            except Exception:  # noqa: BLE001 - step's error is the one to report
-                pass
-            raise
+            work.wait()
+        except Exception:  # noqa: BLE001 - the step's error is the one to report
+            pass
 
     # ---- numpy face
     def gather(self, out, inp, root: int = 0, async_op: bool = False):

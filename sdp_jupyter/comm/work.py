@@ -58,7 +58,8 @@ class Work:
                     try:
                         self._wait_messages(float(timeout or 0.0))
                     finally:  # the engine's part runs to its end before any buffer goes (peers read them)
-                        self._wait_engine()
+                        if self._handles:
+                            self._wait_engine()
                 else:
                     self._wait_engine()
                 for f in self._finish:

@@ -53,8 +53,8 @@ def block(t: torch.Tensor) -> tuple[int, int]:
 
 def staged(t: torch.Tensor):
     """(buffer the engine works on in place, copy-back callable or None): no object at all for
-    the common case of a contiguous CPU tensor."""
-    if t.device.type == "cpu" and t.is_contiguous():
+    the common case of a contiguous CPU tensor (t.is_cpu: 0.27 us with is_contiguous(), t.device.type 0.46)."""
+    if t.is_cpu and t.is_contiguous():
         return t, None
     s = _Staged(t)
     return s.buf, s.finish
@@ -65,7 +65,7 @@ class _Staged:
 
     def __init__(self, t: torch.Tensor):
         self.orig = t
-        if t.device.type == "cpu":
+        if t.is_cpu:
             self.buf = t.contiguous()
         else:  # CUDA (or another device): through pinned host memory
             self.buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
@@ -76,10 +76,17 @@ class _Staged:
             self.orig.copy_(self.buf)
 
 
-def staged_all(tensors) -> tuple[list[torch.Tensor], tuple]:
+def staged_all(tensors) -> tuple[list[torch.Tensor], list]:
     """staged() of each: the buffers and their copy-back steps."""
-    pairs = [staged(t) for t in tensors]
-    return [b for b, _ in pairs], tuple(f for _, f in pairs if f is not None)
+    bufs, finish = [], []
+    for t in tensors:
+        if t.is_cpu and t.is_contiguous():
+            bufs.append(t)
+        else:
+            s = _Staged(t)
+            bufs.append(s.buf)
+            finish.append(s.finish)
+    return bufs, finish
 
 
 def send_buffer(t: torch.Tensor) -> torch.Tensor:
@@ -88,4 +95,4 @@ def send_buffer(t: torch.Tensor) -> torch.Tensor:
     if t.is_sparse:
         unsupported("send/recv of sparse tensors", "send t.indices() and t.values() as two messages")
     t = t.detach()
-    return t if t.device.type == "cpu" and t.is_contiguous() else t.to("cpu").contiguous()
+    return t if t.is_cpu and t.is_contiguous() else t.to("cpu").contiguous()
