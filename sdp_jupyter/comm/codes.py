@@ -26,7 +26,7 @@ DEFAULT_TIMEOUT: float = _engine.DEFAULT_TIMEOUT
 DEFAULT_CHUNK_BYTES: int = _engine.DEFAULT_CHUNK_BYTES
 
 # Collectives built on messages use this tag; messages between two ranks keep their order, so
-# successive collectives never take each other's pieces (and never a user's: user tags are >= 0).
+# successive collectives never take each other's pieces (nor a user's: a tag nobody picks).
 COLL_TAG = -(1 << 62)
 
 

@@ -233,17 +233,15 @@ class Communicator(Routes):
 
     def post_send(self, dst: int, tag: int, ptr: int, nbytes: int) -> int:
         """Post a message of `nbytes` at `ptr` to rank dst; returns its mailbox handle (see `messages_work`)."""
-        try:
-            h = self._mailbox.isend(dst, tag, ptr, nbytes)
-        except EngineError as exc:
-            raise self._error(str(exc)) from None
-        self.messages += 1
-        return h
+        return self._post_message(self._mailbox.isend, dst, tag, ptr, nbytes)
 
     def post_recv(self, src: int, tag: int, ptr: int, nbytes: int) -> int:
         """Post a receive of `nbytes` into `ptr` from rank src (-1: any rank); returns its mailbox handle."""
+        return self._post_message(self._mailbox.irecv, src, tag, ptr, nbytes)
+
+    def _post_message(self, post, peer: int, tag: int, ptr: int, nbytes: int) -> int:
         try:
-            h = self._mailbox.irecv(src, tag, ptr, nbytes)
+            h = post(peer, tag, ptr, nbytes)
         except EngineError as exc:
             raise self._error(str(exc)) from None
         self.messages += 1
