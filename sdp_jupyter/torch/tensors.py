@@ -94,5 +94,6 @@ def send_buffer(t: torch.Tensor) -> torch.Tensor:
     contiguous CPU tensor, else a contiguous CPU copy."""
     if t.is_sparse:
         unsupported("send/recv of sparse tensors", "send t.indices() and t.values() as two messages")
-    t = t.detach()
-    return t if t.is_cpu and t.is_contiguous() else t.to("cpu").contiguous()
+    if t.is_cpu and t.is_contiguous():
+        return t  # only its memory is read: no detach() (a new tensor object per call)
+    return t.detach().to("cpu").contiguous()
