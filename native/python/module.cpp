@@ -11,6 +11,7 @@
 #include "sdp/hmac.h"
 #include "sdp/mailbox.h"
 #include "sdp/reduce.h"
+#include "sdp/shm_node.h"
 
 namespace py = pybind11;
 using namespace sdp;
@@ -58,6 +59,16 @@ PYBIND11_MODULE(_engine, m) {
       .value("scatter", Coll::SCATTER)
       .value("all_to_all", Coll::ALLTOALL);
 
+  // The engine's numbers that Python decides by (bound, never copied): the size up to which a
+  // block moves through the node's small slots and an engine call costs more than a message saves
+  // (shm_node.h), and the defaults of EngineConfig (engine.h).
+  m.attr("SMALL_BYTES") = py::int_(kSmallBytes);
+  const EngineConfig defaults;
+  m.attr("DEFAULT_CHUNK_BYTES") = py::int_(defaults.chunk_bytes);
+  m.attr("DEFAULT_TIMEOUT") = py::float_(defaults.timeout_s);
+  m.def("dtype_size", [](int dtype) { return dtype_size(to_dtype(dtype)); }, py::arg("dtype"),
+        "Bytes per element of a dtype code.");
+
   m.def("install_crash_report", &install_crash_report,
         "On a fatal signal, print the thread's name and native frames to stderr, then run the handler that was "
         "there before (call after faulthandler.enable()).");
@@ -97,7 +108,7 @@ PYBIND11_MODULE(_engine, m) {
              return new Engine(std::move(c));
            }),
            py::arg("rank"), py::arg("node_of_rank"), py::arg("secret"), py::arg("bind_addr") = "127.0.0.1",
-           py::arg("timeout") = 300.0, py::arg("chunk_bytes") = size_t(4 << 20), py::arg("spin") = -1)
+           py::arg("timeout") = defaults.timeout_s, py::arg("chunk_bytes") = defaults.chunk_bytes, py::arg("spin") = -1)
       .def("prepare", &Engine::prepare, py::call_guard<py::gil_scoped_release>())
       .def("connect", &Engine::connect, py::call_guard<py::gil_scoped_release>())
       .def(
@@ -150,7 +161,7 @@ PYBIND11_MODULE(_engine, m) {
              return new Mailbox(rank, world_size, std::string(secret), std::move(bind_addr), timeout, spin);
            }),
            py::arg("rank"), py::arg("world_size"), py::arg("secret"), py::arg("bind_addr") = "127.0.0.1",
-           py::arg("timeout") = 300.0, py::arg("spin") = true)
+           py::arg("timeout") = defaults.timeout_s, py::arg("spin") = true)
       .def("listen", &Mailbox::listen, py::call_guard<py::gil_scoped_release>())
       .def("set_peers", &Mailbox::set_peers)
       .def(

@@ -49,8 +49,8 @@ uint64_t Engine::submit(Coll c, void* buf, size_t count, DType t, ReduceOp op, i
                         std::vector<char*> blocks) {
   if (root < 0 || root >= world_size()) throw Error("root " + std::to_string(root) + " is not a rank of this group");
   if (c == Coll::GATHER && num_nodes() > 1)
-    throw Error("gather runs in the engine only when every rank of the group is on one node (across nodes the "
-                "torch backend sends every block to the root as a message)");
+    throw Error("gather runs in the engine only when every rank of the group is on one node (across nodes, "
+                "send the blocks to the root as messages)");
   if (c == Coll::ALLTOALL && !src) throw Error("all_to_all needs its input buffer");
   if ((c == Coll::GATHER || c == Coll::SCATTER) && rank() == root && blocks.size() != size_t(world_size()))
     throw Error(std::string(coll_name(c)) + " on the root needs one buffer per rank");

@@ -4,7 +4,7 @@
 // through the slots chunk by chunk. Either way with the same description check and barriers as
 // the other collectives. In a group of several nodes, scatter runs here for the root's node (the other
 // nodes' ranks submit it too, which keeps every rank's sequence in step, and return at once) and
-// all_to_all for each node's blocks, while the torch backend sends the other blocks as messages;
+// all_to_all for each node's blocks, while sdp_jupyter.comm sends the other blocks as messages;
 // gather across nodes is all messages (Engine::submit refuses it).
 #include <sys/uio.h>
 #include <unistd.h>
@@ -172,7 +172,7 @@ void Collectives::scatter(const Work& w) { rooted(w, false); }
 
 void Collectives::all_to_all(const Work& w) {
   // The blocks between the ranks of this node (all of them when the group is one node; across
-  // nodes the torch backend sends the other blocks as messages meanwhile). Each round moves a
+  // nodes sdp_jupyter.comm sends the other blocks as messages meanwhile). Each round moves a
   // piece of every block: rank l's slot holds L pieces, piece j for the rank at local index j;
   // after the barrier each rank takes its piece from every other slot.
   int L = topo_.local_size(), local = topo_.local;

@@ -452,3 +452,78 @@ def message_readers():
     th.join(10)
     out["waiting"] = box
     return out
+
+
+def routed_blocks(sizes):
+    """gather, scatter (list and flat forms, roots 0 and last), all_to_all_single (equal, in place,
+    uneven) and all_to_all (lists of any sizes) through the numpy face, routed by topology. Per case:
+    whether every element is right, and the messages this rank posted and the bytes it read
+    straight from peers' memory (the route taken)."""
+    c = comm.init(timeout=60)
+    w, r = c.world_size, c.rank
+    out: dict = {"node_of_rank": list(c.node_of_rank)}
+
+    def taken(name, fn):
+        m0, p0 = c.messages, c.stats()["peer_read_bytes"]
+        out[name] = {"equal": bool(fn()), "messages": c.messages - m0,
+                     "peer_read_bytes": c.stats()["peer_read_bytes"] - p0}
+
+    def block(k, n):
+        return np.arange(n, dtype=np.float32) + 1e6 * k
+
+    try:
+        for n in sizes:
+            for root in (0, w - 1):
+                def gather(flat=False):
+                    if r != root:
+                        return c.gather(None, block(r, n), root=root) is None
+                    got = np.full(w * n, -1, np.float32) if flat else [np.full(n, -1, np.float32) for _ in range(w)]
+                    c.gather(got, block(r, n), root=root, async_op=True).wait()
+                    return np.array_equal(np.concatenate(got) if not flat else got,
+                                          np.concatenate([block(k, n) for k in range(w)]))
+
+                def scatter(flat=False):
+                    got = np.full(n, -1, np.float32)
+                    ins = None
+                    if r == root:
+                        ins = [block(k, n) for k in range(w)]
+                        ins = np.concatenate(ins) if flat else ins
+                    c.scatter(got, ins, root=root)
+                    return np.array_equal(got, block(r, n))
+                taken(f"gather_{n}_{root}", gather)
+                taken(f"gather_flat_{n}_{root}", lambda: gather(True))
+                taken(f"scatter_{n}_{root}", scatter)
+                taken(f"scatter_flat_{n}_{root}", lambda: scatter(True))
+
+            def inp(k):  # block d of rank k's input: 1e6 * k + 1e3 * d + i
+                return np.concatenate([np.arange(n, dtype=np.float32) + 1e6 * k + 1e3 * d for d in range(w)])
+            want = np.concatenate([np.arange(n, dtype=np.float32) + 1e6 * d + 1e3 * r for d in range(w)])
+
+            def a2a():
+                got = np.full(w * n, -1, np.float32)
+                c.all_to_all_single(got, inp(r))
+                return np.array_equal(got, want)
+
+            def a2a_in_place():
+                buf = inp(r)
+                c.all_to_all_single(buf, buf)
+                return np.array_equal(buf, want)
+            taken(f"all_to_all_single_{n}", a2a)
+            taken(f"all_to_all_single_in_place_{n}", a2a_in_place)
+
+        def uneven():  # rank k sends d + 1 rows of 2 to rank d, each row 10 * k + d
+            src = np.concatenate([np.full((d + 1, 2), 10.0 * r + d) for d in range(w)])
+            got = np.full(((r + 1) * w, 2), -1.0)
+            c.all_to_all_single(got, src, out_splits=[r + 1] * w, in_splits=[d + 1 for d in range(w)])
+            return np.array_equal(got, np.concatenate([np.full((r + 1, 2), 10.0 * k + r) for k in range(w)]))
+
+        def lists():  # rank k sends rank d an int64 array of k + 2 d + 1 elements
+            ins = [np.full(r + 2 * d + 1, 100 * r + d, np.int64) for d in range(w)]
+            outs = [np.zeros(k + 2 * r + 1, np.int64) for k in range(w)]
+            c.all_to_all(outs, ins)
+            return all(np.array_equal(o, np.full(k + 2 * r + 1, 100 * k + r)) for k, o in enumerate(outs))
+        taken("all_to_all_single_uneven", uneven)
+        taken("all_to_all_lists", lists)
+        return out
+    finally:
+        comm.shutdown()

@@ -8,7 +8,7 @@ import inspect
 
 
 def test_torch_fake_process_group_carries_a_groups_name():
-    """sdp_jupyter/torch/__init__.py `_register_name_carrier`: FakeProcessGroup.Options with
+    """sdp_jupyter/torch/process_group.py `register_name_carrier`: FakeProcessGroup.Options with
     error_on_collective, FakeProcessGroup._create_internal, ProcessGroup._register_backend and
     _set_default_backend with BackendType.CUSTOM."""
     import torch.distributed as dist
