@@ -322,3 +322,13 @@ def test_summary_and_job_view_say_where_a_remote_job_runs(jobs_dir):
     local = Job(local_spec, local_dir)
     local.update_status(state="running", target="local")
     assert local.where_label is None and " on " not in local.summary().split(" in ")[0]
+
+
+def test_a_crash_inside_the_numpy_face_is_named_whichever_comm_module_it_is_in():
+    from sdp_jupyter.launch.host.ranks import crash_summary
+
+    for module in ("communicator.py", "routing.py"):
+        log = ("[sdp_jupyter] fatal signal 11 (SIGSEGV) in thread 'MainThread'\n\n"
+               f'  File "/site/sdp_jupyter/comm/{module}", line 7 in gather\n'
+               '  File "/job/script.py", line 3 in <module>\n')
+        assert crash_summary(log).endswith("during sdp_jupyter.comm gather"), (module, crash_summary(log))

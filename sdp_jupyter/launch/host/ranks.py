@@ -80,7 +80,7 @@ def crash_summary(log: str) -> str:
         path, func = m.group("file").replace("\\", "/"), m.group("func")
         if path.endswith("torch/distributed/distributed_c10d.py") and not func.startswith("_") and func != "wrapper":
             return f"{where} during torch.distributed.{func}"
-        if path.endswith("sdp_jupyter/comm/__init__.py") and not func.startswith("_"):
+        if "/sdp_jupyter/comm/" in path and not func.startswith("_"):  # the numpy face (communicator, routing)
             return f"{where} during sdp_jupyter.comm {func}"
     return where
 
