@@ -24,7 +24,7 @@ def test_the_engines_numbers_are_bound_not_copied():
 
 @pytest.mark.parametrize("world,per_node", [(3, 3), (4, 2), (2, 1)])
 def test_gather_scatter_all_to_all_route_by_topology(world, per_node):
-    vals = assert_all_ok(run_ranks("engine_workers:routed_blocks", world, per_node, args=([SMALL, LARGE],),
+    vals = assert_all_ok(run_ranks("routing_workers:routed_blocks", world, per_node, args=([SMALL, LARGE],),
                                    timeout=150))
     assert vals[0]["node_of_rank"] == [r // per_node for r in range(world)]
     nodes = world // per_node

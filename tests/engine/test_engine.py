@@ -235,7 +235,7 @@ def test_node_gather_scatter_all_to_all_through_the_engine(n, no_cma):
     # slots in 4 KiB chunks (SDP_NO_CMA=1); 800 bytes: the one-barrier small slots. The sanitized
     # build runs this too (tests/engine/test_native_builds.py).
     w = 3
-    vals = assert_all_ok(run_ranks("engine_workers:node_blocks", w, w, args=(n,), timeout=120,
+    vals = assert_all_ok(run_ranks("routing_workers:node_blocks", w, w, args=(n,), timeout=120,
                                    env={"SDP_CHUNK_BYTES": "4096", "SDP_NO_CMA": no_cma}))
     ar = np.arange(n, dtype=np.float64)
     assert vals[w - 1]["gather"] == [(ar + 1000.0 * r).tolist() for r in range(w)]
@@ -258,7 +258,7 @@ def test_a_bad_no_cma_value_fails_set_up_by_name():
 @pytest.mark.parametrize("coll", ["all_gather", "reduce_scatter"])
 @pytest.mark.parametrize("world,per_node", [(2, 2), (2, 1), (4, 2)])
 def test_gather_scatter_mismatch_fails_every_rank(coll, world, per_node):
-    procs, tmp = start_ranks("engine_workers:mismatch_gather_scatter", world, per_node, args=(coll,))
+    procs, tmp = start_ranks("routing_workers:mismatch_gather_scatter", world, per_node, args=(coll,))
     vals = assert_all_ok(collect(procs, tmp, timeout=60))
     for r, v in enumerate(vals):
         assert "collective mismatch" in v and "element count" in v and coll in v, f"rank {r}: {v}"
@@ -346,7 +346,7 @@ def test_a_receive_reading_its_connection_keeps_others_messages_and_gives_it_bac
     """A waiting receive reads its source's connection itself (spinning first unless SDP_SPIN=0):
     a message for another tag it meets is kept, a message nobody waits for is then read by the I/O
     thread (no wait() called), and shutting down from another thread ends a reading receive."""
-    results = assert_all_ok(run_ranks("engine_workers:message_readers", 2, 2, env={"SDP_SPIN": spin}, timeout=90))
+    results = assert_all_ok(run_ranks("routing_workers:message_readers", 2, 2, env={"SDP_SPIN": spin}, timeout=90))
     assert results[1]["kept"] == [[0, 1, 2], True, [0, 1, 2, 3, 4]], results[1]
     assert results[1]["io_thread_took_it_back"] == [True, [7, 7, 7, 7]], results[1]
     for v in results:
