@@ -68,10 +68,11 @@ def write_private(path: str | os.PathLike, data: bytes | str, *, fsync: bool = F
         f.write(data.encode() if isinstance(data, str) else data)
 
 
-def open_private(path: str | os.PathLike, mode: str = "ab"):
-    """Open a file for appending (logs, metrics), created 0600, never through a link."""
+def open_private(path: str | os.PathLike, mode: str = "ab", **kwargs):
+    """Open a file for appending (logs, metrics), created 0600, never through a link. `kwargs` go to
+    the file object (buffering, encoding for a text mode)."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
-    return os.fdopen(os.open(path, flags, 0o600), mode)
+    return os.fdopen(os.open(path, flags, 0o600), mode, **kwargs)
 
 
 def open_checked(path: str | os.PathLike, *, mask: int = 0o077):

@@ -66,8 +66,9 @@ class Reporter:
     def _open(self):
         # Reopen after fork: a child must not share the parent's buffered file object.
         if self._file is None or self._pid != os.getpid():
-            os.makedirs(os.path.dirname(self.path), exist_ok=True)
-            self._file = open(self.path, "a", buffering=1 << 16, encoding="utf-8")
+            os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)
+            # 0600 and never through a link, as every file of a job directory (docs/security.md)
+            self._file = jobdir.open_private(self.path, "a", buffering=1 << 16, encoding="utf-8")
             self._pid = os.getpid()
         return self._file
 

@@ -182,11 +182,11 @@ def run(job_dir: str, node: int, pids: list[int] | None = None, interval: float 
     stop = stop or threading.Event()
     parent = os.getppid()
     path = jobdir.node_metrics_path(job_dir, node)
-    os.makedirs(path.parent, exist_ok=True)
+    os.makedirs(path.parent, mode=0o700, exist_ok=True)
     status_path = os.path.join(job_dir, jobdir.STATUS)
     source = open_source(job_dir, node, pids, force_cpu)
     print(f"[sdp sampler node {node}] {source.note}", file=sys.stderr, flush=True)
-    with open(path, "a", encoding="utf-8") as out:
+    with jobdir.open_private(path, "a", encoding="utf-8") as out:  # 0600, never through a link
         out.write(json.dumps({"t": time.time(), "kind": "sampler", "node": node, "source": source.name,
                               "pid": os.getpid(), "interval": interval, "note": source.note}) + "\n")
         out.flush()

@@ -309,3 +309,25 @@ def test_mean_utilization_covers_the_gpus_when_there_are_any():
     cpu_only.update([{"t": 10.0 + i, "kind": "system", "node": 0, "device": "cpu", "source": "psutil", "util": 10.0 * i}
                      for i in range(10)])  # within 5 s of the last sample (t=19): t=14..19, util 40..90
     assert (cpu_only.frame().util_kind, cpu_only.frame().mean_util) == ("CPU", 65.0)
+
+
+def test_a_ranks_metrics_file_is_private_and_never_written_through_a_link(tmp_path):
+    """report() writes metrics/rank-R.jsonl 0600 (logs can carry what a script printed; docs/security.md),
+    and refuses a link planted in its place."""
+    import stat
+
+    from sdp_jupyter import jobdir
+
+    rep = reporter.Reporter(str(tmp_path), 0)
+    rep.report(step=1, samples=4, loss=1.0)
+    rep.close()
+    path = jobdir.rank_metrics_path(tmp_path, 0)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and b'"step":1' in path.read_bytes().replace(b" ", b"")
+    other = tmp_path / "elsewhere.jsonl"
+    other.write_text("")
+    link = jobdir.rank_metrics_path(tmp_path, 1)
+    link.symlink_to(other)
+    rep = reporter.Reporter(str(tmp_path), 1)
+    with pytest.raises(OSError):
+        rep._open()
+    assert other.read_text() == ""
