@@ -329,6 +329,17 @@ def test_a_crash_inside_the_numpy_face_is_named_whichever_comm_module_it_is_in()
 
     for module in ("communicator.py", "routing.py"):
         log = ("[sdp_jupyter] fatal signal 11 (SIGSEGV) in thread 'MainThread'\n\n"
+               'Current thread 0x1 (most recent call first):\n'
+               '  File "/site/sdp_jupyter/comm/work.py", line 64 in wait\n'
                f'  File "/site/sdp_jupyter/comm/{module}", line 7 in gather\n'
-               '  File "/job/script.py", line 3 in <module>\n')
+               '  File "/job/script.py", line 3 in <module>\n\n'
+               'Thread 0x2 (most recent call first):\n'
+               '  File "/site/sdp_jupyter/comm/work.py", line 9 in wait\n')
         assert crash_summary(log).endswith("during sdp_jupyter.comm gather"), (module, crash_summary(log))
+    # through torch, the torch.distributed call is named, not the adapter's wait in comm below it
+    log = ('Current thread 0x1 (most recent call first):\n'
+           '  File "/site/sdp_jupyter/comm/work.py", line 64 in wait\n'
+           '  File "/site/sdp_jupyter/torch/work.py", line 75 in wait\n'
+           '  File "/site/torch/distributed/distributed_c10d.py", line 3252 in all_reduce\n'
+           '  File "/job/script.py", line 3 in <module>\n')
+    assert crash_summary(log) == " during torch.distributed.all_reduce", crash_summary(log)

@@ -73,15 +73,21 @@ def crash_summary(log: str) -> str:
                 native.append(frame)
             engine = any("_engine" in f for f in native[1:])  # [0] is the handler itself
             where = f" in thread '{m.group('thread')}'" + (" inside the smddp engine" if engine else "")
-    for line in lines:  # faulthandler lists the crashing thread first, each stack innermost first
+    # faulthandler lists the crashing thread's stack first, then the others', each innermost first.
+    # Per stack: the torch.distributed call if there is one, else the outermost call of the numpy
+    # face (sdp_jupyter.comm: all_reduce rather than the wait it called); the first stack that has one.
+    comm = None
+    for line in lines + [""]:
         m = _FRAME.match(line)
         if not m:
+            if comm is not None and not line.strip():  # the end of a stack that ran a collective
+                return f"{where} during sdp_jupyter.comm {comm}"
             continue
         path, func = m.group("file").replace("\\", "/"), m.group("func")
         if path.endswith("torch/distributed/distributed_c10d.py") and not func.startswith("_") and func != "wrapper":
             return f"{where} during torch.distributed.{func}"
-        if "/sdp_jupyter/comm/" in path and not func.startswith("_"):  # the numpy face (communicator, routing)
-            return f"{where} during sdp_jupyter.comm {func}"
+        if "/sdp_jupyter/comm/" in path and not func.startswith("_"):  # communicator, routing, work
+            comm = func
     return where
 
 
