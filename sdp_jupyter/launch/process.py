@@ -32,7 +32,6 @@ def rank_pythonpath(existing: str | None = None, compat: bool = True) -> str:
     return os.pathsep.join(paths + ([existing] if existing else []))
 
 
-
 def expect_parent(pid: int) -> None:
     """The process this one must die with, when it is not $SDP_LAUNCHER_PID (a warm pool's fork)."""
     global _expected_parent

@@ -343,3 +343,12 @@ def test_a_crash_inside_the_numpy_face_is_named_whichever_comm_module_it_is_in()
            '  File "/site/torch/distributed/distributed_c10d.py", line 3252 in all_reduce\n'
            '  File "/job/script.py", line 3 in <module>\n')
     assert crash_summary(log) == " during torch.distributed.all_reduce", crash_summary(log)
+
+
+def test_the_two_halves_of_the_target_registry_name_the_same_targets():
+    """A target is a spec-side record (launch/target_options.py) and a launcher (kernel/targets.py); a
+    target added to one and not the other would pass JobSpec's checks and fail only at launch."""
+    from sdp_jupyter.launch import target_options
+    from sdp_jupyter.launch.kernel import targets
+
+    assert list(targets.LAUNCHERS) == list(target_options.TARGETS)

@@ -17,11 +17,8 @@ _JOBS: dict[str, Job] = {}  # jobs launched by this process, by name (latest las
 _JOBS_LOCK = threading.Lock()
 
 
-TARGET_LAUNCHERS = targets.LAUNCHERS  # the one registry of targets (launch/kernel/targets.py)
-
-
 def get_launcher(target: str):
-    """The launcher object for `target` (a key of TARGET_LAUNCHERS)."""
+    """The launcher object for `target` (a key of launch/kernel/targets.py's LAUNCHERS)."""
     if target not in targets.LAUNCHERS:
         raise SpecError("--target", f"{target!r} is not one of {', '.join(targets.LAUNCHERS)}")
     cls = targets.load(targets.LAUNCHERS[target])
