@@ -34,6 +34,7 @@ PUSH = "push.pkl"
 LOGS = "logs"
 METRICS = "metrics"
 CHECKPOINTS = "checkpoints"
+SESSION = "session"  # an interactive session's cells and answers (launch/rank/session.py)
 MODEL, OUTPUT, DATA = "model", "output", "data"
 TRAIN_CHANNEL = f"{DATA}/train"  # SM_CHANNEL_TRAIN of a job that is not on SageMaker
 # the SageMaker target's own entries: the code channel it uploads, the request it sent, a rehearsal's hosts
@@ -44,7 +45,7 @@ REHEARSAL = "rehearsal"
 # the folder of output.tar.gz that holds it
 CONTAINER_JOB_DIR = "sdp_job"
 # what a job directory may hold; a folder with anything else and no spec.json is not a job's
-KNOWN_ENTRIES = frozenset({SCRIPT, SPEC, STATUS, RESULT, PUSH, LOGS, METRICS, CHECKPOINTS, MODEL, OUTPUT, DATA,
+KNOWN_ENTRIES = frozenset({SCRIPT, SPEC, STATUS, RESULT, PUSH, LOGS, METRICS, CHECKPOINTS, SESSION, MODEL, OUTPUT, DATA,
                            SAGEMAKER_SOURCE})
 
 
@@ -103,6 +104,36 @@ def metrics_paths(job_dir: str | os.PathLike, ranks_only: bool = False) -> list[
 
 # The private-file rules live in sdp_jupyter._files; these names stay importable from here.
 UnsafeJobDir = UnsafePath
+
+
+def session_dir(job_dir: str | os.PathLike) -> Path:
+    return Path(job_dir) / SESSION
+
+
+def session_cell_path(folder: Path, n: int) -> Path:
+    return folder / f"cell-{n:06d}.pkl"
+
+
+def session_done_path(folder: Path, n: int, rank: int) -> Path:
+    return folder / f"done-{n:06d}-{rank}.pkl"
+
+
+def session_ready_path(folder: Path, rank: int) -> Path:
+    return folder / f"ready-{rank}.pkl"
+
+
+_SESSION_ANSWER = re.compile(r"^(done-\d{6}-\d+|ready-\d+)\.pkl$")
+_SESSION_CELL = re.compile(r"^cell-\d{6}\.pkl$")
+
+
+def is_session_answer(name: str) -> bool:
+    """A file a session's rank writes (sent back by an agent): never a path, only these names."""
+    return bool(_SESSION_ANSWER.match(name))
+
+
+def is_session_cell(name: str) -> bool:
+    """A file the notebook writes into a session's folder (sent to an agent): only these names."""
+    return bool(_SESSION_CELL.match(name))
 
 
 def load_pickle(path: Path):

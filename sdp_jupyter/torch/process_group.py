@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -17,6 +18,7 @@ from sdp_jupyter.torch.work import FutureCompleter, SmddpWork, backend_error, un
 
 BACKEND_NAME = "smddp"
 _TORCH_DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
+_LIVE: "weakref.WeakSet[ProcessGroupSMDDP]" = weakref.WeakSet()  # this process's groups (reconnect_all)
 
 
 class ProcessGroupSMDDP(dist.ProcessGroup):
@@ -30,12 +32,24 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         seconds = None
         if not os.environ.get("SDP_TIMEOUT") and timeout is not None and timeout != _TORCH_DEFAULT_TIMEOUT:
             seconds = timeout.total_seconds()
-        try:
-            self.comm = Communicator(rank, world_size, StoreAdapter(store), timeout=seconds, error=backend_error)
-        except SmddpError as exc:
-            raise backend_error(exc) from None
+        self._seconds = seconds
+        self.comm = self._communicator(store)
         register_name_carrier(self, rank, world_size)
         self._completer = FutureCompleter()
+        _LIVE.add(self)
+
+    def _communicator(self, store) -> Communicator:
+        try:
+            return Communicator(self._rank, self._world, StoreAdapter(store), timeout=self._seconds,
+                                error=backend_error)
+        except SmddpError as exc:
+            raise backend_error(exc) from None
+
+    def reconnect(self, store) -> None:
+        """The engine's connections made anew through `store` (a fresh rendezvous): what an interactive
+        session does after a cell left a collective half done. The group object stays, so whatever holds
+        it (a DistributedDataParallel model) keeps working. Every member must call it."""
+        self.comm = self._communicator(store)
 
     # torch asks for these
     def getBackendName(self) -> str:
@@ -299,6 +313,20 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
             self.comm.close()
         except Exception:  # noqa: BLE001
             pass
+
+
+def reconnect_all(make_store) -> None:
+    """Reconnect every smddp group of this process: all are closed first (a peer still waiting in a
+    collective of the old engines gets its error and can join), then made anew in the order of their
+    names, the same on every rank. `make_store(name)`: the fresh store for the group named `name`."""
+    groups = sorted(_LIVE, key=lambda pg: str(getattr(pg, "group_name", "") or ""))
+    for pg in groups:
+        try:
+            pg.comm.close()
+        except Exception:  # noqa: BLE001 - a broken engine is what we are replacing
+            pass
+    for pg in groups:
+        pg.reconnect(make_store(str(getattr(pg, "group_name", "") or "")))
 
 
 def register_name_carrier(pg: dist.ProcessGroup, rank: int, world_size: int) -> None:

@@ -22,7 +22,12 @@ frame, so it is never on a command line, in the host's environment or in a file.
                         done {codes}                every rank of the attempt has ended
                         ping {}                     every HEARTBEAT_EVERY seconds
                         error {message}             the agent cannot go on (bad frame, cannot start)
+                        session {name, data}        an interactive session's answer file (ready-R,
+                                                    done-N-R: launch/rank/session.py), once written
     launcher -> agent   start {...}  port {}  stop {}  ping {}  bye {}
+                        session {}                  this job is a session: send its answers back
+                        session {name, data}        a cell file for the node's ranks
+                        interrupt {}                interrupt the cell the node's ranks run
 
 The agent stops its ranks (SIGINT, SIGTERM, SIGKILL to their process groups) on `stop`, and on its
 own when the channel closes (the SSH connection dropped, the notebook died) or when no frame came
@@ -76,6 +81,7 @@ class Agent:
         self.addr = connection_address()
         self.timeout = HEARTBEAT_TIMEOUT
         self.closed = threading.Event()
+        self._relaying = False
 
     def send(self, message: dict) -> None:
         data = encode(message)
@@ -104,6 +110,10 @@ class Agent:
                     from sdp_jupyter._net import free_port
 
                     self.send({"type": "port", "port": free_port(self.addr)})
+                elif kind == "session":
+                    self._session(message)
+                elif kind == "interrupt":
+                    self._interrupt()
                 elif kind == "stop":
                     self._stop_ranks(float(message.get("sigint_grace", 3)), float(message.get("sigterm_grace", 2)))
                 elif kind == "bye":
@@ -207,6 +217,47 @@ class Agent:
         if 0 in codes and codes[0] == 0 and result.is_file():
             self.send({"type": "result", "data": b64(result.read_bytes())})
         self.send({"type": "done", "codes": codes})
+
+    # ---------------------------------------------------------------- an interactive session
+    def _session(self, m: dict) -> None:
+        from sdp_jupyter import jobdir
+
+        if "name" not in m:
+            if not self._relaying:
+                self._relaying = True
+                threading.Thread(target=self._relay_session, daemon=True, name="sdp-agent-session").start()
+            return
+        name = str(m["name"])
+        if not jobdir.is_session_cell(name) or self.job_dir is None:
+            raise ValueError(f"bad session file {name!r}")
+        folder = jobdir.session_dir(self.job_dir)
+        jobdir.ensure_private_dir(folder)
+        jobdir.write_private(folder / name, unb64(m["data"]))
+
+    def _interrupt(self) -> None:
+        from sdp_jupyter.launch.host.ranks import signal_rank
+        from sdp_jupyter.launch.rank.session import INTERRUPT
+
+        for proc in (self._node.procs if self._node is not None else []):
+            signal_rank(proc, INTERRUPT)
+
+    def _relay_session(self) -> None:
+        """Send each answer file the node's ranks write, once (a few ms after it appears)."""
+        from sdp_jupyter import jobdir
+
+        sent: set[str] = set()
+        while not self.closed.is_set():
+            folder = jobdir.session_dir(self.job_dir) if self.job_dir is not None else None
+            try:
+                names = sorted(os.listdir(folder)) if folder is not None else []
+            except OSError:
+                names = []
+            for name in names:
+                if name not in sent and jobdir.is_session_answer(name):
+                    sent.add(name)
+                    self.send({"type": "session", "name": name, "data": b64((folder / name).read_bytes())})
+                    (folder / name).unlink(missing_ok=True)  # sent: the folder stays small
+            time.sleep(0.002)
 
     def _tail_metrics(self, stop: threading.Event) -> None:
         """Send every complete new line of the metrics files, a frame per bounded read (jobdir's

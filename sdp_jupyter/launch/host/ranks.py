@@ -110,6 +110,16 @@ def signal_group(pid: int, sig: int) -> None:
         pass
 
 
+def signal_rank(proc, sig: int) -> None:
+    """`sig` to a live rank's own process, not its group: a session's cell interrupt must not reach the
+    rank's helpers (DataLoader workers would die of SIGUSR2)."""
+    if proc.poll() is None:
+        try:
+            os.kill(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
 def environment(spec, *, rank: int, world_size: int, job_dir: str, job_name: str, secret: str,
                 master_addr: str, master_port: int, bind_addr: str, attempt: int, gpus: int,
                 ranks_here: int, split_gpus: bool) -> dict:

@@ -189,6 +189,16 @@ class LocalRun(supervise.Run):
         if self._node is not None:
             self._node.kill_groups()
 
+    # ------------------------------------------------------------------ an interactive session's channel
+    def put_session_file(self, name: str, data: bytes) -> None:
+        jobdir.write_private(jobdir.session_dir(self.job.dir) / name, data)
+
+    def interrupt_ranks(self) -> None:
+        from sdp_jupyter.launch.rank.session import INTERRUPT
+
+        for proc in (self._node.procs if self._node else []):
+            ranks.signal_rank(proc, INTERRUPT)
+
     # ------------------------------------------------------------------ per-node samplers
     def _start_samplers(self) -> None:
         for node in range(self.spec.nodes):

@@ -374,9 +374,29 @@ class RemoteRun(supervise.Run):
             self._out(int(message["rank"]), message["text"])
         elif message["type"] == "metrics":
             self._metrics(message)
+        elif message["type"] == "session":
+            self._session(message)
         else:
             return False
         return True
+
+    def _session(self, message: dict) -> None:
+        name = str(message.get("name", ""))
+        if jobdir.is_session_answer(name):  # never a path: only the names a session's rank writes
+            self._mirror_files.replace(jobdir.session_dir(self.job.dir) / name, channel.unb64(message["data"]))
+
+    # ---------------------------------------------------------------- an interactive session's channel
+    def open_session(self) -> None:
+        for conn in self.conns:
+            conn.send({"type": "session"})
+
+    def put_session_file(self, name: str, data: bytes) -> None:
+        for conn in self.conns:
+            conn.send({"type": "session", "name": name, "data": channel.b64(data)})
+
+    def interrupt_ranks(self) -> None:
+        for conn in self.conns:
+            conn.send({"type": "interrupt"})
 
     def _out(self, rank: int, text: str) -> None:
         self._mirror_files.append(jobdir.log_path(self.job.dir, rank), text)

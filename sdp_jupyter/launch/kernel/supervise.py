@@ -46,6 +46,18 @@ class Run:
     def _supervise(self) -> None:
         raise NotImplementedError
 
+    # an interactive session's channel (launch/kernel/session.py); the targets that can run one implement it
+    def open_session(self) -> None:
+        """From now on the ranks' session answers come back into the job directory."""
+
+    def put_session_file(self, name: str, data: bytes) -> None:
+        """Give every rank the session file `name` (a cell)."""
+        raise NotImplementedError
+
+    def interrupt_ranks(self) -> None:
+        """A KeyboardInterrupt in the cell each rank is running (launch/rank/session.py: INTERRUPT)."""
+        raise NotImplementedError
+
     def kill_now(self) -> None:
         raise NotImplementedError
 

@@ -66,11 +66,7 @@ def watch_backend(spec: dict, backend: str) -> int:
 def run_script(path: str, argv: list[str], push: dict, want_result: bool):
     """Run `path` as __main__ (like `python path argv...`); return its last expression's value."""
     with open(path, "rb") as f:
-        source = f.read()
-    tree = ast.parse(source, filename=path)
-    last = None
-    if tree.body and isinstance(tree.body[-1], ast.Expr) and want_result:
-        last = ast.Expression(tree.body.pop().value)
+        body, last = compile_parts(f.read(), path, want_result)
     main = types.ModuleType("__main__")
     main.__dict__.update({"__file__": path, "__builtins__": __builtins__, "__cached__": None})
     main.__dict__.update(push)
@@ -78,10 +74,18 @@ def run_script(path: str, argv: list[str], push: dict, want_result: bool):
     sys.argv = [path] + argv
     script_dir = os.path.dirname(os.path.abspath(path))
     sys.path[:0] = [p for p in (script_dir, os.getcwd()) if p not in sys.path[:2]]
-    exec(compile(tree, path, "exec"), main.__dict__)
-    if last is not None:
-        return eval(compile(last, path, "eval"), main.__dict__)
-    return None
+    exec(body, main.__dict__)
+    return eval(last, main.__dict__) if last is not None else None
+
+
+def compile_parts(source, filename: str, want_last: bool):
+    """`source` compiled as (body, last): with `want_last` and a final expression, that expression
+    apart (its value is the result, as a notebook cell's is), else (everything, None)."""
+    tree = ast.parse(source, filename=filename)
+    last = None
+    if want_last and tree.body and isinstance(tree.body[-1], ast.Expr):
+        last = compile(ast.Expression(tree.body.pop().value), filename, "eval")
+    return compile(tree, filename, "exec"), last
 
 
 def save_result(job_dir: str, value, required: bool) -> int:

@@ -1,0 +1,312 @@
+"""Interactive sessions: ranks that keep their process group and their variables from cell to cell.
+
+`Session.start(spec)` launches a job like any other (every target whose ranks an agent or this
+kernel starts: local, SSH, Ray) whose script is the rank's cell loop (launch/rank/session.py); the
+job's view, logs, dashboard, Stop and the end-with-the-kernel rule are a job's. `session.run(code)`
+hands a cell to the ranks and waits for every rank's answer; `%%sdp_px` is that call in a cell.
+
+A cell that raised or was interrupted somewhere can leave a collective half done: ranks that
+finished wait forever for the ones that left. So after a failed cell the session compares what the
+ranks' groups have issued and, when it differs or a rank is still inside the cell, interrupts the
+ranks still running and reconnects the process group on every rank (launch/rank/session.py says what
+that keeps). The session stays up; a rank that dies ends it (the job fails, naming the rank).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from sdp_jupyter import jobdir
+from sdp_jupyter.launch.kernel.job import Job, JobError
+from sdp_jupyter.launch.kernel.push import pickle_push
+from sdp_jupyter.launch.options import SpecError
+from sdp_jupyter.launch.rank.session import SCRIPT
+from sdp_jupyter.launch.spec import JobSpec
+
+TARGETS = ("local", "ssh", "ray")  # where this kernel or an agent starts the ranks
+FAILED_GRACE = 1.0     # seconds the other ranks get to finish a cell one rank failed, before they are interrupted
+INTERRUPT_GRACE = 0.5  # seconds interrupted ranks get to answer; still missing: inside a collective (reconnected)
+POLL = 0.001
+
+
+class SessionError(JobError):
+    """A cell failed (on the ranks named), or the session cannot do what was asked."""
+
+
+@dataclass
+class CellResult:
+    """One cell's answers. `answers[rank]`: that rank's {ok, error, interrupted, seconds, rss, ...}."""
+
+    n: int
+    ranks: list
+    answers: dict = field(default_factory=dict)
+    notes: list = field(default_factory=list)
+    seconds: float = 0.0
+    causes: list = field(default_factory=list)  # the ranks that failed before the others were given up on
+
+    @property
+    def failed(self) -> list:
+        return [r for r in self.ranks if not self.answers.get(r, {}).get("ok", False)]
+
+    @property
+    def interrupted(self) -> list:
+        return [r for r in self.ranks if self.answers.get(r, {}).get("interrupted")]
+
+    def value(self, rank: int):
+        import pickle
+
+        answer = self.answers.get(rank, {})
+        if answer.get("value_error"):
+            raise SessionError(f"rank {rank}'s value: {answer['value_error']}")
+        data = answer.get("value")
+        return None if data is None else pickle.loads(data)
+
+    def message(self) -> str:
+        """What went wrong, rank by rank (the first traceback in full, the others' last lines)."""
+        if not self.failed:
+            return ""
+        lines = []
+        shown = False
+        # the cause first: a rank that raised, before those interrupted or failed because of it
+        for r in sorted(self.failed, key=lambda r: (r not in self.causes, r not in self.answers,
+                                                       bool(self.answers.get(r, {}).get("interrupted")), r)):
+            a = self.answers.get(r)
+            if a is None:
+                lines.append(f"rank {r}: no answer (still running when the cell was given up)")
+                continue
+            error = (a.get("error") or "").rstrip()
+            kind = "interrupted" if a.get("interrupted") else "failed"
+            if not shown:
+                lines.append(f"rank {r} {kind}:\n{error}")
+                shown = True
+            else:
+                last = error.splitlines()[-1] if error else ""
+                lines.append(f"rank {r} {kind}: {last}")
+        head = (f"the cell was interrupted on rank(s) {', '.join(map(str, self.interrupted))}" if
+                self.interrupted and len(self.interrupted) == len(self.failed) else
+                f"the cell failed on rank(s) {', '.join(map(str, self.failed))}")
+        return "\n".join([head] + lines + self.notes + ["The session is still up."])
+
+
+class Session:
+    """A live interactive session over one job. Made by `Session.start`; `run` a cell, `stop` it."""
+
+    def __init__(self, job: Job):
+        self.job = job
+        self.folder = jobdir.session_dir(job.dir)
+        self.n = 0
+        self.last: CellResult | None = None
+        self.ready: dict[int, dict] = {}
+
+    # ------------------------------------------------------------------ life
+    @classmethod
+    def start(cls, spec: JobSpec, push: dict | None = None, wait: float = 300.0) -> "Session":
+        """Launch the session's ranks and wait until each has its process group."""
+        from sdp_jupyter.launch.kernel import api
+
+        if spec.target not in TARGETS:
+            raise SpecError("--target", f"a session needs ranks that stay up between cells and a channel to "
+                                        f"them; {spec.target} runs a batch job (SageMaker training jobs run a "
+                                        f"script to its end). Fix: --target {' / '.join(TARGETS)}, or run the "
+                                        "cell as a job with %%sdp_train")
+        if spec.max_restarts:
+            raise SpecError("--max-restarts", "a restarted rank would start with an empty namespace, so a session "
+                                              "never restarts its ranks; a rank that dies ends the session. "
+                                              "Fix: leave --max-restarts out")
+        if spec.script is not None or spec.result:
+            raise SpecError("--result" if spec.result else "script",
+                            "a session runs the cells you give it: use %%sdp_px --result NAME per cell")
+        spec = spec.replace(code=SCRIPT, init_process_group=False)
+        job = api.launch(spec, push=push)
+        job.update_status(session=True)
+        session = cls(job)
+        jobdir.ensure_private_dir(session.folder)
+        job.supervisor.open_session()
+        try:
+            session._wait_ready(wait)
+        except BaseException:
+            session.stop()
+            raise
+        return session
+
+    def _wait_ready(self, wait: float) -> None:
+        deadline = time.monotonic() + wait
+        world = self.job.world_size
+        while len(self.ready) < world:
+            for rank in range(world):
+                if rank not in self.ready:
+                    path = jobdir.session_ready_path(self.folder, rank)
+                    if path.exists():
+                        self.ready[rank] = jobdir.load_pickle(path)
+            if len(self.ready) == world:
+                return
+            self._check_alive()
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(world)) - set(self.ready))
+                raise SessionError(f"session {self.job.name}: rank(s) {missing} did not make their process group "
+                                   f"within {wait:g} s; see %sdp_logs {self.job.name} --rank {missing[0]}", self.job)
+            time.sleep(0.01)
+
+    @property
+    def alive(self) -> bool:
+        return not self.job.done
+
+    def _check_alive(self) -> None:
+        if self.job.done:
+            why = self.job.error or f"the job is {self.job.state}"
+            raise SessionError(f"session {self.job.name} has ended: {why}", self.job)
+
+    def stop(self, grace: float = 5.0) -> str:
+        """Ask every rank to leave its loop (the process group closed cleanly), then stop what remains."""
+        if not self.job.done:
+            self._put({"kind": "stop"})
+            self.job.wait(grace)
+        if not self.job.done:
+            self.job.stop()
+        return self.job.state
+
+    def status(self) -> dict:
+        """Ranks alive, each rank's memory (from its last answer) and the last cell."""
+        rss = {r: info.get("rss", 0) for r, info in self.ready.items()}
+        if self.last is not None:
+            for r, a in self.last.answers.items():
+                rss[r] = a.get("rss", rss.get(r, 0))
+        return {"name": self.job.name, "state": self.job.state, "alive": self.alive, "world_size": self.job.world_size,
+                "hosts": {r: info.get("host") for r, info in self.ready.items()}, "rss": rss,
+                "cells": self.n, "last_cell": None if self.last is None else {
+                    "n": self.last.n, "ranks": self.last.ranks, "failed": self.last.failed,
+                    "seconds": round(self.last.seconds, 4)}}
+
+    # ------------------------------------------------------------------ cells
+    def _put(self, cell: dict) -> int:
+        n = self.n
+        self.n += 1
+        cell = {**cell, "n": n}
+        import pickle
+
+        self.job.supervisor.put_session_file(jobdir.session_cell_path(self.folder, n).name,
+                                             pickle.dumps(cell, protocol=pickle.HIGHEST_PROTOCOL))
+        return n
+
+    def run(self, code: str, ranks: list | None = None, want: str = "none", push_names: list | None = None,
+            values: dict | None = None, on_wait=None) -> CellResult:
+        """Run `code` on `ranks` (default: every rank); `want`: "result" (rank 0's last expression; the
+        first listed rank's with --ranks), "gather" (every rank's), or "none". Raises SessionError when
+        the session has ended; a cell that failed returns a result whose `failed` is not empty.
+        KeyboardInterrupt while waiting interrupts the cell on every rank, then re-raises."""
+        self._check_alive()
+        world = self.job.world_size
+        if ranks is not None:
+            bad = [r for r in ranks if not 0 <= r < world]
+            if bad:
+                raise SpecError("--ranks", f"rank {bad[0]} is not in this session (ranks 0-{world - 1})")
+            ranks = sorted(set(ranks))
+        push = pickle_push(push_names or [], values or {})
+        import pickle
+
+        n = self._put({"kind": "run", "code": code, "ranks": ranks, "want": want,
+                       "push": pickle.loads(push) if push else None})
+        result = CellResult(n, list(range(world)) if ranks is None else ranks)
+        started = time.monotonic()
+        try:
+            self._collect(result, on_wait)
+        except KeyboardInterrupt:
+            self.interrupt(result)
+            result.seconds = time.monotonic() - started
+            self.last = result
+            raise
+        result.seconds = time.monotonic() - started
+        if result.failed:
+            self._mend(result)
+        self.last = result
+        return result
+
+    def _collect(self, result: CellResult, on_wait=None, give_up: float | None = None) -> None:
+        """Wait for every rank's answer (ranks outside --ranks answer at once). When a rank failed and
+        others are still in the cell FAILED_GRACE later, stop waiting: they are likely inside a
+        collective the failed rank never joined, and _mend's reconnect ends it with an error that names
+        that rank. `give_up`: seconds after which the ones missing stay missing."""
+        failed_at = None
+        started = time.monotonic()
+        world = self.job.world_size
+        while True:
+            for rank in range(world):
+                if rank in result.answers:
+                    continue
+                path = jobdir.session_done_path(self.folder, result.n, rank)
+                if path.exists():
+                    answer = jobdir.load_pickle(path)
+                    result.answers[rank] = answer
+                    if not answer.get("ok"):
+                        result.causes.append(rank)
+                        failed_at = failed_at or time.monotonic()
+            if len(result.answers) == world:
+                return
+            now = time.monotonic()
+            if failed_at is not None and now - failed_at > FAILED_GRACE:
+                return
+            if give_up is not None and now - started > give_up:
+                return
+            if self.job.done:
+                self._check_alive()
+            if on_wait is not None:
+                on_wait()
+            time.sleep(POLL)
+
+    def interrupt(self, result: CellResult) -> None:
+        """Ctrl-C: a KeyboardInterrupt in the cell on every rank, then the group made whole if needed."""
+        self.job.supervisor.interrupt_ranks()
+        self._collect(result, give_up=INTERRUPT_GRACE)
+        self._mend(result)
+
+    def _mend(self, result: CellResult) -> None:
+        """After a failed cell: reconnect the process group when a rank is missing or the ranks'
+        groups issued different numbers of collectives (a collective left half done)."""
+        answers = result.answers
+        missing = [r for r in range(self.job.world_size) if r not in answers]
+        counts = {repr(a.get("counts")) for a in answers.values()}
+        if not missing and len(counts) == 1 and "{}" not in counts:
+            result.notes.append("every rank issued the same collectives: the process group is intact")
+            return
+        why = (f"rank(s) {missing} were still inside the cell" if missing else
+               "the ranks issued different numbers of collectives, so one was left half done")
+        n = self._put({"kind": "reconnect"})
+        rec = CellResult(n, list(range(self.job.world_size)))
+        deadline_result = time.monotonic() + 60
+        # the stuck ranks answer the failed cell first (their collective fails once the others reconnect)
+        while len(answers) < self.job.world_size or len(rec.answers) < self.job.world_size:
+            self._check_alive()
+            for rank in range(self.job.world_size):
+                for res in (result, rec):
+                    path = jobdir.session_done_path(self.folder, res.n, rank)
+                    if rank not in res.answers and path.exists():
+                        res.answers[rank] = jobdir.load_pickle(path)
+            if time.monotonic() > deadline_result:
+                raise SessionError(f"session {self.job.name}: the process group could not be made again within "
+                                   f"60 s ({why}); stop the session (%sdp_session stop) and start a new one",
+                                   self.job)
+            time.sleep(POLL)
+        broken = [r for r, a in rec.answers.items() if not a.get("ok")]
+        if broken:
+            raise SessionError(f"session {self.job.name}: rank {broken[0]}: {rec.answers[broken[0]].get('error')}; "
+                               "stop the session (%sdp_session stop) and start a new one", self.job)
+        result.notes.append(f"process group reconnected ({why}): {rec.answers[0].get('note')}")
+
+
+_CURRENT: Session | None = None  # this kernel's session (%sdp_session, %%sdp_px)
+
+
+def current() -> Session | None:
+    """This kernel's live session, else None."""
+    return _CURRENT if _CURRENT is not None and _CURRENT.alive else None
+
+
+def start(spec: JobSpec, push: dict | None = None) -> Session:
+    """Start this kernel's session (one at a time: %%sdp_px needs to know where its cells go)."""
+    global _CURRENT
+    live = current()
+    if live is not None:
+        raise SpecError("%sdp_session", f"session {live.job.name} is already running; "
+                                        "%sdp_session stop ends it first")
+    _CURRENT = Session.start(spec, push=push)
+    return _CURRENT

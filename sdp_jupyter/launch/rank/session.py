@@ -1,0 +1,219 @@
+"""A rank of an interactive session (`%sdp_session start`): the process group made once, then one
+notebook cell after another run in this rank's `__main__`, which lives as long as the session.
+
+The session's job script is `SCRIPT` below; the worker (launch/rank/worker.py) runs it as any job's
+script, so a session's ranks start, stream their output, die with the kernel and stop exactly as a
+job's do. The cells come as files in the job directory's `session/` folder (jobdir.session_*):
+the notebook writes them (the SSH and Ray agents write what the notebook sends them), each rank
+runs the cells meant for it and answers with a `done` file (which the agents send back). Files,
+not sockets: the same path on every target, and nothing listens.
+
+    ready-R.pkl        rank R has its process group: {pid, host, rss}
+    cell-N.pkl         cell N: {kind: run | reconnect | stop, code, ranks, want: none | result | gather, push}
+    done-N-R.pkl       rank R's answer to cell N: {ok, error, interrupted, value, seconds, counts, rss}
+
+A cell is interrupted with SIGUSR2 (a KeyboardInterrupt inside the cell, nothing between cells);
+SIGINT stays the job's Stop. After a cell that failed somewhere the notebook may send `reconnect`:
+the smddp backend then builds its engine connections anew under the same group objects, so a DDP
+model made before keeps working; another backend's default group is destroyed and made again
+(objects built on the old one must be made again, which the answer says).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+
+from sdp_jupyter import jobdir
+
+SCRIPT = "from sdp_jupyter.launch.rank.session import serve as _sdp_serve\n_sdp_serve(globals())\n"
+INTERRUPT = signal.SIGUSR2
+IDLE_POLL = (0.001, 0.02)  # seconds between looks for the next cell: fast right after a cell, slower idle
+
+
+class _Cell:
+    running = False
+
+
+def _interrupt(signum, frame):
+    if _Cell.running:
+        raise KeyboardInterrupt("interrupted from the notebook")
+
+
+def _rss() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+class RankSession:
+    def __init__(self, namespace: dict, job_dir: str):
+        self.ns = namespace
+        self.folder = jobdir.session_dir(job_dir)
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.backend = os.environ.get("SDP_BACKEND") or "smddp"
+        self.generation = 0
+        self._store = None
+        self._groups: dict[tuple, object] = {}
+
+    # ------------------------------------------------------------------ the process group
+    def connect(self) -> None:
+        import torch.distributed as dist
+
+        if self.backend == "smddp":
+            import sdp_jupyter.torch  # noqa: F401  registers the backend
+        timeout = float(os.environ.get("SDP_SESSION_CONNECT_TIMEOUT", "300"))
+        import datetime
+
+        self._store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), self.world,
+                                    self.rank == 0, timeout=datetime.timedelta(seconds=timeout))
+        self._init_group()
+
+    def _init_group(self) -> None:
+        import torch.distributed as dist
+
+        dist.init_process_group(self.backend, store=dist.PrefixStore(f"session-{self.generation}", self._store),
+                                rank=self.rank, world_size=self.world)
+
+    def reconnect(self) -> str:
+        """Make the group usable again after a cell left collectives half done on some ranks."""
+        import torch.distributed as dist
+
+        self.generation += 1
+        if self.backend == "smddp":
+            from sdp_jupyter.torch.process_group import reconnect_all
+
+            reconnect_all(lambda name: dist.PrefixStore(f"session-{self.generation}-{name}", self._store))
+            return "the smddp engine's connections were made anew under the same process groups: models " \
+                   "wrapped in DistributedDataParallel before keep working"
+        dist.destroy_process_group()
+        self._groups.clear()
+        self._init_group()
+        return (f"the {self.backend} process group was destroyed and made again: objects built on the old "
+                "group (DistributedDataParallel models, groups from new_group) must be made again")
+
+    def counts(self) -> dict:
+        """How many collectives and messages this rank's default group has issued (smddp only): equal on
+        every rank after a cell means no collective was left half done."""
+        try:
+            import torch.distributed as dist
+
+            backend = dist.distributed_c10d._get_default_group()
+            comm = getattr(backend, "comm", None)
+            if comm is None:
+                return {}
+            stats = comm.stats()
+            return {"collectives": int(stats.get("collectives", 0)), "messages": int(stats.get("messages", 0))}
+        except Exception:  # noqa: BLE001 - a broken engine: no counts, the notebook reconnects
+            return {}
+
+    def group_for(self, ranks):
+        """A cell on some ranks gets `sdp_group`, the group of exactly those ranks; every rank makes it
+        (torch's new_group is collective), once per set of ranks."""
+        import torch.distributed as dist
+
+        if ranks is None or len(ranks) == self.world:
+            return None
+        key = tuple(ranks)
+        if key not in self._groups:
+            self._groups[key] = dist.new_group(list(key))
+        return self._groups[key]
+
+    # ------------------------------------------------------------------ the cells
+    def ready(self) -> None:
+        jobdir.write_private(jobdir.session_ready_path(self.folder, self.rank),
+                             _dumps({"pid": os.getpid(), "host": socket.gethostname(), "rss": _rss()}))
+
+    def next_cell(self, n: int) -> dict:
+        path = jobdir.session_cell_path(self.folder, n)
+        last = time.monotonic()
+        while True:
+            if os.path.exists(path):
+                return jobdir.load_pickle(path)
+            idle = time.monotonic() - last
+            time.sleep(IDLE_POLL[0] if idle < 1.0 else IDLE_POLL[1])
+
+    def run(self, cell: dict) -> dict:
+        ranks = cell.get("ranks")
+        answer: dict = {"ok": True, "ran": False}
+        if cell["kind"] == "reconnect":
+            try:
+                answer["note"] = self.reconnect()
+            except Exception as e:  # noqa: BLE001
+                answer.update(ok=False, error=f"the process group could not be made again: {type(e).__name__}: {e}")
+            return answer
+        group = self.group_for(ranks)
+        if ranks is not None and self.rank not in ranks:
+            return answer
+        self.ns.update(cell.get("push") or {})
+        self.ns["sdp_group"] = group
+        answer["ran"] = True
+        started = time.perf_counter()
+        try:
+            value = self._exec(cell["code"], f"<cell {cell['n']}>", want=cell.get("want", "none"))
+        except KeyboardInterrupt:
+            answer.update(ok=False, interrupted=True, error=self._trace(sys.exc_info()))
+        except BaseException:  # noqa: BLE001 - SystemExit too: the session stays up
+            answer.update(ok=False, error=self._trace(sys.exc_info()))
+        else:
+            first = ranks[0] if ranks else 0
+            if value is not None and (cell.get("want") == "gather" or self.rank == first):
+                try:
+                    answer["value"] = _dumps(value)
+                except Exception as e:  # noqa: BLE001
+                    answer["value_error"] = f"{type(value).__name__} cannot be pickled: {e}"
+        answer["seconds"] = time.perf_counter() - started
+        return answer
+
+    def _exec(self, code: str, name: str, want: str):
+        from sdp_jupyter.launch.rank.bootstrap import compile_parts
+
+        body, last = compile_parts(code, name, want != "none")
+        _Cell.running = True
+        try:
+            exec(body, self.ns)
+            return eval(last, self.ns) if last is not None else None
+        finally:
+            _Cell.running = False
+
+    @staticmethod
+    def _trace(info) -> str:
+        kind, exc, tb = info
+        while tb is not None and not tb.tb_frame.f_code.co_filename.startswith("<cell "):
+            tb = tb.tb_next  # the cell's frames only: this loop is not the user's problem
+        return "".join(traceback.format_exception(kind, exc, tb))
+
+    def serve(self) -> None:
+        signal.signal(INTERRUPT, _interrupt)
+        self.connect()
+        self.ready()
+        n = 0
+        while True:
+            cell = self.next_cell(n)
+            if cell["kind"] == "stop":
+                return
+            answer = self.run(cell)
+            answer.update(counts=self.counts(), rss=_rss())
+            sys.stdout.flush()
+            sys.stderr.flush()
+            jobdir.write_private(jobdir.session_done_path(self.folder, n, self.rank), _dumps(answer))
+            n += 1
+
+
+def _dumps(value) -> bytes:
+    import pickle
+
+    return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def serve(namespace: dict) -> None:
+    """The session script's one call: serve cells in `namespace` (the rank's __main__) until `stop`."""
+    for name in ("_sdp_serve",):
+        namespace.pop(name, None)
+    RankSession(namespace, os.environ["SDP_JOB_DIR"]).serve()
