@@ -127,6 +127,9 @@ class RankSession:
 
     # ------------------------------------------------------------------ the cells
     def ready(self) -> None:
+        from sdp_jupyter._files import ensure_private_dir
+
+        ensure_private_dir(self.folder)  # on a remote host the agent made only the job's own folder
         jobdir.write_private(jobdir.session_ready_path(self.folder, self.rank),
                              _dumps({"pid": os.getpid(), "host": socket.gethostname(), "rss": _rss()}))
 
