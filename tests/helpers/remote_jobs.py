@@ -121,3 +121,60 @@ def drive_session(cluster, launch_args: dict, runs: list, env: dict | None = Non
     return cluster.popen(0, [sys.executable, "-c", SESSION_DRIVER, json.dumps({"code": TRAIN, **launch_args}),
                              json.dumps(runs)], env=full, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE)
+
+
+# Plays the notebook on h0 with an interactive session (launch/kernel/session.py) on remote hosts: cells
+# through the agents, a failure, an interrupt, stop; one JSON line per step.
+CELLS_DRIVER = r'''
+import json, os, signal, socket, sys, threading
+from sdp_jupyter.launch import JobSpec
+from sdp_jupyter.launch.kernel import session as sessions
+args = json.loads(sys.argv[1])
+s = sessions.start(JobSpec(code="pass", **args))
+say = lambda **kw: print(json.dumps(kw), flush=True)
+say(ready=s.status())
+r = s.run("import socket, torch, torch.distributed as dist\nt = torch.ones(256) * (dist.get_rank() + 1)\n"
+          "dist.all_reduce(t)\n(socket.gethostname(), t[0].item())", want="gather")
+say(gather=[r.value(i) for i in range(s.job.world_size)], failed=r.failed, seconds=r.seconds)
+r = s.run("if dist.get_rank() == 2:\n    raise RuntimeError('host three is unhappy')\ndist.all_reduce(t)\n")
+say(failed=r.failed, message=r.message())
+threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+try:
+    s.run("import time\nwhile True:\n    time.sleep(0.05)\n")
+    say(interrupted=False)
+except KeyboardInterrupt:
+    say(interrupted=True, message=s.last.message())
+r = s.run("t = torch.ones(4)\ndist.all_reduce(t)\nt.sum().item()", want="result")
+say(after=r.value(0), failed=r.failed)
+say(stopped=s.stop(), error=s.job.error)
+'''
+
+
+def drive_cells(cluster, launch_args: dict, host_names: list, env: dict | None = None) -> None:
+    """Run CELLS_DRIVER on h0 with these JobSpec fields and check each step (N ranks on `host_names`)."""
+    full = dict(env or os.environ)
+    full["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), full.get("PYTHONPATH")]))
+    proc = cluster.popen(0, [sys.executable, "-c", CELLS_DRIVER, json.dumps(launch_args)], env=full, text=True,
+                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    n = len(host_names)
+    try:
+        ready = next_line(proc, timeout=180)["ready"]
+        assert ready["alive"] and sorted(set(ready["hosts"].values())) == sorted(host_names), ready
+        line = next_line(proc)
+        total = n * (n + 1) / 2
+        assert line["failed"] == [] and [v for _, v in line["gather"]] == [total] * n, line
+        assert sorted(h for h, _ in line["gather"]) == sorted(host_names)
+        line = next_line(proc)
+        assert 2 in line["failed"] and "RuntimeError: host three is unhappy" in line["message"], line
+        assert "process group reconnected" in line["message"]
+        line = next_line(proc)
+        ranks = ", ".join(map(str, range(n)))
+        assert line["interrupted"] and f"interrupted on rank(s) {ranks}" in line["message"], line
+        line = next_line(proc)
+        assert line == {"after": 4.0 * n, "failed": []}, line
+        line = next_line(proc)
+        assert line["stopped"] == "succeeded", line
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from helpers.remote_jobs import TRAIN, drive, drive_session, next_line, tell
+from helpers.remote_jobs import TRAIN, drive, drive_cells, drive_session, next_line, tell
 from sdp_jupyter.launch import JobSpec, SpecError
 from sdp_jupyter.launch.kernel import remote
 
@@ -218,3 +218,11 @@ def test_warm_starts_on_ray_nodes_match_cold_and_end_with_the_notebook(ray_hosts
     d.wait()
     assert _wait_no_pools(c, remote.HEARTBEAT_TIMEOUT + 20) == {}
     assert _wait_clean(c, remote.HEARTBEAT_TIMEOUT + 5) == {}
+
+
+@pytest.mark.slow
+def test_a_session_on_ray_nodes_keeps_its_ranks_between_cells(ray_hosts, tmp_path):
+    """The session's cells and answers ride the agents' frames through the Ray actors."""
+    args = {"target": "ray", "ray": {"address": ray_hosts.address}, "jobs_dir": str(tmp_path / "jobs"), "nodes": 4}
+    drive_cells(ray_hosts.cluster, args, ["h0", "h1", "h2", "h3"], env=ray_hosts.env)
+    assert _wait_clean(ray_hosts.cluster, 10) == {}
