@@ -201,6 +201,7 @@ class Frame:
     world_size: int | None = None
     events: int = 0
     skipped_lines: int = 0
+    cells: list = field(default_factory=list)      # an interactive session's cells: (seconds since start, n)
 
     def __repr__(self) -> str:  # job.metrics() in a notebook: a summary, not every column
         def num(v, fmt):
@@ -237,6 +238,7 @@ class Metrics:
         self.total_steps: int | None = None
         self.events = 0
         self.has_samples = False
+        self.cells: deque = deque(maxlen=window)
 
     def update(self, events: Iterable[dict]) -> int:
         n = 0
@@ -257,6 +259,8 @@ class Metrics:
                 self.sources.setdefault(node, ev.get("source", "?"))
             elif kind == "sampler":
                 self.sources[ev.get("node", 0)] = ev.get("source", "?")
+            elif kind == "cell":  # a session's cell began (launch/rank/session.py): a marker on the timeline
+                self.cells.append((t, ev.get("cell")))
             else:
                 continue
             n += 1
@@ -342,6 +346,7 @@ class Metrics:
         if comms and any(c for c, _ in comms):
             fr.comm_share = sum(c for c, _ in comms) / sum(s for _, s in comms)
         self._system_frame(fr, t0)
+        fr.cells = [(t - t0, n) for t, n in self.cells]
         fr.eta_s = self._eta(fr)
         return fr
 

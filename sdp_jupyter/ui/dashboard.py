@@ -121,6 +121,8 @@ class Dashboard(go.FigureWidget):
         self._frame: Frame | None = None
         self._redraws = 0
         self._errors: list[str] = []  # tracebacks from the background thread (see `errors`)
+        self._titles = len(self.layout.annotations)  # the subplot titles; session cell labels come after
+        self._cells_drawn: list = []
         self.refresh()
         if start and not self._reader.done():
             self.start()
@@ -268,9 +270,26 @@ class Dashboard(go.FigureWidget):
             for i, props in updates.items():
                 self.data[i].x = props["x"]
                 self.data[i].y = props["y"]
+            if fr.cells != self._cells_drawn:
+                self._draw_cells(fr.cells)
             self.layout.title.text = title
             self.layout.annotations[1].text = util_title
             self.layout.yaxis.title.text = fr.unit
+
+
+    def _draw_cells(self, cells: list) -> None:
+        """An interactive session's cells: a dotted line where each began, on both time panels
+        (throughput: x, utilization: x2), labelled with the cell's number above the throughput panel."""
+        shapes, labels = [], []
+        for x, n in cells:
+            for axis in ("x", "x2"):
+                shapes.append(dict(type="line", xref=axis, x0=x, x1=x, yref=f"{axis.replace('x', 'y')} domain",
+                                   y0=0, y1=1, line=dict(color="#888888", width=1, dash="dot")))
+            labels.append(dict(xref="x", x=x, yref="y domain", y=1.0, yanchor="bottom", showarrow=False,
+                               text=f"cell {n}", font=dict(size=9, color="#666666")))
+        self.layout.shapes = shapes
+        self.layout.annotations = tuple(self.layout.annotations[:self._titles]) + tuple(labels)
+        self._cells_drawn = list(cells)
 
 
 _NO_LOCK = contextlib.nullcontext()

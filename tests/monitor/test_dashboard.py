@@ -154,3 +154,19 @@ def test_a_diverging_loss_is_drawn_as_a_gap(tmp_path):
     dash = dashboard(tmp_path)
     assert dash.trace("loss rank 0").y == (1.0, None, None, 0.5)
     json.dumps(dash.to_plotly_json()["data"], allow_nan=False)  # what the widget sends must be strict JSON
+
+
+def test_a_sessions_cells_are_marked_on_both_time_panels(tmp_path):
+    rep = Reporter(str(tmp_path), 0)
+    for cell in (0, 1):
+        rep.emit("cell", cell=cell)
+        for i in range(3):
+            rep.report(step=cell * 3 + i, samples=4, loss=1.0)
+            time.sleep(0.01)
+    rep.close()
+    set_state(tmp_path, "succeeded")
+    dash = dashboard(tmp_path)
+    assert [n for _, n in dash.frame.cells] == [0, 1] and dash.frame.cells[0][0] == 0.0
+    assert sorted({s.xref for s in dash.layout.shapes}) == ["x", "x2"] and len(dash.layout.shapes) == 4
+    assert [a.text for a in dash.layout.annotations][-2:] == ["cell 0", "cell 1"]
+    assert dash.layout.annotations[0].text.startswith("Throughput")  # the subplot titles stay

@@ -154,6 +154,10 @@ class RankSession:
         group = self.group_for(ranks)
         if ranks is not None and self.rank not in ranks:
             return answer
+        if self.rank == (ranks[0] if ranks else 0):  # the dashboard marks where each cell began
+            from sdp_jupyter.monitor import reporter
+
+            reporter.emit("cell", cell=cell["n"])
         self.ns.update(cell.get("push") or {})
         self.ns["sdp_group"] = group
         answer["ran"] = True
