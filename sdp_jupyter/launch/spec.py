@@ -50,7 +50,7 @@ OPTIONS: tuple[Option, ...] = (
            "Trainer or accelerate script uses it; the script's own init_process_group with that backend "
            "returns at once (docs/integrations.md)", kind="flag"),
     Option("--name", "name", "job name, also the job directory's name (default: job-<time>-<id>)"),
-    Option("--target", "target", "where to run: local (default), ssh, ray or sagemaker"),
+    Option("--target", "target", "where to run: local (default), ssh, ray, slurm or sagemaker"),
     Option("--wait", None, "block until the job ends (Ctrl-C stops it); raise if it failed", kind="flag"),
     Option("--env", "env", "environment variable for every rank (repeatable)", kind="append",
            metavar="KEY=VALUE"),
@@ -144,7 +144,8 @@ class JobSpec:
     Exactly one of `code` (the cell's source) or `script` (path to a .py file) says what runs.
     `sagemaker` holds options only the SageMaker target reads (owned by sdp_jupyter.launch.kernel.sagemaker),
     `ssh` those only the SSH target reads (hosts, hostfile, python, config; sdp_jupyter.launch.kernel.ssh),
-    `ray` those of the Ray target (address; sdp_jupyter.launch.kernel.ray).
+    `ray` those of the Ray target (address; sdp_jupyter.launch.kernel.ray), `slurm` those of the Slurm
+    target (partition, account, time, args; sdp_jupyter.launch.kernel.slurm).
     `parallel` holds the hybrid-parallel options (tp, pp, microbatches, ...; owned by
     sdp_jupyter.launch.parallel_options): only those that differ from their defaults are kept, and
     the workers get them as SDP_TP, SDP_PP, ... (`parallel_env()`).
@@ -174,6 +175,7 @@ class JobSpec:
     parallel: dict = field(default_factory=dict)
     ssh: dict = field(default_factory=dict)
     ray: dict = field(default_factory=dict)
+    slurm: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if self.nodes is not None:
@@ -249,7 +251,8 @@ class JobSpec:
             if not isinstance(options, dict):
                 raise SpecError(record.field, f"must be a dict of {target} options, got {type(options).__name__}")
             if record.exclusive and options and self.target != target:  # refused with another target
-                flag = "--" + next(iter(options)).replace("_", "-").replace("config", "ssh-config")
+                key = f"{record.field}.{next(iter(options))}"
+                flag = next((o.flag for o in all_options() if o.field == key), "--" + key.split(".", 1)[1])
                 raise SpecError(flag, f"is an option of --target {target}, and the target is {self.target}. "
                                       f"Fix: add --target {target}, or remove {flag}")
         if self.parallel is None:

@@ -2,7 +2,7 @@
 options fill, where its option rows are, whether its ranks can start warm, and whether its options
 are refused with another target. spec.py derives the target names, the option table and those checks
 from TARGETS. The other half of a target, its launcher, is in launch/kernel/targets.py: the launchers
-import spec, so spec must not import them (a leaf here; the SSH and Ray rows live here too, the
+import spec, so spec must not import them (a leaf here; the SSH, Ray and Slurm rows live here too, the
 SageMaker rows beside the rest of that target's options).
 """
 from __future__ import annotations
@@ -39,11 +39,23 @@ RAY_OPTIONS = (
 )
 RAY_KEYS = {"address"}
 
+SLURM_OPTIONS = (
+    Option("--partition", "slurm.partition", "--target slurm: the partition (sbatch -p; default: the cluster's)",
+           metavar="NAME"),
+    Option("--account", "slurm.account", "--target slurm: the account charged (sbatch -A)", metavar="NAME"),
+    Option("--time", "slurm.time", "--target slurm: the allocation's wall-clock limit, as Slurm writes it "
+           "(30, 1:30:00, 2-0)", metavar="LIMIT"),
+    Option("--slurm-args", "slurm.args", '--target slurm: more sbatch options, e.g. --slurm-args "--qos=high '
+           '--constraint=v100"', metavar="ARGS"),
+)
+SLURM_KEYS = {"partition", "account", "time", "args"}
+
 
 TARGETS: dict[str, Target] = {
     "local": Target(warm=True),
     "ssh": Target("ssh", "sdp_jupyter.launch.target_options:SSH_OPTIONS", warm=True, exclusive=True,
                   nodes_from_hosts=True),
     "ray": Target("ray", "sdp_jupyter.launch.target_options:RAY_OPTIONS", warm=True, exclusive=True),
+    "slurm": Target("slurm", "sdp_jupyter.launch.target_options:SLURM_OPTIONS", exclusive=True),
     "sagemaker": Target("sagemaker", "sdp_jupyter.launch.kernel.sagemaker.options:SAGEMAKER_OPTIONS"),
 }

@@ -20,7 +20,7 @@ from sdp_jupyter.launch.rank.worker import script_arguments
     ({"nodes": True}, "--nodes", "whole number"),
     ({"procs_per_node": 0}, "--procs-per-node", "1 or more"),
     ({"backend": "mpi"}, "--backend", "smddp, gloo, nccl"),
-    ({"target": "aws"}, "--target", "local, ssh, ray, sagemaker"),
+    ({"target": "aws"}, "--target", "local, ssh, ray, slurm, sagemaker"),
     ({"ranks_output": "3"}, "--ranks-output", "0, all"),
     ({"max_restarts": -1}, "--max-restarts", "0 or more"),
     ({"timeout": "soon"}, "--timeout", "seconds"),

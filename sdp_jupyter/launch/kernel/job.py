@@ -349,6 +349,10 @@ class Job(Shown):
         if target in (None, "local", "sagemaker"):
             return None
         names = st.get("host_names") or st.get("hosts") or []
+        if st.get("slurm_job_id"):  # the Slurm target: its job id, and while it waits, Slurm's reason
+            target = f"slurm job {st['slurm_job_id']}"
+            if st.get("state") == "pending" and not names:
+                return f"{target} (pending: {st.get('pending_reason') or 'in the queue'})"
         return f"{target}: {', '.join(str(n) for n in names)}" if names else str(target)
 
     @property

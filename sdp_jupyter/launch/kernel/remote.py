@@ -92,6 +92,7 @@ class RemoteRun(supervise.Run):
     option = "--nodes"
     python = sys.executable  # the interpreter named in "not installed" errors
     warm_after_job = True    # start the hosts' warm pools after a job, for the next (warm_pool.job_done)
+    final_errors = ("timed out", "host ")  # failures --max-restarts does not restart (a lost host stays lost)
 
     def __init__(self, spec: JobSpec, hosts: list[str], launcher):
         self.spec, self.hosts, self.launcher = spec, hosts, launcher
@@ -248,7 +249,7 @@ class RemoteRun(supervise.Run):
 
             # a lost host is not restarted onto: the job names it and ends
             state, error, codes = supervise.with_restarts(job, self._attempt, announce, self._stop,
-                                                          final=("timed out", "host "))
+                                                          final=self.final_errors)
         except Exception as e:  # our own bug or an OS error: the job fails with it, nothing left running
             state, error = "failed", f"the launcher failed: {type(e).__name__}: {e}"
         finally:

@@ -162,13 +162,17 @@ class SSHLink(remote.Link):
     def __init__(self, node: int, host: str, spec: JobSpec, inbox: queue.Queue):
         super().__init__(node, host, inbox)
         self._send_lock = threading.Lock()
-        self.proc = _start_ssh(ssh_command(host, spec))
+        self.proc = _start_ssh(self.command_line(host, spec))
         threading.Thread(target=self._read, daemon=True, name=f"sdp-ssh-{host}").start()
         self._err_thread = threading.Thread(target=self._read_stderr, daemon=True, name=f"sdp-ssh-err-{host}")
         self._err_thread.start()
 
+    def command_line(self, host: str, spec: JobSpec) -> list[str]:
+        """The client that runs the agent and carries its channel (the Slurm target's link: srun)."""
+        return ssh_command(host, spec)
+
     def _read(self) -> None:
-        why = "the ssh connection closed"
+        why = f"the {self.kind} connection closed"
         try:
             while True:
                 self.heard(channel.decode(self.proc.stdout))

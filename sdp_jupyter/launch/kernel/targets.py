@@ -12,6 +12,7 @@ LAUNCHERS = {
     "local": "sdp_jupyter.launch.kernel.local:LocalLauncher",
     "ssh": "sdp_jupyter.launch.kernel.ssh:SSHLauncher",
     "ray": "sdp_jupyter.launch.kernel.ray:RayLauncher",
+    "slurm": "sdp_jupyter.launch.kernel.slurm:SlurmLauncher",
     "sagemaker": "sdp_jupyter.launch.kernel.sagemaker.submit:SageMakerLauncher",
 }
 
