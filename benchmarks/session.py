@@ -61,9 +61,7 @@ class Ours:
 class Ipp:
     name = "ipyparallel"
 
-    def __init__(self, ranks: int):
-        import ipyparallel as ipp
-
+    def __init__(self, ipp, ranks: int):
         from sdp_jupyter._net import free_port
 
         self.version = ipp.__version__
@@ -114,14 +112,13 @@ def main() -> int:
     print(f"machine: {info['cpus']} cpus, load {info['loadavg_1min']}", flush=True)
     sides = [Ours(a.ranks)]
     try:
-        import ipyparallel  # noqa: F401
+        import ipyparallel as ipp
     except ImportError:
-        peer = "ipyparallel is not installed (pip install ipyparallel): only the session is measured"
-    else:
-        peer = None
+        ipp = None
+    peer = None if ipp else "ipyparallel is not installed (pip install ipyparallel): only the session is measured"
     try:
         if peer is None:
-            sides.append(Ipp(a.ranks))
+            sides.append(Ipp(ipp, a.ranks))
         for side in sides:
             print(f"{side.name}: {a.ranks} ranks started in {side.start_s:.2f} s", flush=True)
         if peer:
