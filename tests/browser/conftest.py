@@ -9,8 +9,10 @@ Fixtures (reuse them in any tests/browser/test_*.py):
 ``browser``         session-wide chromium: ``/usr/bin/chromium`` (or ``$SDP_CHROMIUM``) launched with
                     ``executable_path``; ``playwright install`` is never run.
 ``lab``             a fresh page per test, wrapped in ``LabPage``: ``open_notebook(path)``,
-                    ``run_all()``, ``wait_idle()``, ``wait_text(locator, regex)``, ``screenshot(name)``
-                    (into ``test-artifacts/``).
+                    ``open_cells(name, sources)`` (a scratch notebook of code cells in
+                    ``test-artifacts/``), ``run_all()``, ``run_cell(source)`` (one cell; what its
+                    output area shows), ``wait_idle()``, ``wait_text(locator, regex)``,
+                    ``screenshot(name)`` (into ``test-artifacts/``).
 
 Every wait has a deadline and a failure says what it waited for; the server's log is attached to
 the failure message so a broken kernel or extension is visible.
@@ -149,6 +151,16 @@ class LabPage:
             self.fail(f"notebook {rel_path} did not open within {timeout:g} s")
         self.wait_idle(timeout)
 
+    def open_cells(self, name: str, sources: list, timeout: float = 90) -> None:
+        """Write a notebook of code cells ``sources`` as ``test-artifacts/NAME.ipynb`` and open it."""
+        import nbformat
+
+        nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in sources])
+        nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+        ARTIFACTS.mkdir(exist_ok=True)
+        nbformat.write(nb, ARTIFACTS / f"{name}.ipynb")
+        self.open_notebook(f"test-artifacts/{name}.ipynb", timeout)
+
     def kernel_status(self) -> str:
         return self.page.evaluate("""() => {
             const w = window.jupyterapp.shell.currentWidget;
@@ -188,6 +200,36 @@ class LabPage:
         tracebacks = [t for t in errors.all_inner_texts() if "Traceback" in t]
         if tracebacks:
             self.fail("a cell raised:\n" + "\n".join(tracebacks)[:3000])
+
+    def run_cell(self, source: str, timeout: float = 60) -> dict:
+        """Run the one cell whose source is ``source`` (as Ctrl-Enter would) and wait until its prompt
+        shows it ran. Returns what the page shows for it: ``count`` (its execution count), ``text``
+        (its output area's text) and ``error`` (whether an error, stderr-styled, output is there)."""
+        self.page.evaluate("""(source) => {
+            const nb = window.jupyterapp.shell.currentWidget;
+            nb.content.activeCellIndex = Array.from(nb.content.model.cells)
+                .findIndex(c => c.sharedModel.getSource() === source);
+            window.jupyterapp.commands.execute('notebook:run-cell');  // not awaited: it resolves when done
+            return null;
+        }""", source)
+        shows = """(source) => {
+            const nb = window.jupyterapp.shell.currentWidget;
+            const i = Array.from(nb.content.model.cells).findIndex(c => c.sharedModel.getSource() === source);
+            const cell = nb.content.widgets[i];
+            const prompt = cell.node.querySelector('.jp-InputPrompt');
+            const area = cell.node.querySelector('.jp-Cell-outputArea');
+            const stderr = ".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']";
+            return {busy: !!prompt && prompt.textContent.includes('*'), count: cell.model.executionCount,
+                    text: area ? area.innerText : '', error: !!cell.node.querySelector(stderr)};
+        }"""
+        deadline = time.monotonic() + timeout
+        state = None
+        while time.monotonic() < deadline:
+            state = self.page.evaluate(shows, source)
+            if state["count"] is not None and not state["busy"]:
+                return state
+            time.sleep(0.2)
+        self.fail(f"cell {source.splitlines()[0]!r} did not finish within {timeout:g} s; last state {state}")
 
     def wait_text(self, locator, pattern: str, timeout: float = 30, what: str = "text") -> str:
         """Wait until ``locator``'s visible text matches the JavaScript regex ``pattern``; return the text.

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import time
 
-import nbformat
 import pytest
-
-from browser.conftest import ARTIFACTS  # the fixtures (lab, jupyter_server) come from that conftest
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
 
@@ -29,11 +26,7 @@ STATE = """() => {
 
 
 def test_job_view_streams_and_stops_while_another_cell_runs(lab, jupyter_server):
-    ARTIFACTS.mkdir(exist_ok=True)
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in CELLS])
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    nbformat.write(nb, ARTIFACTS / "jobview_browser.ipynb")
-    lab.open_notebook("test-artifacts/jobview_browser.ipynb")
+    lab.open_cells("jobview_browser", CELLS)
     lab.page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); return null; }")
 
     def wait_for(check, what, timeout=120):
