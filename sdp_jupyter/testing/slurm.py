@@ -150,6 +150,45 @@ PartitionName=short Nodes={self.names[0]} MaxTime=1 State=UP
         p = self.run(["squeue", "-h", "-o", "%i %T"])
         return [line.split()[0] for line in p.stdout.splitlines() if line.split()]
 
+    def processes(self, host: int, module: str = "sdp_jupyter.launch.rank.worker") -> list[int]:
+        """PIDs on `host` whose command line runs `module` (the ranks by default, or the agent)."""
+        found = []
+        for pid in self.cluster.pids(host):
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if module.encode() in argv:
+                found.append(pid)
+        return found
+
+    def wait_clean(self, timeout: float) -> dict:
+        """Wait until no rank or agent runs on any host and Slurm has no job left; what is left then."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = {i: self.processes(i) + self.processes(i, "sdp_jupyter.launch.host.agent") for i in self.nodes}
+            left = {f"h{i}": pids for i, pids in left.items() if pids}
+            jobs = self.jobs()
+            if jobs:
+                left["slurm jobs"] = jobs
+            if not left or time.monotonic() > deadline:
+                return left
+            time.sleep(0.2)
+
+    def memory_mb(self) -> float:
+        """Resident memory of the cluster's daemons (munged, slurmctld, every slurmd), in MB."""
+        import psutil
+
+        total = 0
+        for proc in self.procs.values():
+            try:
+                p = psutil.Process(proc.pid)
+                total += sum(q.memory_info().rss for q in [p] + p.children(recursive=True)
+                             if q.name() in ("munged", "slurmctld", "slurmd"))
+            except psutil.Error:
+                pass
+        return total / 1e6
+
     def _wait(self, ready, what: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while not ready():

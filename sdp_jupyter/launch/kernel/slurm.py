@@ -113,7 +113,7 @@ def explain_refusal(spec: JobSpec, said: str) -> SpecError:
     if "invalid partition" in low:
         return SpecError("--partition", f"Slurm has no partition {options.get('partition')!r} ({text}). "
                                         f"Fix: --partition <one of {', '.join(partitions()) or 'sinfo -s'}>")
-    if "node count" in low or "nodes" in low and ("exceed" in low or "not available" in low or "configuration" in low):
+    if "node count" in low or "node configuration" in low or "nodes" in low and "exceed" in low:
         return SpecError("--nodes", f"{spec.nodes} nodes cannot be allocated there ({text}). "
                                     "Fix: fewer --nodes, or another --partition (`sinfo -s` lists them)")
     if "time limit" in low:
@@ -203,6 +203,7 @@ class SlurmRun(remote.RemoteRun):
         try:
             self.hosts = hosts[:self.spec.nodes]
             self.conns = []
+            self.inbox = queue.Queue()  # the last allocation's links may still say they closed
             self._links_closed.clear()
             try:
                 self.preflight()
@@ -251,6 +252,10 @@ class SlurmRun(remote.RemoteRun):
         if self.slurm_id is None or self.inside:
             return None
         fields = job_state(self.slurm_id)
+        deadline = time.monotonic() + 10
+        while fields.get("JobState") == "COMPLETING" and time.monotonic() < deadline:  # Slurm ending it: why?
+            time.sleep(0.3)
+            fields = job_state(self.slurm_id)
         state = fields.get("JobState", "")
         ended = None
         if state and state not in ("RUNNING", "PENDING", "CONFIGURING", "COMPLETING", "COMPLETED", "CANCELLED"):
