@@ -192,6 +192,18 @@ class Cluster:
         out = _sh("ip", "netns", "pids", self.host_ns[host], check=False).stdout
         return [int(x) for x in out.split()]
 
+    def running(self, host: int, module: str) -> list[int]:
+        """PIDs on `host` whose command line runs `module` (python -m MODULE, or MODULE as a word)."""
+        found = []
+        for pid in self.pids(host):
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if module.encode() in argv:
+                found.append(pid)
+        return found
+
     def kill_host(self, host: int, sig: int = signal.SIGKILL) -> list[int]:
         """Send `sig` to every process running on `host` (a host losing power, as far as its
         processes are concerned). Returns the PIDs signalled."""

@@ -152,15 +152,7 @@ PartitionName=short Nodes={self.names[0]} MaxTime=1 State=UP
 
     def processes(self, host: int, module: str = "sdp_jupyter.launch.rank.worker") -> list[int]:
         """PIDs on `host` whose command line runs `module` (the ranks by default, or the agent)."""
-        found = []
-        for pid in self.cluster.pids(host):
-            try:
-                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if module.encode() in argv:
-                found.append(pid)
-        return found
+        return self.cluster.running(host, module)
 
     def wait_clean(self, timeout: float) -> dict:
         """Wait until no rank or agent runs on any host and Slurm has no job left; what is left then."""

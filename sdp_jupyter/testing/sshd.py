@@ -91,15 +91,7 @@ class SSHHosts:
 
     def processes(self, host: int, module: str = "sdp_jupyter.launch.rank.worker") -> list[int]:
         """PIDs on `host` whose command line runs `module` (the ranks by default, or the agent)."""
-        found = []
-        for pid in self.cluster.pids(host):
-            try:
-                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if module.encode() in argv:
-                found.append(pid)
-        return found
+        return self.cluster.running(host, module)
 
     def wait_clean(self, timeout: float) -> dict[int, list[int]]:
         """Wait until no rank or agent runs on any host; what is left at the deadline."""

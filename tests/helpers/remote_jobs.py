@@ -41,7 +41,7 @@ dist.all_gather_object(names, (socket.gethostname(), os.environ["SDP_BIND_ADDR"]
 
 # A long job (STEP_SLEEP set) prints {"running"} once rank 0 is at step 2, then reads a command on
 # stdin: "stop" stops the job, anything else waits for it. Every job ends with {"state", ...}.
-DRIVER = r'''
+LAUNCH = r'''
 import json, sys, time, sdp_jupyter
 from sdp_jupyter.launch import SpecError
 args = json.loads(sys.argv[1])
@@ -49,8 +49,10 @@ t0 = time.time()
 try:
     job = sdp_jupyter.launch(**args)
 except SpecError as e:
-    print(json.dumps({"spec_error": str(e), "after": time.time() - t0}), flush=True)
+    print(json.dumps({"spec_error": str(e), "option": e.option, "after": time.time() - t0}), flush=True)
     raise SystemExit(0)
+'''
+DRIVER = LAUNCH + r'''
 if args.get("env", {}).get("STEP_SLEEP"):
     while "step 2" not in job.logs(0) and not job.done:
         time.sleep(0.1)

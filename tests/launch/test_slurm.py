@@ -13,22 +13,13 @@ import time
 
 import pytest
 
-from helpers.remote_jobs import REPO, TRAIN, next_line
+from helpers.remote_jobs import LAUNCH, REPO, TRAIN, next_line
 from sdp_jupyter.launch import JobSpec, SpecError
 from sdp_jupyter.launch.kernel import slurm
 
 # Plays the notebook on h0 (the login node): launches, says {"job": name}, then obeys commands on
 # stdin: "status" -> {"status"}, "stop" -> {"stopped_in"}, "wait" -> the end {"state", ...}.
-DRIVER = r'''
-import json, sys, time, sdp_jupyter
-from sdp_jupyter.launch import SpecError
-args = json.loads(sys.argv[1])
-t0 = time.time()
-try:
-    job = sdp_jupyter.launch(**args)
-except SpecError as e:
-    print(json.dumps({"spec_error": str(e), "option": e.option, "after": time.time() - t0}), flush=True)
-    raise SystemExit(0)
+DRIVER = LAUNCH + r'''
 print(json.dumps({"job": job.name, "dir": str(job.dir), "t0": t0}), flush=True)
 for line in sys.stdin:
     command = line.strip()
