@@ -101,6 +101,10 @@ def test_slurm_options_need_the_slurm_target_and_gpus_come_from_the_request():
     assert argv[-2:] == ["--qos=high", "--gres=gpu:a100:4"]
     assert slurm.gpus_asked(slurm.extra_args(spec.slurm)) == 4
     assert slurm.gpus_asked(["--gpus-per-node=8"]) == 8 and slurm.gpus_asked(["--qos=x"]) == 0
+    assert [slurm.minutes(t) for t in ("30", "5:30", "1:30:00", "2-0", "1-12:30", "UNLIMITED")] == \
+        [30, 5.5, 90, 2880, 2190, None]
+    with pytest.raises(SpecError, match="not a Slurm time"):
+        slurm.minutes("soon")
     with pytest.raises(SpecError, match="nccl needs GPUs"):
         slurm.SlurmLauncher().resolve(JobSpec(code="pass", target="slurm", backend="nccl"))
 
@@ -234,7 +238,7 @@ def test_inside_an_allocation_the_job_runs_there(slurm_hosts, tmp_path):
 @pytest.mark.parametrize("args, option, said", [
     ({"slurm": {"partition": "nosuch"}}, "--partition", "no partition 'nosuch'"),
     ({"slurm": {"partition": "short"}, "nodes": 2}, "--nodes", "2 nodes cannot be allocated"),
-    ({"slurm": {"partition": "short", "time": "5"}}, "--time", "over the partition's limit"),
+    ({"slurm": {"partition": "short", "time": "5"}}, "--time", "over partition short's limit of 1 minute"),
     ({"backend": "nccl"}, "--backend", "nccl needs GPUs"),
 ])
 def test_what_slurm_would_refuse_is_refused_before_anything_is_queued(slurm_hosts, tmp_path, args, option, said):

@@ -116,13 +116,45 @@ def explain_refusal(spec: JobSpec, said: str) -> SpecError:
     if "node count" in low or "node configuration" in low or "nodes" in low and "exceed" in low:
         return SpecError("--nodes", f"{spec.nodes} nodes cannot be allocated there ({text}). "
                                     "Fix: fewer --nodes, or another --partition (`sinfo -s` lists them)")
-    if "time limit" in low:
+    if "time limit" in low:  # where the cluster enforces partition limits (EnforcePartLimits)
         return SpecError("--time", f"{options.get('time')!r} is over the partition's limit ({text}). "
                                    "Fix: a shorter --time (`sinfo -o '%P %l'` shows each partition's limit)")
     if "account" in low:
         return SpecError("--account", f"Slurm refuses account {options.get('account')!r} ({text}). "
                                       "Fix: --account <one of yours> (`sacctmgr show assoc user=$USER`)")
     return SpecError("--slurm-args", f"sbatch refuses the request: {text}")
+
+
+def minutes(limit: str) -> float | None:
+    """A Slurm time ("30", "30:00", "1:30:00", "2-0", "2-12:00") in minutes; None for UNLIMITED / INFINITE."""
+    text = str(limit).strip()
+    if text.upper() in ("UNLIMITED", "INFINITE", ""):
+        return None
+    days, _, rest = text.rpartition("-") if "-" in text else ("0", "", text)
+    try:
+        parts = [float(x) for x in rest.split(":")]
+        if "-" in text:  # days-hours[:minutes[:seconds]]
+            h, m, sec = (parts + [0, 0])[:3]
+        elif len(parts) == 3:
+            h, m, sec = parts
+        elif len(parts) == 2:  # minutes:seconds
+            h, m, sec = 0, parts[0], parts[1]
+        else:
+            h, m, sec = 0, parts[0], 0
+        return float(days or 0) * 1440 + h * 60 + m + sec / 60
+    except ValueError:
+        raise SpecError("--time", f"{limit!r} is not a Slurm time. Fix: --time 30 (minutes), 1:30:00 or 2-0") from None
+
+
+def partition_limit(name: str | None) -> tuple[str, float | None] | None:
+    """(partition, its MaxTime in minutes) for `name`, or the default partition; None when Slurm does not say."""
+    p = subprocess.run(["scontrol", "-o", "show", "partition"] + ([name] if name else []), capture_output=True,
+                       text=True, timeout=COMMAND_TIMEOUT)
+    for line in p.stdout.splitlines():
+        fields = dict(w.split("=", 1) for w in line.split() if "=" in w)
+        if name or fields.get("Default") == "YES":
+            return fields.get("PartitionName", name or "?"), minutes(fields.get("MaxTime", "UNLIMITED"))
+    return None
 
 
 def partitions() -> list[str]:
@@ -293,6 +325,12 @@ class SlurmLauncher:
         p = run(sbatch_argv(spec, spec.name, test_only=True), stdin=HOLDER)
         if p.returncode != 0:
             raise explain_refusal(spec, p.stderr)
+        if options.get("time"):  # Slurm queues an over-long job forever (PartitionTimeLimit) unless told to refuse
+            asked, limit = minutes(options["time"]), partition_limit(options.get("partition"))
+            if limit is not None and limit[1] is not None and asked is not None and asked > limit[1]:
+                raise SpecError("--time", f"{options['time']!r} is over partition {limit[0]}'s limit of "
+                                          f"{limit[1]:g} minute(s). Fix: --time {limit[1]:g} or less, or another "
+                                          "--partition (`sinfo -o '%P %l'` shows each partition's limit)")
         return spec
 
     def start(self, spec: JobSpec, push: dict | None = None) -> Job:
