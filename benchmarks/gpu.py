@@ -13,8 +13,12 @@ runs in its own set of rank processes, one after the other, on the same tensors 
 
 Prints per case each backend's median time (the slowest rank's; a CUDA synchronize ends every
 call), all_reduce bus bandwidth (size/time x 2(n-1)/n) and gloo/smddp, gloo's time over smddp's
-(above 1: smddp is faster), and nccl/smddp where NCCL ran. The JSON has the machine (with the GPU
-and memcpy bandwidth), the command and the rows.
+(above 1: smddp is faster), and nccl/smddp where NCCL ran. smddp stages a large CUDA tensor in
+chunks (SDP_STAGE_CHUNK_BYTES, default 4 MiB: a chunk's copies to and from the GPU overlap the
+engine's reduction of the next); on CUDA its ranks also time the 64 MiB fp32 case staged whole (one
+copy each way, as before the chunks), and a last line compares the two and gloo (target: gloo/smddp
+at least 2 at 2 ranks). The JSON has the machine (with the GPU and memcpy bandwidth), the command
+and the rows.
 
 Without CUDA and without --cpu it says so, writes a JSON that records that nothing was measured,
 and exits 0 (tools/gpu_check.sh runs it on machines with and without a GPU). On one H200 (16
@@ -32,6 +36,7 @@ sys.path.insert(0, HERE)
 
 # (dtype, bytes) of the all_reduce cases
 ALL_REDUCE = [("float32", 4 << 10), ("float32", 1 << 20), ("float32", 64 << 20), ("bfloat16", 64 << 20)]
+WHOLE = ("float32", 64 << 20)  # the case smddp also times staged whole (CUDA tensors)
 MODEL = "mlp25m"
 
 
@@ -67,6 +72,12 @@ def worker(backend: str, device: str, budget: float, ddp_budget: float) -> None:
         median, mean = call_times(call, budget, agree)
         rows.append({"case": f"all_reduce {dtype} {_size(size)}", "kind": "all_reduce", "dtype": dtype,
                      "bytes": size, "median_s": median, "mean_s": mean})
+        if backend == "smddp" and device == "cuda" and (dtype, size) == WHOLE:
+            staging = dist.group.WORLD.staging
+            rows[-1]["stage_chunk_bytes"] = chunk = staging.chunk_bytes
+            staging.chunk_bytes = 1 << 62  # every rank alike: one copy each way, no chunks
+            rows[-1]["whole_median_s"] = call_times(call, budget, agree)[0]
+            staging.chunk_bytes = chunk
     torch.manual_seed(0)
     model = mlp25m().to(dev)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
@@ -158,6 +169,11 @@ def main() -> int:
                 for b in ("gloo", "nccl"):
                     if b in backends:
                         row[f"{b}_over_smddp"] = row[f"{b}_median_s"] / row["smddp_median_s"]
+                smddp_row = res["smddp"][0]["rows"][i]
+                if "whole_median_s" in smddp_row:
+                    row["stage_chunk_bytes"] = smddp_row["stage_chunk_bytes"]
+                    row["smddp_whole_median_s"] = slowest(res["smddp"], i, "whole_median_s")
+                    row["whole_over_chunked"] = row["smddp_whole_median_s"] / row["smddp_median_s"]
             rows.append(row)
 
             def cell(key, digits, scale=1.0):
@@ -166,6 +182,12 @@ def main() -> int:
             print(f"{world:>5} {row['case']:26s} {cell('smddp_median_s', 3, 1e3)} {cell('gloo_median_s', 3, 1e3)}"
                   f" {cell('nccl_median_s', 3, 1e3)} {cell('gloo_over_smddp', 2)} {cell('nccl_over_smddp', 2)}"
                   f" {cell('smddp_busbw_GBps', 2)}", flush=True)
+        for row in rows:
+            if row["world"] == world and "whole_over_chunked" in row:
+                gloo = f"; gloo/smddp {row['gloo_over_smddp']:.2f}" if "gloo_over_smddp" in row else ""
+                print(f"{world:>5} staging, {row['case']}: smddp {row['smddp_median_s'] * 1e3:.3f} ms in chunks of "
+                      f"{_size(row['stage_chunk_bytes'])}, {row['smddp_whole_median_s'] * 1e3:.3f} ms staged whole "
+                      f"(x{row['whole_over_chunked']:.2f}){gloo} (target at 2 ranks: 2 or more)", flush=True)
     write_results(a.out, info, rows, ranks=ranks, device=device)
     return 0
 

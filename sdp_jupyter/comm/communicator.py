@@ -252,6 +252,19 @@ class Communicator(Routes):
         sequences are kept as given."""
         return Work(self._channels, engine_handles, handles, keepalive, finish)
 
+    def handles_work(self, handles, keepalive: Any = None, finish=(), after=None) -> Work:
+        """One work for engine handles from `submit_handle` (one collective submitted in pieces,
+        e.g. the torch adapter's staged chunks); `after`: a step per handle, run once it is done
+        (see `Work`)."""
+        return Work(self._channels, tuple(handles), (), keepalive, finish, after)
+
+    def finished(self, handle: int) -> bool:
+        """Whether the engine has completed `handle`, without waiting; a failed group raises."""
+        try:
+            return self._engine.test(handle)
+        except EngineError as exc:
+            raise self._error(str(exc)) from None
+
     def join(self, works) -> Work:
         """One work for several (the coalesced calls)."""
         return Work.joined(self._channels, works)

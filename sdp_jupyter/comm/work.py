@@ -28,20 +28,26 @@ class Work:
     lets go of the buffers it kept alive; it re-raises the first failure on every later call. A
     receive's wait() returns its sender's rank (`source`).
 
+    `after`, when given, holds one step per engine handle (or None), run as soon as that handle is
+    done and before the next is waited for: the torch adapter copies a staged chunk back to the
+    GPU while the engine reduces the next one. A step must be safe to run twice (the adapter runs
+    them early too, when it sees a chunk done).
+
     `wait(timeout)` bounds the messages (none or 0: the group's timeout); a message that times out
     is withdrawn, so nothing writes into its buffer afterwards. A collective runs to its end or to
     the group's deadline whatever the timeout: the engine cannot withdraw one that other ranks take
     part in, and its buffers are only let go after it."""
 
-    __slots__ = ("_ch", "_handles", "_messages", "_keep", "_finish", "_lock", "_done", "_error", "source")
+    __slots__ = ("_ch", "_handles", "_messages", "_keep", "_finish", "_after", "_lock", "_done", "_error", "source")
 
     def __init__(self, channels: Channels, handles=(), messages=(), keepalive: Any = None,
-                 finish: tuple[Callable[[], None], ...] | list = ()):
+                 finish: tuple[Callable[[], None], ...] | list = (), after: tuple | None = None):
         self._ch = channels
         self._handles = handles    # the engine's
         self._messages = messages  # the mailbox's
         self._keep = keepalive
         self._finish = finish
+        self._after = after  # None, or one step (or None) per engine handle
         self._lock = threading.Lock()
         self._done = False
         self._error: BaseException | None = None
@@ -74,8 +80,14 @@ class Work:
 
     def _wait_engine(self) -> None:
         wait = self._ch.engine.wait
-        for h in self._handles:
+        if self._after is None:
+            for h in self._handles:
+                wait(h, 0.0)
+            return
+        for h, step in zip(self._handles, self._after, strict=True):
             wait(h, 0.0)
+            if step is not None:
+                step()
 
     def _wait_messages(self, timeout_s: float) -> None:
         wait = self._ch.mailbox.wait
@@ -115,8 +127,11 @@ class Work:
     def joined(cls, channels: Channels, works) -> "Work":
         """One work for several (coalesced calls): done when all are, finished in order."""
         works = list(works)
+        after = None
+        if any(w._after is not None for w in works):
+            after = tuple(s for w in works for s in (w._after or (None,) * len(w._handles)))
         return cls(channels, tuple(h for w in works for h in w._handles), tuple(h for w in works for h in w._messages),
-                   [w._keep for w in works], tuple(f for w in works for f in w._finish))
+                   [w._keep for w in works], tuple(f for w in works for f in w._finish), after)
 
     def then(self, step: Callable[[], None]) -> "Work":
         """Adds a step run after the others once the work is done (e.g. copying results out)."""

@@ -6,7 +6,8 @@
     model = torch.nn.parallel.DistributedDataParallel(model)   # stock DDP works unchanged
 
 CPU tensors are reduced in place. CUDA tensors are staged through pinned host memory (the
-engine reduces on the CPUs of the training hosts). fp16/bf16 tensors travel as 16-bit and are
+engine reduces on the CPUs of the training hosts), large ones in chunks whose copies to and from
+the GPU overlap the reduction of the others (SDP_STAGE_CHUNK_BYTES). fp16/bf16 tensors travel as 16-bit and are
 summed in float32.
 
 A thin adapter over sdp_jupyter.comm, which runs and routes every collective: process_group.py

@@ -13,7 +13,8 @@ from torch.distributed import ReduceOp
 
 from sdp_jupyter.comm import (COLL_ALLGATHER, COLL_ALLREDUCE, COLL_BROADCAST, COLL_REDUCE_SCATTER, DTYPES, OPS,
                               Communicator, SmddpError)
-from sdp_jupyter.torch.tensors import (block, dtype_code, moved, op_code, send_buffer, staged, staged_all)
+from sdp_jupyter.torch.tensors import (Staging, block, dtype_code, moved, op_code, send_buffer, stage_chunk_bytes_from_env,
+                                       staged, staged_all)
 from sdp_jupyter.torch.work import FutureCompleter, SmddpWork, backend_error, unsupported
 
 BACKEND_NAME = "smddp"
@@ -36,6 +37,9 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         self.comm = self._communicator(store)
         register_name_carrier(self, rank, world_size)
         self._completer = FutureCompleter()
+        # how CUDA tensors are staged through host memory (large ones in chunks: tensors.Staging);
+        # the tests set staging.chunk_cpu and staging.chunk_bytes to run the chunked path on CPU
+        self.staging = Staging(stage_chunk_bytes_from_env())
         _LIVE.add(self)
 
     def _communicator(self, store) -> Communicator:
@@ -66,9 +70,17 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         return SmddpWork(self._completer, work, result)
 
     def _allreduce_tensor(self, t: torch.Tensor, op):
+        return self._staged_submit(COLL_ALLREDUCE, t, op_code(op, t.dtype), 0)
+
+    def _staged_submit(self, coll: int, t: torch.Tensor, op: int, root: int):
+        """The engine's collective `coll` in place on t: a contiguous CPU tensor as it is, a large
+        CUDA one in chunks through pinned host memory (Staging), any other through one host copy.
+        Every rank must take the same branch (chunks are collectives): it depends on the device
+        type and the size only."""
+        if (not t.is_cpu or self.staging.chunk_cpu) and self.staging.takes(t):
+            return self.staging.submit(self.comm, coll, t, dtype_code(t), op, root)
         buf, finish = staged(t)
-        return self.comm.submit(COLL_ALLREDUCE, buf.data_ptr(), buf.numel(), dtype_code(t), op_code(op, t.dtype), 0,
-                                buf, finish)
+        return self.comm.submit(coll, buf.data_ptr(), buf.numel(), dtype_code(t), op, root, buf, finish)
 
     def _joined(self, works, result) -> SmddpWork:
         """One work handle for several (the coalesced variants; one tensor: its own)."""
@@ -115,12 +127,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
 
     def broadcast(self, tensors, opts=None):
         root = opts.rootRank if opts is not None else 0
-        works = []
-        for t in tensors:
-            buf, finish = staged(t)
-            works.append(self.comm.submit(COLL_BROADCAST, buf.data_ptr(), buf.numel(), dtype_code(t), 0, root, buf,
-                                          finish))
-        return self._joined(works, tensors)
+        return self._joined([self._staged_submit(COLL_BROADCAST, t, 0, root) for t in tensors], tensors)
 
     def reduce(self, tensors, opts=None):
         root = opts.rootRank if opts is not None else 0
@@ -129,10 +136,9 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         for t in tensors:
             if self._rank == root:
                 works.append(self._allreduce_tensor(t, op))
-            else:  # non-root tensors are left as they were
-                tmp = t.detach().to("cpu", copy=True).contiguous()
-                works.append(self.comm.submit(COLL_ALLREDUCE, tmp.data_ptr(), tmp.numel(), dtype_code(t),
-                                              op_code(op, t.dtype), 0, tmp))
+            else:  # non-root tensors are left as they were: the root's collective on a copy, staged alike
+                tmp = t.detach().clone(memory_format=torch.contiguous_format)
+                works.append(self._staged_submit(COLL_ALLREDUCE, tmp, op_code(op, t.dtype), 0))
         return self._joined(works, tensors)
 
     def _gather_flat(self, flat: torch.Tensor, inp: torch.Tensor, finish=None):

@@ -236,11 +236,14 @@ _WORK = {"collectives": _collectives, "messages": _messages, "ddp": _ddp, "fsdp2
 
 def _run(what: str, device: str = "cuda") -> list[dict]:
     """`what` on 2 ranks sharing GPU 0; a fresh 32-hex SDP_JOB_SECRET, as a launcher would give."""
-    env = {"PYTHONPATH": os.pathsep.join([TESTS, os.path.dirname(TESTS), ROOT, os.environ.get("PYTHONPATH", "")]),
-           "SDP_JOB_SECRET": secrets.token_hex(16), "CUBLAS_WORKSPACE_CONFIG": ":4096:8", "OMP_NUM_THREADS": "2"}
     ports = [free_port(), free_port()]
-    return assert_all_ok(run_ranks("test_gpu:rank_main", WORLD, WORLD, args=(what, device, ports), env=env,
+    return assert_all_ok(run_ranks("test_gpu:rank_main", WORLD, WORLD, args=(what, device, ports), env=_env(),
                                    timeout=120), what)
+
+
+def _env() -> dict:
+    return {"PYTHONPATH": os.pathsep.join([TESTS, os.path.dirname(TESTS), ROOT, os.environ.get("PYTHONPATH", "")]),
+            "SDP_JOB_SECRET": secrets.token_hex(16), "CUBLAS_WORKSPACE_CONFIG": ":4096:8", "OMP_NUM_THREADS": "2"}
 
 
 def _assert_same(smddp: dict, gloo: dict, what: str) -> None:
@@ -291,6 +294,25 @@ def test_training_steps_on_cuda_parameters_equal_gloo(what):
             assert torch.equal(p, o["gloo"]["params"][name]), (what, rank, name, (p - o["gloo"]["params"][name]).abs().max())
             assert torch.equal(p, out[0]["smddp"]["params"][name]), (what, "ranks differ", name)
             assert not torch.equal(p, o["smddp"]["first"][name]), (what, "did not train", name)
+
+
+def test_chunked_staging_of_cuda_tensors_equals_staging_whole():
+    """The chunked path of large CUDA tensors (sdp_jupyter.torch.tensors.Staging: copies on two side
+    streams, an event per chunk, copies back while the engine reduces the next chunk) gives the same
+    bits as staging the tensor whole, for SUM, AVG and MAX in fp32, bf16 and fp16, chunk sizes that
+    do and do not divide the tensors and the default one; in place, async, futures, coalesced calls,
+    broadcast, reduce, and on a stream of the caller's behind a long kernel. The CPU half of this
+    test is tests/torch/test_staging.py (the same rank function, CPU tensors)."""
+    from helpers.staging_workers import differences
+    from sdp_jupyter.torch.tensors import DEFAULT_STAGE_CHUNK_BYTES
+
+    chunks = [(64 << 10) + 4, 1 << 20, DEFAULT_STAGE_CHUNK_BYTES]  # the first divides no tensor here
+    n = 1_200_007  # 4.8 MB in fp32: two chunks of the default size; 2.4 MB in 16 bits: one
+    vals = assert_all_ok(run_ranks("staging_workers:collectives", WORLD, WORLD, args=(chunks, "cuda", n), env=_env(),
+                                   timeout=180), "chunked staging")
+    for rank, runs in enumerate(vals):
+        assert "caller's stream" in runs[None][0]
+        assert not differences(runs), (rank, differences(runs))
 
 
 # ---- the NVML sampler and the dashboard -------------------------------------------------------
