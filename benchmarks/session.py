@@ -14,7 +14,7 @@ Both run side by side, in `--rounds` alternating blocks of `--reps` cells each (
 drifts; alternating keeps the two comparable), after a warm-up; figures are the median and p90 over
 every cell. A third row times `x = 1` sent 1.5 s after the last cell, `--idle-reps` times per side,
 alternating: a person's cells come seconds apart, and a session's rank idle for over 1 s looks for
-the next cell every 20 ms (launch/rank/session.py IDLE_POLL). Without ipyparallel (pip install
+the next cell every 5 ms (launch/rank/session.py IDLE_POLL). Without ipyparallel (pip install
 ipyparallel) ours is measured and printed alone.
 Not a test: nothing is asserted.
 """

@@ -423,7 +423,7 @@ class SdpMagics(Magics):
         stream = _CellStream(live.job)
         try:
             result = live.run(cell, ranks=ranks, want=want, push_names=names, values=self.shell.user_ns,
-                              on_wait=stream.drain)
+                              on_wait=stream.drain, label=f"In[{self.shell.execution_count}]")
         except SpecError as e:
             stream.close()
             raise UsageError(str(e)) from None

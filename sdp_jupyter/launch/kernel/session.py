@@ -189,9 +189,10 @@ class Session:
         return n
 
     def run(self, code: str, ranks: list | None = None, want: str = "none", push_names: list | None = None,
-            values: dict | None = None, on_wait=None) -> CellResult:
+            values: dict | None = None, on_wait=None, label: str | None = None) -> CellResult:
         """Run `code` on `ranks` (default: every rank); `want`: "result" (rank 0's last expression; the
-        first listed rank's with --ranks), "gather" (every rank's), or "none". Raises SessionError when
+        first listed rank's with --ranks), "gather" (every rank's), or "none"; `label`: the cell's name in
+        tracebacks (the notebook's In[N]; default the session's own count). Raises SessionError when
         the session has ended; a cell that failed returns a result whose `failed` is not empty.
         KeyboardInterrupt while waiting interrupts the cell on every rank, then re-raises."""
         self._check_alive()
@@ -204,7 +205,7 @@ class Session:
         push = pickle_push(push_names or [], values or {})
         import pickle
 
-        n = self._put({"kind": "run", "code": code, "ranks": ranks, "want": want,
+        n = self._put({"kind": "run", "code": code, "ranks": ranks, "want": want, "label": label,
                        "push": pickle.loads(push) if push else None})
         result = CellResult(n, list(range(world)) if ranks is None else ranks)
         started = time.monotonic()

@@ -31,7 +31,7 @@ from sdp_jupyter import jobdir
 
 SCRIPT = "from sdp_jupyter.launch.rank.session import serve as _sdp_serve\n_sdp_serve(globals())\n"
 INTERRUPT = signal.SIGUSR2
-IDLE_POLL = (0.001, 0.02)  # seconds between looks for the next cell: fast right after a cell, slower idle
+IDLE_POLL = (0.001, 0.005)  # seconds between looks for the next cell: right after a cell, and idle (a stat each)
 
 
 class _Cell:
@@ -163,7 +163,7 @@ class RankSession:
         answer["ran"] = True
         started = time.perf_counter()
         try:
-            value = self._exec(cell["code"], f"<cell {cell['n']}>", want=cell.get("want", "none"))
+            value = self._exec(cell["code"], f"<cell {cell.get('label') or cell['n']}>", want=cell.get("want", "none"))
         except KeyboardInterrupt:
             answer.update(ok=False, interrupted=True, error=self._trace(sys.exc_info()))
         except BaseException:  # noqa: BLE001 - SystemExit too: the session stays up
