@@ -28,6 +28,7 @@ from typing import Callable
 
 from sdp_jupyter import instances, scaling
 from sdp_jupyter._display import Shown
+from sdp_jupyter.launch.target_options import SLURM_OPTIONS
 
 #: code of cells stored with %%sdp_cell NAME, by name
 CELLS: dict[str, str] = {}
@@ -39,8 +40,13 @@ DEFAULT_SAGEMAKER_INSTANCE = "ml.p4d.24xlarge"
 TEXT_NUMBERS = {"warmup_epochs": "warm-up epochs", "throughput_per_gpu": "throughput / GPU",
                 "price_per_hour": "USD per node-hour"}
 
-#: fields of the setup that are not Plan fields: the SSH target's hosts and the Ray target's address
-TARGET_FIELDS = ("hosts", "ray_address")
+#: the Slurm target's options as fields of the setup: field -> its key in JobSpec.slurm (partition,
+#: account, time, args), in the option table's order
+SLURM_FIELDS = {"slurm_" + key: key for key in (o.field.split(".", 1)[1] for o in SLURM_OPTIONS)}
+
+#: fields of the setup that are not Plan fields: the SSH target's hosts, the Ray target's address and
+#: the Slurm target's options
+TARGET_FIELDS = ("hosts", "ray_address", *SLURM_FIELDS)
 
 
 def optional_float(value, label: str) -> float | None:
@@ -74,8 +80,10 @@ class JobSetup(Shown):
     ``sagemaker`` holds the SageMaker target's other options (role, bucket, ...; see docs/launcher.md);
     the instance type is a field. ``ssh`` holds the SSH target's other options (python, config; see
     docs/ssh.md); its hosts are the ``hosts`` field. ``ray_address`` is the Ray target's address (empty:
-    $RAY_ADDRESS, else auto; see docs/ray.md). ``launch_job`` replaces ``sdp_jupyter.launch`` (tests and
-    other front-ends may pass their own).
+    $RAY_ADDRESS, else auto; see docs/ray.md). ``slurm`` presets the Slurm target's fields (keys of
+    ``JobSpec.slurm``: partition, account, time, args; fields ``slurm_partition``, ...): an empty one is
+    left out of the spec, so Slurm's default holds. ``launch_job`` replaces ``sdp_jupyter.launch`` (tests
+    and other front-ends may pass their own).
     """
 
     def __init__(
@@ -90,6 +98,7 @@ class JobSetup(Shown):
         sagemaker: dict | None = None,
         ssh: dict | None = None,
         ray_address: str | None = None,
+        slurm: dict | None = None,
         launch_job=None,
         **plan_fields,
     ):
@@ -97,7 +106,12 @@ class JobSetup(Shown):
         unknown = sorted(set(plan_fields) - known)
         if unknown:
             raise TypeError(f"JobSetup() got unknown field(s) {', '.join(unknown)}; known: script, code, cell, "
-                            f"name, hyperparameters, jobs_dir, sagemaker, ssh, ray_address, {', '.join(sorted(known))}")
+                            f"name, hyperparameters, jobs_dir, sagemaker, ssh, ray_address, slurm, "
+                            f"{', '.join(sorted(known))}")
+        unknown = sorted(set(slurm or {}) - set(SLURM_FIELDS.values()))
+        if unknown:
+            raise TypeError(f"JobSetup(slurm=...) got unknown Slurm option(s) {', '.join(unknown)}; known: "
+                            f"{', '.join(SLURM_FIELDS.values())}")
         self._set_what_runs(script, code, cell)
         self.name = name
         self.extra_hyperparameters = dict(hyperparameters or {})
@@ -119,6 +133,7 @@ class JobSetup(Shown):
         hosts = (ssh or {}).get("hosts") or []
         self._values.update(hosts=",".join(hosts) if isinstance(hosts, (list, tuple)) else str(hosts),
                             ray_address=ray_address or "")
+        self._values.update({field: str((slurm or {}).get(key) or "") for field, key in SLURM_FIELDS.items()})
         self._follow_target(None)
 
     # ------------------------------------------------------------------ the fields
@@ -235,6 +250,9 @@ class JobSetup(Shown):
             extra["ssh"] = {**self.ssh_options, "hosts": self.ssh_hosts}
         if plan.target == "ray" and self._values["ray_address"].strip():
             extra["ray"] = {"address": self._values["ray_address"].strip()}
+        if plan.target == "slurm":  # only what was filled in: an empty field leaves Slurm's default
+            extra["slurm"] = {key: str(self._values[field]).strip() for field, key in SLURM_FIELDS.items()
+                              if str(self._values[field]).strip()}
         return JobSpec(
             **self._what_runs(),
             name=self.name,
@@ -371,8 +389,9 @@ class JobSetup(Shown):
 # --------------------------------------------------------------------------- the magics' side
 def setup_arguments() -> list[tuple[tuple, dict]]:
     """`%sdp_setup`'s options as (flags, argparse keywords): one per JobSetup keyword
-    (``--per-gpu-batch 64``), plus the script and ``--cell``. The magic (magics.py, built with
-    magic_arguments) and `setup_from_line` both take them from here."""
+    (``--per-gpu-batch 64``), plus the script, ``--cell`` and the Slurm target's options as
+    %%sdp_train spells them (``--partition``, ``--account``, ``--time``, ``--slurm-args``). The magic
+    (magics.py, built with magic_arguments) and `setup_from_line` both take them from here."""
     rows: list[tuple[tuple, dict]] = [
         (("script",), {"nargs": "?", "help": "training script (.py); or use --cell NAME"}),
         (("--cell",), {"help": "a cell stored with %%sdp_cell NAME"}),
@@ -390,6 +409,8 @@ def setup_arguments() -> list[tuple[tuple, dict]]:
             rows.append(((flag,), {"dest": f.name, "type": float}))
         else:
             rows.append(((flag,), {"dest": f.name}))
+    for field, opt in zip(SLURM_FIELDS, SLURM_OPTIONS):  # SLURM_FIELDS is in SLURM_OPTIONS' order
+        rows.append(((opt.flag,), {"dest": field, "metavar": opt.metavar, "help": opt.help}))
     return rows
 
 
@@ -399,6 +420,9 @@ def setup_from_options(values: dict) -> JobSetup:
     for flag in ("batchnorm", "drop_last"):
         if flag in kwargs:
             kwargs[flag] = kwargs[flag] == "yes"
+    slurm = {key: kwargs.pop(field) for field, key in SLURM_FIELDS.items() if field in kwargs}
+    if slurm:
+        kwargs["slurm"] = slurm
     return JobSetup(**kwargs)
 
 

@@ -38,13 +38,15 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from sdp_jupyter import instances
+from sdp_jupyter.launch import target_options
 
 RULES = ("none", "linear", "sqrt")
 MODES = ("keep_per_gpu", "keep_global")
 OPTIMIZERS = ("sgd", "adam", "adamw", "lars", "lamb")
 #: optimizers with layer-wise adaptive rates (You et al.), which tolerate very large global batches
 LAYERWISE_OPTIMIZERS = ("lars", "lamb")
-TARGETS = ("local", "ssh", "ray", "sagemaker")
+#: every target the launcher knows (launch/target_options.py); only SageMaker's nodes are catalogue types
+TARGETS = tuple(target_options.TARGETS)
 BACKENDS = ("smddp", "gloo", "nccl")
 
 #: per-GPU batch below which BatchNorm statistics degrade (Wu & He 2018, Fig. 1)
@@ -348,7 +350,7 @@ def _input_errors(plan: Plan) -> list[ScalingWarning]:
 
 def evaluate(plan: Plan) -> Outcome:
     """Everything the setup form shows for ``plan``: batch sizes, LR, warm-up, estimate, warnings."""
-    if plan.target != "sagemaker":  # this machine, your SSH hosts or Ray cluster: no catalogue entry to price
+    if plan.target != "sagemaker":  # this machine, your SSH hosts, Ray or Slurm cluster: no catalogue entry to price
         inst = instances.get(instances.LOCAL)
     else:
         inst = instances.get(plan.instance_type)  # KeyError names the known types

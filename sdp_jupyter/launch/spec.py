@@ -50,7 +50,7 @@ OPTIONS: tuple[Option, ...] = (
            "Trainer or accelerate script uses it; the script's own init_process_group with that backend "
            "returns at once (docs/integrations.md)", kind="flag"),
     Option("--name", "name", "job name, also the job directory's name (default: job-<time>-<id>)"),
-    Option("--target", "target", "where to run: local (default), ssh, ray, slurm or sagemaker"),
+    Option("--target", "target", f"where to run: {target_options.listed()} (default: local)"),
     Option("--wait", None, "block until the job ends (Ctrl-C stops it); raise if it failed", kind="flag"),
     Option("--env", "env", "environment variable for every rank (repeatable)", kind="append",
            metavar="KEY=VALUE"),
@@ -388,4 +388,6 @@ def _render_key(opt: Option, value: Any) -> list[str]:
         items = [f"{k}={v}" for k, v in value.items()] if isinstance(value, dict) else \
             list(value) if isinstance(value, (list, tuple)) else [value]
         return [tok for item in items for tok in (opt.flag, shlex.quote(str(item)))]
+    if str(value).startswith("-"):  # "--slurm-args=--qos=high": argparse takes a bare "--qos=high" for an option
+        return [f"{opt.flag}={shlex.quote(str(value))}"]
     return [opt.flag, shlex.quote(str(value))]

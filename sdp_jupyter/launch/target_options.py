@@ -59,3 +59,10 @@ TARGETS: dict[str, Target] = {
     "slurm": Target("slurm", "sdp_jupyter.launch.target_options:SLURM_OPTIONS", exclusive=True),
     "sagemaker": Target("sagemaker", "sdp_jupyter.launch.kernel.sagemaker.options:SAGEMAKER_OPTIONS"),
 }
+
+
+def listed() -> str:
+    """The targets as a sentence says them ("local, ssh, ray, slurm or sagemaker"), for the help texts
+    that name them (--target, sdp-train --help): a new target is named there with no edit."""
+    names = list(TARGETS)
+    return f"{', '.join(names[:-1])} or {names[-1]}"

@@ -63,6 +63,13 @@ class JobSetupView(W.VBox):
                             W.Layout(width=_LAYOUT.width)).add_class("sdp-ssh-hosts")
         self.w_address = text("Ray address", v["ray_address"], "$RAY_ADDRESS, else auto (HOST:6379, ray://...)",
                               W.Layout(width=_LAYOUT.width)).add_class("sdp-ray-address")
+        # the Slurm target's options (JobSpec.slurm), shown together for that target; empty: Slurm's default
+        self.w_partition = text("Partition", v["slurm_partition"], "the cluster's default (sbatch -p)")
+        self.w_account = text("Account", v["slurm_account"], "your default (sbatch -A)")
+        self.w_time = text("Time limit", v["slurm_time"], "the partition's (30, 1:30:00, 2-0)")
+        self.w_slurm_args = text("More sbatch options", v["slurm_args"], "--qos=high --gpus-per-node=8")
+        self.w_slurm = W.VBox([self.w_partition, self.w_account, self.w_time, self.w_slurm_args],
+                              layout=W.Layout()).add_class("sdp-slurm")  # its own layout: hidden off slurm
         self.w_nodes = num(W.BoundedIntText, "nodes", v["nodes"], min=1, max=4096).add_class("sdp-nodes")
         self.w_gpus = num(W.BoundedIntText, "GPUs (processes) / node", v["gpus_per_node"], min=1, max=64)
         self.w_backend = W.Dropdown(options=list(scaling.BACKENDS), value=v["backend"], description="backend",
@@ -105,7 +112,9 @@ class JobSetupView(W.VBox):
         # widget -> model field (and the widget value -> field value conversion)
         self._fields = {
             self.w_target: ("target", None), self.w_instance: ("instance_type", None), self.w_hosts: ("hosts", None),
-            self.w_address: ("ray_address", None), self.w_nodes: ("nodes", None),
+            self.w_address: ("ray_address", None), self.w_partition: ("slurm_partition", None),
+            self.w_account: ("slurm_account", None), self.w_time: ("slurm_time", None),
+            self.w_slurm_args: ("slurm_args", None), self.w_nodes: ("nodes", None),
             self.w_gpus: ("gpus_per_node", None), self.w_backend: ("backend", None),
             self.w_mode: ("mode", _MODE_LABELS.__getitem__), self.w_per_gpu: ("per_gpu_batch", None),
             self.w_ref_lr: ("reference_lr", None), self.w_ref_batch: ("reference_batch", None),
@@ -118,7 +127,7 @@ class JobSetupView(W.VBox):
             w.observe(self._edited, names="value")
 
         left = W.VBox([W.HTML("<b>Where</b>"), self.w_target, self.w_instance, self.w_instance_info, self.w_hosts,
-                       self.w_address, self.w_nodes, self.w_gpus, self.w_backend,
+                       self.w_address, self.w_slurm, self.w_nodes, self.w_gpus, self.w_backend,
                        W.HTML("<b>Batch and learning rate</b>"), self.w_mode, self.w_per_gpu, self.w_ref_lr,
                        self.w_ref_batch, self.w_rule, self.w_warmup, self.w_optimizer, self.w_batchnorm])
         efficiency_note = W.HTML(f"<small>an assumption; default {scaling.DEFAULT_SCALING_EFFICIENCY:g}: "
@@ -185,11 +194,12 @@ class JobSetupView(W.VBox):
         self.w_instance_info.value = f"<small>{html.escape(info)}</small>"
         self.w_hosts.layout.display = None if v["target"] == "ssh" else "none"
         self.w_address.layout.display = None if v["target"] == "ray" else "none"
-        self.w_instance.layout.display = "none" if v["target"] in ("ssh", "ray") else None
+        self.w_slurm.layout.display = None if v["target"] == "slurm" else "none"
+        self.w_instance.layout.display = "none" if v["target"] in ("ssh", "ray", "slurm") else None
         self.w_instance_info.layout.display = self.w_instance.layout.display
         self.w_gpus.disabled = sagemaker
-        if not sagemaker:
-            self.w_price.placeholder = "n/a for local"
+        if not sagemaker:  # your own machines: no catalogue price
+            self.w_price.placeholder = f"n/a for {v['target']}"
         else:
             self.w_price.placeholder = "unknown (no checked price)" if inst.price_per_hour_usd is None \
                 else f"{inst.price_per_hour_usd:g} (catalogue)"

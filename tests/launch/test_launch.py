@@ -352,3 +352,17 @@ def test_the_two_halves_of_the_target_registry_name_the_same_targets():
     from sdp_jupyter.launch.kernel import targets
 
     assert list(targets.LAUNCHERS) == list(target_options.TARGETS)
+
+
+def test_the_help_names_every_target_of_the_registry():
+    """sdp-train --help and the --target option name the targets from the registry, not a list written
+    by hand (which named local, ssh and sagemaker only)."""
+    from sdp_jupyter.cli import build_parser
+    from sdp_jupyter.launch.kernel import targets
+
+    names = list(targets.LAUNCHERS)
+    spoken = ", ".join(names[:-1]) + " or " + names[-1]
+    assert spoken == "local, ssh, ray, slurm or sagemaker"
+    parser = build_parser()
+    assert spoken in parser.description
+    assert f"where to run: {spoken}" in " ".join(parser.format_help().split())  # --target's own help

@@ -1,8 +1,6 @@
 """The JobSetup form driven from Python: set values, read the hints, launch a real job."""
-import argparse
 import html
 import re
-import shlex
 import time
 from pathlib import Path
 
@@ -37,6 +35,17 @@ def make(**kw):
     base = dict(code="print('hi')", backend="gloo", cpus=64)
     base.update(kw)
     return sdp_jupyter.JobSetup(**base)
+
+
+def spec_from_line(setup):
+    """The JobSpec that %%sdp_train builds from the setup's generated line (the magic's own parser)."""
+    from sdp_jupyter.launch import JobSpec
+    from sdp_jupyter.magics import SdpMagics, parse_line
+
+    line = setup.magic_line()
+    assert line.startswith("%%sdp_train")
+    return JobSpec.from_options(vars(parse_line(SdpMagics.sdp_train, line[len("%%sdp_train"):])),
+                                code=setup.spec.code)
 
 
 def test_the_setup_works_without_widgets_and_launches_a_job(tmp_path):
@@ -180,6 +189,60 @@ def test_ssh_and_ray_targets_ask_for_hosts_or_address_and_put_them_in_the_spec_a
     assert "--target ray" in text(s.view().w_magic) and "--address 10.0.0.5:6379" in text(s.view().w_magic)
 
 
+def test_slurm_target_shows_its_fields_and_the_spec_gets_only_those_filled_in():
+    s = make(backend="smddp", nodes=2, per_gpu_batch=32, dataset_size=1_000_000)
+    v = s.view()
+    assert "slurm" in v.w_target.options and v.w_slurm.layout.display == "none"
+    v.w_target.value = "slurm"
+    # the Slurm fields shown; the other targets' fields and the instance type hidden; nodes and
+    # processes per node stay the user's, as for SSH
+    assert v.w_slurm.layout.display is None
+    assert [w.description for w in v.w_slurm.children] == ["Partition", "Account", "Time limit",
+                                                           "More sbatch options"]
+    assert v.w_hosts.layout.display == "none" and v.w_address.layout.display == "none"
+    assert v.w_instance.layout.display == "none" and v.w_instance_info.layout.display == "none"
+    assert not v.w_gpus.disabled and not v.w_launch.disabled
+    v.w_gpus.value = 4  # (switching target set it to this machine's GPU count, as for SSH)
+    spec = s.spec
+    assert (spec.target, spec.nodes, spec.procs_per_node, spec.slurm) == ("slurm", 2, 4, {})  # Slurm's defaults
+    assert "--target slurm" in text(v.w_magic) and "--partition" not in text(v.w_magic)
+    v.w_partition.value = "gpu"
+    v.w_time.value = " 1:30:00 "
+    v.w_slurm_args.value = "--qos=high"  # the account left empty: left out, not sent as ""
+    assert s.spec.slurm == {"partition": "gpu", "time": "1:30:00", "args": "--qos=high"}
+    line = s.magic_line()
+    assert "--partition gpu" in line and "--time 1:30:00" in line and "--slurm-args=--qos=high" in line
+    assert "--account" not in line and line in text(v.w_magic)
+    assert spec_from_line(s) == s.spec  # through %%sdp_train's parser to the same JobSpec
+    v.w_account.value = "ml-team"
+    v.w_slurm_args.value = "--qos=high --gpus-per-node=4"
+    assert s.spec.slurm["account"] == "ml-team" and spec_from_line(s) == s.spec
+    # the user's own machines, as for SSH: no instance type to price, no local oversubscription warning
+    assert s.outcome.instance.is_local and v.w_price.placeholder == "n/a for slurm"
+    v.w_throughput.value = "100"
+    assert s.outcome.estimate.cost_per_run is None and "unknown (enter USD per node-hour)" in text(v.w_hints)
+    v.w_nodes.value = 64
+    assert "oversubscribed" not in v.w_warnings.value
+    v.w_target.value = "local"
+    assert v.w_slurm.layout.display == "none" and s.spec.slurm == {}
+
+
+def test_slurm_fields_preset_from_jobsetup_and_sdp_setup():
+    s = make(target="slurm", nodes=2, slurm={"partition": "gpu", "time": 30, "account": ""})
+    assert s.view().w_partition.value == "gpu" and s.view().w_time.value == "30"
+    assert s.spec.slurm == {"partition": "gpu", "time": "30"}
+    s.set(slurm_partition="", slurm_args="-C v100")
+    assert s.spec.slurm == {"time": "30", "args": "-C v100"} and spec_from_line(s) == s.spec
+    with pytest.raises(TypeError, match="unknown Slurm option.*qos.*known: partition, account, time, args"):
+        make(slurm={"qos": "high"})
+    setup_mod.store_cell("slurm_cell", "print('on slurm')\n")
+    t = setup_mod.setup_from_line("--cell slurm_cell --target slurm --nodes 3 --partition gpu --account ml "
+                                  "--slurm-args='--qos=high' --backend gloo")
+    assert t.spec.target == "slurm" and t.spec.nodes == 3
+    assert t.spec.slurm == {"partition": "gpu", "account": "ml", "args": "--qos=high"}
+    assert t.view().w_slurm.layout.display is None and t.view().w_account.value == "ml"
+
+
 def test_estimates_follow_throughput_efficiency_and_price():
     s = make(target="sagemaker", instance_type="ml.p4d.24xlarge", backend="smddp", nodes=2, per_gpu_batch=64,
              dataset_size=1_024_000, epochs=10)
@@ -195,18 +258,11 @@ def test_estimates_follow_throughput_efficiency_and_price():
 
 
 def test_magic_line_reproduces_the_spec():
-    from sdp_jupyter.launch import OPTIONS, JobSpec
-
     s = make(nodes=3, per_gpu_batch=16, reference_batch=16, reference_lr=0.02, dataset_size=4800,
              hyperparameters={"momentum": 0.9}, name="mnist-3n")
     line = s.magic_line()
     assert line.startswith("%%sdp_train") and "--hp momentum=0.9" in line and "--hp lr=0.06" in line
-    parser = argparse.ArgumentParser()
-    for opt in OPTIONS:
-        parser.add_argument(opt.flag, **opt.argparse_kwargs())
-    ns = parser.parse_args(shlex.split(line)[1:])
-    again = JobSpec.from_options(vars(ns), code="print('hi')")
-    assert again == s.spec
+    assert spec_from_line(s) == s.spec
 
 
 def test_magic_line_for_a_script_runs_it(tmp_path):
