@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from helpers.remote_jobs import LAUNCH, REPO, TRAIN, next_line
+from helpers.remote_jobs import LAUNCH, REPO, TRAIN, drive_cells, next_line
 from sdp_jupyter.launch import JobSpec, SpecError
 from sdp_jupyter.launch.kernel import slurm
 
@@ -246,3 +246,11 @@ def test_what_slurm_would_refuse_is_refused_before_anything_is_queued(slurm_host
     line = next_line(d, timeout=60)
     assert line.get("option") == option and said in line["spec_error"], line
     assert slurm_hosts.jobs() == []
+
+
+@pytest.mark.slow
+def test_a_session_keeps_its_ranks_in_an_allocation(slurm_hosts, tmp_path):
+    """An interactive session (docs/session.md) on Slurm: the cells reach the ranks through the agents."""
+    drive_cells(slurm_hosts.cluster, {"target": "slurm", "nodes": 3, "jobs_dir": str(tmp_path / "jobs")},
+                slurm_hosts.names, env=slurm_hosts.env())
+    assert slurm_hosts.wait_clean(30) == {}

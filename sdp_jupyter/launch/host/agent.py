@@ -25,7 +25,8 @@ frame, so it is never on a command line, in the host's environment or in a file.
                         session {name, data}        an interactive session's answer file (ready-R,
                                                     done-N-R: launch/rank/session.py), once written
     launcher -> agent   start {...}  port {}  stop {}  ping {}  bye {}
-                        session {}                  this job is a session: send its answers back
+                        session {}                  this job is a session: send its answers back (or
+                                                    "session": true in the start frame)
                         session {name, data}        a cell file for the node's ranks
                         interrupt {}                interrupt the cell the node's ranks run
 
@@ -189,6 +190,8 @@ class Agent:
             if isinstance(proc, str):  # one cold rank makes the node cold
                 pool, reason = None, proc
             node_ranks.add(rank, ranks.spawn(env) if proc is None or isinstance(proc, str) else proc)
+        if m.get("session"):
+            self._session({})  # relay the session's answers (as a `session {}` frame would)
         self.send({"type": "started", "warm": pool is not None, "reason": reason})
         self._node = node_ranks
         if not self._samplers:

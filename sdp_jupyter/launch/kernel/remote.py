@@ -106,6 +106,7 @@ class RemoteRun(supervise.Run):
         self.warm_choice = {"warm": True, "cold": False}.get(spec.start)  # --warm / --cold / auto
         self._starts: dict[int, tuple[bool, str | None]] = {}  # node -> (warm, why cold) this attempt
         self._links_closed = threading.Event()  # set by close_all: the pings stop
+        self.session = False  # an interactive session's job: the agents send the ranks' answers back
         supervise.Run.__init__(self, f"sdp-{spec.target}-{spec.name}")
 
     # ---------------------------------------------------------------- before the job exists
@@ -277,7 +278,8 @@ class RemoteRun(supervise.Run):
             conn.send({"type": "start", "spec": spec.to_dict(), "node": conn.node, "secret": self.secret,
                        "master_addr": first.hello["addr"], "master_port": port, "attempt": attempt,
                        "script": script, "push": channel.b64(self.push_bytes),
-                       "heartbeat_timeout": HEARTBEAT_TIMEOUT, **warm_fields.get(conn.node, {})})
+                       "heartbeat_timeout": HEARTBEAT_TIMEOUT, "session": self.session,
+                       **warm_fields.get(conn.node, {})})
         job.update_status(state="running", started=job.status.get("started") or time.time(), port=port,
                     master_addr=first.hello["addr"])
         started = time.monotonic()
@@ -388,6 +390,7 @@ class RemoteRun(supervise.Run):
 
     # ---------------------------------------------------------------- an interactive session's channel
     def open_session(self) -> None:
+        self.session = True  # links made later (a Slurm allocation's) hear it in their start frame
         for conn in self.conns:
             conn.send({"type": "session"})
 

@@ -1,7 +1,7 @@
 """Interactive sessions: ranks that keep their process group and their variables from cell to cell.
 
 `Session.start(spec)` launches a job like any other (every target whose ranks an agent or this
-kernel starts: local, SSH, Ray) whose script is the rank's cell loop (launch/rank/session.py); the
+kernel starts: local, SSH, Ray, Slurm) whose script is the rank's cell loop (launch/rank/session.py); the
 job's view, logs, dashboard, Stop and the end-with-the-kernel rule are a job's. `session.run(code)`
 hands a cell to the ranks and waits for every rank's answer; `%%sdp_px` is that call in a cell.
 
@@ -23,7 +23,7 @@ from sdp_jupyter.launch.options import SpecError
 from sdp_jupyter.launch.rank.session import SCRIPT
 from sdp_jupyter.launch.spec import JobSpec
 
-TARGETS = ("local", "ssh", "ray")  # where this kernel or an agent starts the ranks
+TARGETS = ("local", "ssh", "ray", "slurm")  # where this kernel or an agent starts the ranks
 FAILED_GRACE = 1.0     # seconds the other ranks get to finish a cell one rank failed, before they are interrupted
 INTERRUPT_GRACE = 0.5  # seconds interrupted ranks get to answer; still missing: inside a collective (reconnected)
 POLL = 0.001
