@@ -49,19 +49,21 @@ def add_warm_rerun(nb) -> None:
                  new_code_cell(evaluate.source, metadata=meta)]
 
 
-def execute(path: Path, out_dir: Path, timeout: int = 600, prepare=None):
+def execute(path: Path, out_dir: Path, timeout: int = 600, prepare=None, km=None):
     """Execute a notebook in a fresh kernel (cwd: its folder); write the executed copy to out_dir.
-    `prepare(nb)`, when given, edits the notebook in memory first."""
+    `prepare(nb)`, when given, edits the notebook in memory first. `km`, when given, is the kernel
+    manager to start the kernel with (another kernelspec: a kernel on a test host), instead of
+    python3's; its kernel is shut down at the end all the same."""
     import nbformat
     from nbclient import NotebookClient
 
     nb = nbformat.read(path, as_version=4)
     if prepare is not None:
         prepare(nb)
-    client = NotebookClient(nb, timeout=timeout, kernel_name="python3",
+    client = NotebookClient(nb, km=km, timeout=timeout, kernel_name="python3",
                             resources={"metadata": {"path": str(path.parent)}})
     try:
-        client.execute(env=kernel_env())
+        client.execute(env=kernel_env(), cleanup_kc=True)  # nbclient leaves a kernel it did not make running
     finally:
         out_dir.mkdir(parents=True, exist_ok=True)
         nbformat.write(nb, out_dir / path.name)

@@ -5,6 +5,7 @@
         c.run(0, ["hostname"])                      # -> "h0"
         p = c.popen(1, [sys.executable, "train.py"], env={...})
         c.cut(2); c.heal(2); c.shape(1, "10mbit"); c.bytes(0)
+        km = c.kernel_manager(0, folder)            # a Jupyter kernel on h0 (nbclient's km=)
 
 Each host is a network namespace with its own veth (`eth0`, address 10.213.0.<i+1>/24) into a
 bridge that lives in a namespace of its own (the root namespace is left alone), its own hostname
@@ -168,11 +169,34 @@ class Cluster:
             self._old_term = None
 
     # ------------------------------------------------------------------ processes
-    def enter(self, host: int) -> list[str]:
-        """The argv prefix that runs a command on `host`."""
+    def enter(self, host: int, cwd: str | os.PathLike | None = None) -> list[str]:
+        """The argv prefix that runs a command on `host`, in `cwd` (entering the host's mount namespace
+        otherwise leaves the command in /)."""
         d = self.dir / f"h{host}"
+        wd = [f"--wd={cwd}"] if cwd is not None else []
         return ["nsenter", f"--net=/var/run/netns/{self.host_ns[host]}", f"--mount={d / 'mnt'}",
-                f"--uts={d / 'uts'}", "--"]
+                f"--uts={d / 'uts'}", *wd, "--"]
+
+    def kernel_manager(self, host: int, folder: str | os.PathLike, cwd: str | os.PathLike | None = None):
+        """A jupyter_client AsyncKernelManager whose kernel (ipykernel on this interpreter) runs on `host`,
+        in `cwd`: its kernelspec, written under `folder`, starts it through enter(host), and its channels
+        are ZeroMQ over unix sockets (transport "ipc") under `folder`, which both sides reach through
+        the file system the hosts share (a host's network is not this machine's). Hand it to nbclient
+        (NotebookClient(km=...)) or start it yourself (start_kernel(env=...))."""
+        from jupyter_client.kernelspec import KernelSpecManager
+        from jupyter_client.manager import AsyncKernelManager
+
+        ipc = Path(folder).resolve() / "kernel-ipc"  # absolute: the kernel's cwd is not ours
+        if len(str(ipc)) > 100:  # a unix socket's path has room for 107 bytes; "-N" is added
+            raise ValueError(f"{folder} is too long a path for the kernel's unix sockets: take a shorter one")
+        name = f"sdp-testbed-{self.hostnames[host]}"
+        kernels = Path(folder) / "kernels"
+        (kernels / name).mkdir(parents=True, exist_ok=True)
+        argv = self.enter(host, cwd) + [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
+        (kernels / name / "kernel.json").write_text(json.dumps(
+            {"argv": argv, "display_name": f"Python 3 on test host {self.hostnames[host]}", "language": "python"}))
+        return AsyncKernelManager(kernel_name=name, transport="ipc", ip=str(ipc),
+                                  kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(kernels)]))
 
     def popen(self, host: int, argv: list[str], env: dict | None = None, **kw) -> subprocess.Popen:
         """Start `argv` on `host` (environment `env`, or this process's); killed at teardown."""
