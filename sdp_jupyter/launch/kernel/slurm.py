@@ -318,7 +318,7 @@ class SlurmLauncher:
         gpus = gpus_asked(args)
         if spec.backend == "nccl" and not gpus:
             raise SpecError("--backend", "nccl needs GPUs and the request asks Slurm for none. "
-                                         "Fix: --slurm-args \"--gpus-per-node=N\" (or --backend smddp)")
+                                         "Fix: --slurm-args=\"--gpus-per-node=N\" (or --backend smddp)")
         spec = prepared(spec, nodes=1, procs_per_node=spec.procs_per_node or gpus or 1)
         if os.environ.get("SLURM_JOB_ID"):
             return spec  # inside an allocation: nothing is submitted
