@@ -14,7 +14,7 @@ import time
 import pytest
 
 from helpers.remote_jobs import LAUNCH, REPO, TRAIN, drive_cells, next_line
-from sdp_jupyter.launch import JobSpec, SpecError
+from sdp_jupyter.launch import Job, JobSpec, SpecError
 from sdp_jupyter.launch.kernel import slurm
 
 # Plays the notebook on h0 (the login node): launches, says {"job": name}, then obeys commands on
@@ -134,6 +134,8 @@ def test_two_and_three_nodes_train_like_the_local_run(slurm_hosts, hosts, tmp_pa
         moved = {i: hosts.bytes(i)["tx"] - before[i] for i in before}
         assert all(b > 1_000_000 for b in moved.values()), moved  # gradients crossed every node's link
         remote = pickle.load(open(os.path.join(end["dir"], "result.pkl"), "rb"))
+        reopened = Job.open(end["dir"])  # what a restarted kernel finds: the record, with its Slurm id
+        assert reopened.state == "succeeded" and reopened.where_label.startswith(f"slurm job {st['slurm_job_id']}: ")
         local = sdp_jupyter.launch(code=TRAIN, nodes=n, name=f"local-{n}")
         assert local.wait(timeout=180) == "succeeded", local.error
         assert torch.allclose(local.result()["params"], remote["params"], rtol=1e-5, atol=1e-6)
