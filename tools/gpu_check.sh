@@ -14,8 +14,12 @@
 #   4. doctor   python -m sdp_jupyter.doctor, if that module exists
 #   5. tests    pytest --noconftest -q tests/torch/test_gpu.py   (tests/conftest.py imports Ray/sshd/moto helpers)
 #   6. bench    python benchmarks/gpu.py --out $OUT/gpu_bench.json
+#   7. manycore on a host with at least 8 cores (a GPU machine's CPUs are users' many-core hosts), CPU
+#               tensors: benchmarks/allreduce.py at 2, 4 and 8 ranks, one node and one rank per node,
+#               4 KiB and 64 MiB, fp32 and bf16, with the single-core memcpy as the ceiling; and
+#               benchmarks/ddp.py (stock DDP on gloo and on smddp, our wrapper) at 2, 4 and 8 ranks
 # The CPU half is the same with CUDA_VISIBLE_DEVICES= after step 1: the GPU tests skip and the benchmark
-# says there is no CUDA. The whole run has GPU_CHECK_BUDGET seconds (default 300): each step gets what is
+# says there is no CUDA. The whole run has GPU_CHECK_BUDGET seconds (default 480): each step gets what is
 # left. It stops at the first failing step, exits with its status, and still prints what ran.
 set -u -o pipefail
 
@@ -25,7 +29,7 @@ for arg in "$@"; do
     case "$arg" in
         --cpu) MODE=cpu ;;
         --gpu) MODE=gpu ;;
-        -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "gpu_check.sh: unknown argument $arg (use --cpu, --gpu or --help)" >&2; exit 2 ;;
     esac
 done
@@ -36,7 +40,7 @@ fi
 OUT=${OUT:-./gpu_results}
 mkdir -p "$OUT" || exit 2
 OUT=$(cd "$OUT" && pwd)
-BUDGET=${GPU_CHECK_BUDGET:-300}
+BUDGET=${GPU_CHECK_BUDGET:-480}
 export PYTHONFAULTHANDLER=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1
 START=$(date +%s.%N)
 STEPS=()
@@ -149,3 +153,14 @@ fi
 step tests "$PY" -m pytest --noconftest -q -rs -p no:cacheprovider tests/torch/test_gpu.py
 left=$(echo "$BUDGET $(elapsed "$START")" | awk '{printf "%d", $1 - $2 - 5}')
 step bench "$PY" benchmarks/gpu.py --out "$OUT/gpu_bench.json" --timeout "$((left > 10 ? left : 10))"
+CORES=$(nproc 2>/dev/null || echo 1)
+if [ "$CORES" -ge 8 ]; then
+    # issue 29 item 4's figures: in one node at 8 ranks, 64 MiB fp32 against gloo and against memcpy;
+    # one rank per node against gloo; stock DDP on smddp against gloo at 2-8 ranks (CUDA hidden: CPU tensors)
+    step manycore env CUDA_VISIBLE_DEVICES= sh -c "\"$PY\" benchmarks/allreduce.py --ranks 2,4,8 \
+        --sizes 4096,67108864 --dtypes float32,bfloat16 --budget 0.5 --out \"$OUT/manycore_allreduce.json\" \
+        && for r in 2 4 8; do \"$PY\" benchmarks/ddp.py --models mlp25m --ranks \$r --steps 10 \
+        --out \"$OUT/manycore_ddp_\$r.json\" || exit 1; done"
+else
+    skip manycore "$CORES cores: the many-core figures need a host with at least 8"
+fi
