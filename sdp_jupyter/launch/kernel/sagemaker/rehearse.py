@@ -133,11 +133,12 @@ def rehearse(launcher, plan, push_bytes):
     try:
         import importlib
 
+        importlib.import_module("sagemaker.train")  # the SDK builds the request, as for a real job
         importlib.import_module("moto.server")
         from sdp_jupyter.testing import sagemaker_standin
     except ImportError as e:
-        raise SpecError("--rehearse", f"needs moto and boto3 ({e}). Fix: pip install 'sdp_jupyter[rehearse]'") \
-            from None
+        raise SpecError("--rehearse", f"needs the SageMaker SDK, moto and boto3 ({e}). "
+                        "Fix: pip install 'sdp_jupyter[rehearse]' (it includes [sagemaker])") from None
     served = check(plan)
     if plan.region and plan.region != sagemaker_standin.REGION:
         plan.warnings.append(f"--region {plan.region}: a rehearsal plays {sagemaker_standin.REGION}")
