@@ -8,9 +8,10 @@ Writes `metrics/system-node-<N>.jsonl` about once a second:
   file (`kind: "sampler"`) says which source is used and why, and stderr says it too, so CPU numbers
   are never read as GPU utilization.
 
-It stops on SIGTERM/SIGINT, when its parent process dies (checked every sample; PR_SET_PDEATHSIG is
-not used because it fires when the launching *thread* ends), and when the job's status.json reaches a
-final state.
+It stops on SIGTERM/SIGINT, when its parent process dies (checked every sample), and when the job's
+status.json reaches a final state. The launchers start it through the worker (`python -m
+sdp_jupyter.launch.rank.worker --module sdp_jupyter.monitor.sampler ...`, launch/host/ranks.py), which
+arms PR_SET_PDEATHSIG (SIGKILL, fired when the *thread* that started it ends) first.
 """
 from __future__ import annotations
 

@@ -135,7 +135,8 @@ class Cluster:
         _sh("ip", "-n", self.bridge_ns, "link", "set", f"b{i}", "up")
         if self.rate:
             self.shape(i, self.rate)
-        # Persistent mount and UTS namespaces, entered later with nsenter (FACTS.md's recipe).
+        # Persistent mount and UTS namespaces, entered later with nsenter: `ip netns exec` would make a fresh
+        # mount namespace per call, so a host's processes would not share its /dev/shm.
         d.mkdir(parents=True, exist_ok=True)
         _sh("mount", "--bind", str(d), str(d))
         _sh("mount", "--make-private", str(d))

@@ -263,3 +263,19 @@ def test_estimate_scales_as_stated(samples, epochs, nodes, thr, eff, price):
     assert e2.cost_per_epoch == pytest.approx(e.cost_per_epoch)  # twice the price for half the time
     assert e.run_seconds == pytest.approx(epochs * e.epoch_seconds)
     assert e.cost_per_run == pytest.approx(epochs * e.cost_per_epoch)
+
+
+def test_the_docs_warning_table_lists_exactly_the_codes_evaluate_can_emit():
+    """docs/scaling.md's table of warnings names every code scaling.py can emit, and no other."""
+    import re
+    from pathlib import Path
+
+    src = Path(S.__file__).read_text()
+    emitted = set(re.findall(r'ScalingWarning\(\s*"([a-z_]+)"', src))
+    emitted |= {f"invalid_{name}" for name in re.findall(r'\("(\w+)", plan\.\w+, 1\)', src)}
+    assert {"smddp_engine_ours", "invalid_nodes", "invalid_price"} <= emitted  # the patterns still match
+    page = (Path(__file__).resolve().parents[2] / "docs" / "scaling.md").read_text()
+    table = page[page.index("| code | level |"):].split("\n\n")[0]
+    documented = set(re.findall(r"^\| `([a-z_]+)` \|", table, re.M)) | set(re.findall(r"`(invalid_[a-z_]+)`", table))
+    assert documented == emitted, (f"not in docs/scaling.md's table: {sorted(emitted - documented)}; "
+                                   f"in the table but never emitted: {sorted(documented - emitted)}")

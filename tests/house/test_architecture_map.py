@@ -51,3 +51,31 @@ def test_the_map_names_only_rooms_that_exist():
 def test_the_map_check_can_fail(tmp_path):
     assert "sdp_jupyter/launch/rank/worker.py" in rooms() and "sdp_jupyter/launch/" in rooms()
     assert named("see sdp_jupyter/launch/ and sdp_jupyter/jobdir.py.") == {"sdp_jupyter/launch/", "sdp_jupyter/jobdir.py"}
+
+
+# Every repository path README.md and docs/*.md cite (a file, a folder or a glob) exists: a page that
+# sends the reader to a moved test or module fails here. What a run writes (ignored by git) is exempt.
+DOC_PATH_RE = re.compile(r"(?<![\w/.-])((?:sdp_jupyter|tests|docs|native|benchmarks|tools|notebooks)/[\w./*-]*[\w/*])")
+WRITTEN_BY_A_RUN = ("notebooks/executed/",)
+
+
+def stale_doc_paths(text: str) -> list[str]:
+    stale = []
+    for m in DOC_PATH_RE.finditer(text):
+        p = m.group(1).rstrip("/.")
+        if p.startswith(WRITTEN_BY_A_RUN):
+            continue
+        if not ((ROOT / p).exists() if "*" not in p else any(ROOT.glob(p))):
+            stale.append(p)
+    return stale
+
+
+def test_the_docs_cite_only_paths_that_exist():
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    stale = {page.relative_to(ROOT).as_posix(): s for page in pages if (s := stale_doc_paths(page.read_text()))}
+    assert not stale, f"paths cited that do not exist (moved or gone; fix the page): {stale}"
+
+
+def test_the_doc_path_check_can_fail():
+    assert stale_doc_paths("`tests/test_magics_browser.py` and benchmarks/results/startup*.json, "
+                           "tests/browser/test_magics_browser.py") == ["tests/test_magics_browser.py"]

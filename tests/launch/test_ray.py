@@ -78,6 +78,30 @@ def test_an_unreachable_address_is_named_within_the_connect_deadline():
     assert time.monotonic() - t0 < remote.CONNECT_TIMEOUT + 2
 
 
+def test_an_address_naming_another_cluster_than_the_joined_one_is_refused(monkeypatch):
+    """A notebook that called ray.init() runs its jobs there: an --address naming another cluster is
+    refused rather than ignored (no Ray cluster: a stand-in `ray` module that has joined one)."""
+    import types
+
+    from sdp_jupyter.launch.kernel import ray as ray_target
+
+    fake = types.ModuleType("ray")
+    fake.is_initialized = lambda: True
+    fake.get_runtime_context = lambda: types.SimpleNamespace(gcs_address="127.0.0.1:6379")
+    monkeypatch.setitem(sys.modules, "ray", fake)
+    with pytest.raises(SpecError, match=r"--address: 10\.9\.8\.7:6379: this process already joined the Ray "
+                                        r"cluster at 127\.0\.0\.1:6379 \(ray\.init\).*Fix: drop --address.*"
+                                        r"ray\.shutdown\(\) first"):
+        ray_target.connect("10.9.8.7:6379", given="10.9.8.7:6379")
+    with pytest.raises(SpecError, match="already joined"):  # this machine, another port: another cluster
+        ray_target.connect("localhost:6380", given="localhost:6380")
+    # the joined cluster, by any of its names (a ray:// client port on the same host too), or no --address
+    for given in ("127.0.0.1:6379", "localhost:6379", "ray://localhost:10001", "auto", None):
+        assert ray_target.connect("127.0.0.1:6379", given=given) is fake
+    fake.get_runtime_context = lambda: (_ for _ in ()).throw(RuntimeError("cannot say"))
+    assert ray_target.connect("10.9.8.7:6379", given="10.9.8.7:6379") is fake  # nothing to compare
+
+
 # ---------------------------------------------------------------------------------- a real cluster
 @pytest.mark.slow
 def test_four_ray_nodes_train_like_the_local_run(ray_hosts, hosts, tmp_path, jobs_dir):

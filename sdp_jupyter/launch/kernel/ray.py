@@ -53,10 +53,49 @@ def _import_ray():
     return ray
 
 
-def connect(address: str):
-    """Join the cluster at `address` (unless this process already has); SpecError naming it if not."""
+def _addresses(host: str) -> set[str]:
+    """The IP addresses `host` names; a loopback name stands for every address of this machine."""
+    import ipaddress
+
+    try:
+        found = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except OSError:
+        return {host}
+    if any(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in found):
+        import psutil
+
+        found |= {a.address for addrs in psutil.net_if_addrs().values() for a in addrs
+                  if a.family in (socket.AF_INET, socket.AF_INET6)}
+    return found
+
+
+def same_cluster(asked: str, joined: str) -> bool:
+    """Whether --address `asked` (HOST:PORT, or ray://HOST:PORT, a client port on the head) names the
+    cluster whose GCS is at `joined` (HOST:PORT): the same port (not for ray://) and a shared host address."""
+    host, _, port = asked.removeprefix("ray://").rpartition(":")
+    joined_host, _, joined_port = joined.rpartition(":")
+    if not asked.startswith("ray://") and port != joined_port:
+        return False
+    return bool(_addresses(host.strip("[]")) & _addresses(joined_host.strip("[]")))
+
+
+def connect(address: str, given: str | None = None):
+    """Join the cluster at `address` (unless this process already has); SpecError naming it if not.
+
+    `given` is the job's own --address: if this process already joined another cluster (a notebook's
+    `ray.init(...)`), the job would go there, so it is refused, naming both and the fix."""
     ray = _import_ray()
     if ray.is_initialized():
+        if given and given not in ("auto", "local"):
+            try:
+                joined = str(ray.get_runtime_context().gcs_address)
+            except Exception:  # Ray cannot say: nothing to compare
+                joined = ""
+            if joined and not same_cluster(given, joined):
+                raise SpecError("--address", f"{given}: this process already joined the Ray cluster at {joined} "
+                                             "(ray.init), and a job runs on the cluster its process has joined. "
+                                             "Fix: drop --address to run there, or call ray.shutdown() first to "
+                                             f"run on {given}")
         return ray
     if address not in ("auto", "local"):
         host, _, port = address.removeprefix("ray://").rpartition(":")
@@ -327,7 +366,7 @@ class RayRun(remote.RemoteRun):
         self.node_ids: list = []  # the Ray node of each job node (their warm pools are per Ray node)
 
     def open_links(self) -> list[remote.Link]:
-        ray = connect(self.address)
+        ray = connect(self.address, given=(self.spec.ray or {}).get("address"))
         from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 

@@ -1,8 +1,8 @@
 """A local stand-in for AWS and SageMaker: a moto server on 127.0.0.1 plus a thread that plays
 SageMaker by running each training job's hosts on this machine (docs/sagemaker.md, "Without AWS").
 
-Needs the optional extra ``sdp_jupyter[rehearse]`` (moto[server], boto3) and, for the launcher
-itself, ``sdp_jupyter[sagemaker]``.
+Needs the optional extra ``sdp_jupyter[rehearse]``: moto[server], boto3 and, for the launcher
+itself, the SageMaker SDK (it includes ``sdp_jupyter[sagemaker]``).
 
 - `moto_aws(workdir)`: a `ThreadedMotoServer` on a free 127.0.0.1 port with fake credentials;
   AWS_ENDPOINT_URL points every AWS client (ours and the SDK's) at it. Nothing reaches AWS.

@@ -26,7 +26,7 @@ step events parsed from the log lines and the hosts' CloudWatch metrics (normali
 the job view, the dashboard and a reopened job read it like a local one. Stop calls StopTrainingJob.
 
 With ``--rehearse`` (rehearse.py) the same plan, source directory and request go to the local
-AWS stand-in (standin/) instead, which runs the job's hosts on this machine.
+AWS stand-in (sdp_jupyter/testing/sagemaker_standin/) instead, which runs the job's hosts on this machine.
 
 The package, one module per concern: options (SAGEMAKER_OPTIONS, SageMakerOptions, the request
 check), validate (botocore's service model), engine (instance types; who serves smddp), plan

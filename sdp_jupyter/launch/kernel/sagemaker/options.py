@@ -64,7 +64,7 @@ SAGEMAKER_OPTIONS: tuple[Option, ...] = (
            "support)", metavar="auto|sdp|aws"),
     Option("--rehearse", "sagemaker.rehearse", "rehearse the job here instead of on AWS: the same request and "
            "source directory, checked, then run as SageMaker runs it on --nodes local hosts (free; needs "
-           "sdp_jupyter[rehearse])", kind="flag"),
+           "sdp_jupyter[rehearse], which includes [sagemaker])", kind="flag"),
     Option("--rehearse-data", "sagemaker.rehearse_data", "with --rehearse: serve an input channel's s3:// prefix "
            "from a local folder (repeatable)", kind="append", metavar="S3_URI=FOLDER"),
 )

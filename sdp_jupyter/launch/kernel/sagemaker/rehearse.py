@@ -3,7 +3,7 @@
 The rehearsal goes through the same path as a real submission (SageMakerLauncher.submit): the plan
 and the draft request checked against botocore's service model, the same source directory built,
 the SageMaker SDK's ModelTrainer building the final CreateTrainingJob request, which the request gate
-validates again. Only the AWS it talks to differs: the local stand-in (standin/: a moto
+validates again. Only the AWS it talks to differs: the local stand-in (testing/sagemaker_standin/: a moto
 server on 127.0.0.1 and a thread that plays SageMaker). The stand-in runs the job as SageMaker would:
 `--nodes` hosts as local process groups, each under SageMaker's own Torchrun driver and the
 environment SageMaker's own environment.py computes (SM_HOSTS, SM_CURRENT_HOST, SM_CHANNEL_*), the
@@ -133,11 +133,12 @@ def rehearse(launcher, plan, push_bytes):
     try:
         import importlib
 
+        importlib.import_module("sagemaker.train")  # the SDK builds the request, as for a real job
         importlib.import_module("moto.server")
         from sdp_jupyter.testing import sagemaker_standin
     except ImportError as e:
-        raise SpecError("--rehearse", f"needs moto and boto3 ({e}). Fix: pip install 'sdp_jupyter[rehearse]'") \
-            from None
+        raise SpecError("--rehearse", f"needs the SageMaker SDK, moto and boto3 ({e}). "
+                        "Fix: pip install 'sdp_jupyter[rehearse]' (it includes [sagemaker])") from None
     served = check(plan)
     if plan.region and plan.region != sagemaker_standin.REGION:
         plan.warnings.append(f"--region {plan.region}: a rehearsal plays {sagemaker_standin.REGION}")
