@@ -231,16 +231,10 @@ class Session:
         started = time.monotonic()
         world = self.job.world_size
         while True:
-            for rank in range(world):
-                if rank in result.answers:
-                    continue
-                path = jobdir.session_done_path(self.folder, result.n, rank)
-                if path.exists():
-                    answer = jobdir.load_pickle(path)
-                    result.answers[rank] = answer
-                    if not answer.get("ok"):
-                        result.causes.append(rank)
-                        failed_at = failed_at or time.monotonic()
+            for rank in self._read_answers(result):
+                if not result.answers[rank].get("ok"):
+                    result.causes.append(rank)
+                    failed_at = failed_at or time.monotonic()
             if len(result.answers) == world:
                 return
             now = time.monotonic()
@@ -253,6 +247,17 @@ class Session:
             if on_wait is not None:
                 on_wait()
             time.sleep(POLL)
+
+    def _read_answers(self, result: CellResult) -> list:
+        """Load the answers to `result`'s cell that arrived since the last look; the ranks that answered."""
+        new = []
+        for rank in range(self.job.world_size):
+            if rank not in result.answers:
+                path = jobdir.session_done_path(self.folder, result.n, rank)
+                if path.exists():
+                    result.answers[rank] = jobdir.load_pickle(path)
+                    new.append(rank)
+        return new
 
     def interrupt(self, result: CellResult) -> None:
         """Ctrl-C: a KeyboardInterrupt in the cell on every rank, then the group made whole if needed."""
@@ -277,11 +282,8 @@ class Session:
         # the stuck ranks answer the failed cell first (their collective fails once the others reconnect)
         while len(answers) < self.job.world_size or len(rec.answers) < self.job.world_size:
             self._check_alive()
-            for rank in range(self.job.world_size):
-                for res in (result, rec):
-                    path = jobdir.session_done_path(self.folder, res.n, rank)
-                    if rank not in res.answers and path.exists():
-                        res.answers[rank] = jobdir.load_pickle(path)
+            self._read_answers(result)
+            self._read_answers(rec)
             if time.monotonic() > deadline_result:
                 raise SessionError(f"session {self.job.name}: the process group could not be made again within "
                                    f"60 s ({why}); stop the session (%sdp_session stop) and start a new one",

@@ -221,6 +221,5 @@ def _dumps(value) -> bytes:
 
 def serve(namespace: dict) -> None:
     """The session script's one call: serve cells in `namespace` (the rank's __main__) until `stop`."""
-    for name in ("_sdp_serve",):
-        namespace.pop(name, None)
+    namespace.pop("_sdp_serve", None)  # the script's own name: not the user's
     RankSession(namespace, os.environ["SDP_JOB_DIR"]).serve()
