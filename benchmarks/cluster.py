@@ -64,6 +64,19 @@ def worker(out: str, sizes: list[int], dtypes: list[str], budget: float) -> None
     dist.destroy_process_group()
 
 
+def rank_env(c, rank: int, world: int, per_host: int, port: int, secret: str, extra: dict) -> dict:
+    """The environment of rank `rank` on cluster `c` (ranks of a host next to each other), torchrun's
+    variables plus the job secret, gloo on the hosts' eth0, and `extra`."""
+    h, local = divmod(rank, per_host)
+    env = dict(os.environ)
+    env.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local),
+                "LOCAL_WORLD_SIZE": str(per_host), "GROUP_RANK": str(h), "MASTER_ADDR": c.addresses[0],
+                "MASTER_PORT": str(port), "SDP_JOB_SECRET": secret, "GLOO_SOCKET_IFNAME": "eth0",
+                "TORCH_CPP_LOG_LEVEL": "ERROR",
+                "PYTHONPATH": os.pathsep.join(filter(None, [REPO, env.get("PYTHONPATH")])), **extra})
+    return env
+
+
 def run_layout(c, hosts: int, per_host: int, backend: str, sizes, dtypes, budget) -> list[dict]:
     import tempfile
 
@@ -73,13 +86,8 @@ def run_layout(c, hosts: int, per_host: int, backend: str, sizes, dtypes, budget
     procs = []
     world = hosts * per_host
     for r in range(world):
-        h, local = divmod(r, per_host)
-        env = dict(os.environ)
-        env.update({"RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local),
-                    "LOCAL_WORLD_SIZE": str(per_host), "GROUP_RANK": str(h), "MASTER_ADDR": c.addresses[0],
-                    "MASTER_PORT": str(port), "SDP_JOB_SECRET": secret, "GLOO_SOCKET_IFNAME": "eth0",
-                    "BENCH_BACKEND": backend, "SDP_TIMEOUT": "120", "TORCH_CPP_LOG_LEVEL": "ERROR",
-                    "PYTHONPATH": os.pathsep.join(filter(None, [REPO, env.get("PYTHONPATH")]))})
+        h = r // per_host
+        env = rank_env(c, r, world, per_host, port, secret, {"BENCH_BACKEND": backend, "SDP_TIMEOUT": "120"})
         procs.append(c.popen(h, [sys.executable, __file__, "--worker", "--out", out,
                                  "--sizes", ",".join(map(str, sizes)), "--dtypes", ",".join(dtypes),
                                  "--budget", str(budget)], env=env,
