@@ -394,7 +394,7 @@ def setup_arguments() -> list[tuple[tuple, dict]]:
     (magics.py, built with magic_arguments) and `setup_from_line` both take them from here."""
     rows: list[tuple[tuple, dict]] = [
         (("script",), {"nargs": "?", "help": "training script (.py); or use --cell NAME"}),
-        (("--cell",), {"help": "a cell stored with %%sdp_cell NAME"}),
+        (("--cell",), {"help": "a cell stored with %%%%sdp_cell NAME"}),  # argparse %-formats help: shows %%sdp_cell
         (("--name",), {"help": "job name"}),
     ]
     for f in dc_fields(scaling.Plan):

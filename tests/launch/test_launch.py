@@ -366,3 +366,18 @@ def test_the_help_names_every_target_of_the_registry():
     parser = build_parser()
     assert spoken in parser.description
     assert f"where to run: {spoken}" in " ".join(parser.format_help().split())  # --target's own help
+
+
+def test_the_help_shows_every_option_s_text_as_written():
+    """argparse %-formats each option's help: an unescaped "%sdp_warm" in --warm's text came out as the
+    whole argparse action spliced in ("{'option_strings': ...}dp_warm"). Every option's text appears
+    in sdp-train --help as written (whitespace aside), and no action's repr leaks in."""
+    from sdp_jupyter.cli import NOTEBOOK_ONLY, build_parser
+    from sdp_jupyter.launch.spec import all_options
+
+    shown = "".join(build_parser().format_help().split())  # argparse wraps lines, even after a "--"
+    assert "option_strings" not in shown
+    assert any("%" in opt.help for opt in all_options())  # the case this guards is still there
+    for opt in all_options():
+        if opt.flag not in NOTEBOOK_ONLY:
+            assert "".join(opt.help.split()) in shown, opt.flag

@@ -308,6 +308,7 @@ def test_magics_register_on_a_real_shell():
     assert isinstance(res.result, sdp_jupyter.JobSetup) and res.result.plan.nodes == 2
     # built with magic_arguments: `%sdp_setup?` lists the options, a bad one is a UsageError
     assert "--per-gpu-batch" in SdpMagics.sdp_setup.__doc__ and "--cell" in SdpMagics.sdp_setup.__doc__
+    assert "a cell stored with %%sdp_cell NAME" in SdpMagics.sdp_setup.__doc__  # argparse %-formats help
     res = shell.run_cell("%sdp_setup --nodes many")
     assert res.error_in_exec is not None and type(res.error_in_exec).__name__ == "UsageError"
     res = shell.run_cell("%%sdp_cell broken\ndef f(:\n")
