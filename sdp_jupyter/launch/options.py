@@ -36,7 +36,7 @@ class Option:
     const: Any = True
 
     def argparse_kwargs(self) -> dict:
-        kw: dict[str, Any] = {"help": self.help}
+        kw: dict[str, Any] = {"help": self.help.replace("%", "%%")}  # argparse %-formats help: %sdp_warm
         if self.kind == "flag":
             kw["action"] = "store_true"
         else:
