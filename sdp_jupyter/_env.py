@@ -1,8 +1,9 @@
-"""Reading settings from the environment: one parser, one truth table.
+"""Reading settings from the environment: one parser, one truth table, one registry.
 
 Every numeric or boolean setting (SDP_TIMEOUT, SDP_CHUNK_BYTES, SDP_FAST_EXIT, ...) goes through
 these functions (`environ=` reads another mapping, e.g. a worker's environment being built), so a bad value fails the same way everywhere: an error that names the variable,
-the value and what is allowed. Unset or empty means "use the default".
+the value and what is allowed. Unset or empty means "use the default". Every SDP_* name is in
+VARIABLES (a read of one that is not raises KeyError), the table the reference page is made from.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ FALSE = frozenset({"0", "false", "no", "off"})
 
 
 def _raw(name: str, environ=None) -> str | None:
-    v = (os.environ if environ is None else environ).get(name)
+    v = (os.environ if environ is None else environ).get(registered(name))
     return None if v is None or str(v).strip() == "" else str(v).strip()
 
 
@@ -63,3 +64,154 @@ def env_float(name: str, default: float, *, min: float | None = None, finite: bo
 def env_bool(name: str, default: bool, *, environ=None) -> bool:
     v = _raw(name, environ)
     return default if v is None else parse_bool(v, name)
+
+
+def env_str(name: str, default: str | None = None, *, environ=None) -> str | None:
+    """A text setting exactly as the environment holds it (`default` when unset), like
+    `os.environ.get`; an SDP_* name must be in VARIABLES."""
+    return (os.environ if environ is None else environ).get(registered(name), default)
+
+
+# ----------------------------------------------------------------------------- the registry
+# Every SDP_* variable any part of the toolkit reads or sets: the reference page
+# (docs/reference/environment.md) is generated from this table by tools/gen_reference.py, and
+# tests/house/test_reference.py keeps it and the code in step in both directions.
+
+#: where a variable takes effect, in the order the reference page lists them
+WHERE = {
+    "kernel": "the notebook kernel or `sdp-train` that launches jobs",
+    "rank": "every rank of a job (the training process)",
+    "engine": "the C++ engine, read when a process group starts",
+    "agent": "the per-host agent of SSH, Ray and Slurm jobs",
+    "build": "`setup.py`, when the engine is compiled",
+    "tests": "the test suite's own tools",
+}
+
+
+class Var:
+    """One SDP_* variable: its type, its default as a user reads it, where it takes effect, one line
+    of meaning. `internal`: the toolkit sets it for the processes it starts (a user does not)."""
+
+    __slots__ = ("name", "type", "default", "where", "meaning", "internal")
+
+    def __init__(self, name: str, type: str, default: str, where: str, meaning: str, internal: bool = False):
+        if where not in WHERE:
+            raise ValueError(f"{name}: where={where!r} is not one of {', '.join(WHERE)}")
+        self.name, self.type, self.default, self.where = name, type, default, where
+        self.meaning, self.internal = meaning, internal
+
+    def __repr__(self) -> str:
+        return f"Var({self.name!r}, {self.where!r}{', internal' if self.internal else ''})"
+
+
+_PARALLEL = "hybrid parallelism, read by `sdp_jupyter.parallel.setup()`; set by %%sdp_train's "
+
+VARIABLES: dict[str, Var] = {v.name: v for v in (
+    # --- the engine and the rank's communicator
+    Var("SDP_TIMEOUT", "float (seconds)", "300", "rank",
+        "deadline of every wait of the engine and the rendezvous; a collective that misses it fails and names "
+        "the ranks that did not arrive"),
+    Var("SDP_CHUNK_BYTES", "int (bytes, >= 4096)", "4194304", "rank",
+        "engine chunk: the pipeline grain and the size of each shared-memory slot; the same on every rank"),
+    Var("SDP_SPIN", "int (>= -1)", "2000", "rank",
+        "pause-loop iterations in a node barrier before yielding, then sleeping; 0 also makes receives "
+        "sleep at once instead of polling (-1: the engine's default)"),
+    Var("SDP_BIND_ADDR", "str (address)", "loopback for a local job, else the interface that reaches MASTER_ADDR",
+        "rank", "address the engine listens on"),
+    Var("SDP_JOB_SECRET", "str (>= 16 bytes)", "set per job by the launchers", "rank",
+        "secret every rendezvous and engine connection proves it knows; the same on every rank"),
+    Var("SDP_ALLOW_UNAUTHENTICATED", "bool", "0", "rank",
+        "1 lets a job across hosts run without SDP_JOB_SECRET (anyone who reaches its ports can join; "
+        "warns on every rank)"),
+    Var("SDP_SOCKET_BUFFER", "int (bytes, 0 to 2^30)", "0", "engine",
+        "SO_SNDBUF/SO_RCVBUF between node leaders and on the mailbox's connections (0: the kernel's autotuning)"),
+    Var("SDP_PIPELINE_DEPTH", "int (1 or 2)", "2", "engine",
+        "chunks in flight on the one-rank-per-node TCP path"),
+    Var("SDP_NO_SIMD", "bool", "0", "engine", "1 forces the portable reduction kernels instead of AVX2/F16C"),
+    Var("SDP_NO_CMA", "bool", "0", "engine",
+        "1 sends large gather, scatter and all_to_all within a node through shared memory instead of reading "
+        "the peers' memory; on any one rank it holds for the whole node"),
+    # --- torch
+    Var("SDP_BACKEND", "str", "smddp", "rank",
+        "the job's torch.distributed backend (--backend: smddp, gloo, nccl), used by `init_process_group()` "
+        "without a backend"),
+    Var("SDP_FUSION_THRESHOLD", "int (bytes, >= 1024)", "4194304", "rank",
+        "bytes per fusion buffer of the engine's DDP wrapper"),
+    Var("SDP_STAGE_CHUNK_BYTES", "int (bytes, >= 4096)", "4194304", "rank",
+        "bytes per chunk in which a larger CUDA tensor is staged through pinned host memory"),
+    # --- the job a rank belongs to
+    Var("SDP_JOB_DIR", "str (path)", "set per job", "rank",
+        "the job directory (absolute): logs, metrics, the result", internal=True),
+    Var("SDP_JOB_NAME", "str", "set per job", "rank", "the job's name", internal=True),
+    Var("SDP_NUM_NODES", "int", "set per job", "rank", "the job's number of nodes", internal=True),
+    Var("SDP_CHECKPOINT_DIR", "str (path)", "<job dir>/checkpoints in a job, ./checkpoints outside one", "rank",
+        "where `sdp_jupyter.checkpoint` saves and finds checkpoints (--checkpoint-dir)"),
+    Var("SDP_RESTART", "int", "0", "rank", "attempt number: 0, then 1, 2, ... after each --max-restarts restart",
+        internal=True),
+    Var("SDP_SCRIPT", "str (path)", "set per job", "rank", "the script the worker runs", internal=True),
+    Var("SDP_LAUNCHER_PID", "int", "set per job", "rank",
+        "the launching process: a worker or sampler whose parent is not this pid exits at once", internal=True),
+    Var("SDP_FAST_EXIT", "bool", "1", "rank",
+        "0 turns off the worker's fast exit (after atexit handlers and flushing files it skips the "
+        "interpreter's teardown)"),
+    Var("SDP_SESSION_CONNECT_TIMEOUT", "float (seconds)", "300", "rank",
+        "how long a session's ranks wait for each other's rendezvous store"),
+    # --- hybrid parallelism (ParallelConfig.env() / from_env())
+    Var("SDP_TP", "int", "1", "rank", _PARALLEL + "--tp: tensor-parallel degree"),
+    Var("SDP_PP", "int", "1", "rank", _PARALLEL + "--pp: pipeline-parallel degree"),
+    Var("SDP_MICROBATCHES", "int", "1", "rank", _PARALLEL + "--microbatches: microbatches per batch"),
+    Var("SDP_ACTIVE_MICROBATCHES", "int", "unset (no cap)", "rank",
+        _PARALLEL + "--active-microbatches: cap on microbatches in flight per stage"),
+    Var("SDP_PIPELINE_SCHEDULE", "str", "1f1b", "rank",
+        _PARALLEL + "--pipeline-schedule: 1f1b, gpipe or interleaved"),
+    Var("SDP_VIRTUAL_STAGES", "int", "1", "rank",
+        _PARALLEL + "--virtual-stages: chunks per rank with the interleaved schedule"),
+    Var("SDP_SHARD_OPTIMIZER", "str", "none", "rank",
+        _PARALLEL + "--shard-optimizer: none, optimizer, gradients or full"),
+    Var("SDP_CHECKPOINT_ACTIVATIONS", "str", "none", "rank",
+        _PARALLEL + "--checkpoint-activations: none, layer or selective"),
+    Var("SDP_OFFLOAD_ACTIVATIONS", "bool", "0", "rank", _PARALLEL + "--offload-activations"),
+    Var("SDP_SEQUENCE_PARALLEL", "bool", "1", "rank", _PARALLEL + "--no-sequence-parallel (0)"),
+    # --- SageMaker
+    Var("SDP_ENGINE", "str (sdp or aws)", "set per job", "rank",
+        "on SageMaker with backend smddp: our engine (sdp, built in the container) or AWS's smdistributed (aws)",
+        internal=True),
+    Var("SDP_IMAGE_URI", "str", "set per job", "rank",
+        "the SageMaker training image, named in errors of the container's engine build", internal=True),
+    Var("SDP_TARGET", "str", "set per job", "rank", "sagemaker inside a SageMaker training job", internal=True),
+    Var("SDP_SMDDP_PROVIDER", "str", "set per job", "rank",
+        "who provides the smddp backend in a SageMaker job: sdp_jupyter or smdistributed", internal=True),
+    Var("SDP_SAGEMAKER_POLL_INTERVAL", "float (seconds, >= 0.01)", "10", "kernel",
+        "how often a SageMaker job's status is polled"),
+    # --- the kernel
+    Var("SDP_JOBS_DIR", "str (path)", "./sdp_jobs", "kernel", "root of job directories (--jobs-dir wins)"),
+    Var("SDP_WARM", "bool", "unset", "kernel",
+        "1/0: start jobs warm/cold by default (an explicit --warm or --cold wins)"),
+    Var("SDP_WARM_OWNER", "int", "set by the kernel", "kernel",
+        "the process a warm pool belongs to", internal=True),
+    # --- the agent
+    Var("SDP_AGENT_DIR", "str (path)", "~/.cache/sdp_jupyter/jobs", "agent",
+        "where the per-host agent keeps the job directories of its host"),
+    Var("SDP_AGENT_ADDR", "str (address)", "the address this host was reached on over SSH, else its host name's", "agent",
+        "the address the other hosts of a job reach this host on (set on Ray nodes)", internal=True),
+    # --- the build
+    Var("SDP_PORTABLE", "bool", "0", "build",
+        "1: no intrinsics at all (no AVX2/F16C kernels, no pause instruction): a build for any CPU"),
+    Var("SDP_BUILD_QUICK", "bool", "0", "build", "1: -O0, about a third of the build time, slower code"),
+    Var("SDP_BUILD_JOBS", "int", "one per CPU", "build", "compile this many files at once"),
+    Var("SDP_SANITIZE", "bool", "0", "build",
+        "1: AddressSanitizer + UndefinedBehaviorSanitizer (-O1, frame pointers; wins over SDP_BUILD_QUICK)"),
+    # --- tests
+    Var("SDP_CONFORMANCE_BACKEND", "str", "set by the runner", "tests",
+        "the backend `python -m sdp_jupyter.testing.conformance` runs torch's suite against", internal=True),
+    Var("SDP_TEST_PACKAGE_ROOT", "str (path)", "this checkout", "tests",
+        "where the test ranks import sdp_jupyter from (another build of the engine)", internal=True),
+)}
+
+
+def registered(name: str) -> str:
+    """`name`, if it is not an SDP_* name or is one in VARIABLES; else KeyError (register it first)."""
+    if name.startswith("SDP_") and name not in VARIABLES:
+        raise KeyError(f"{name} is not in sdp_jupyter._env.VARIABLES: register it (name, type, default, "
+                       "where, meaning) so the reference page lists it")
+    return name

@@ -18,13 +18,14 @@ import pickle
 from pathlib import Path
 
 from sdp_jupyter._files import private_writer
+from sdp_jupyter._env import env_str
 
 DEFAULT_NAME = "checkpoint.pt"
 
 
 def checkpoint_dir() -> Path:
     """SDP_CHECKPOINT_DIR, else ./checkpoints (outside a job)."""
-    return Path(os.environ.get("SDP_CHECKPOINT_DIR") or "checkpoints")
+    return Path(env_str("SDP_CHECKPOINT_DIR") or "checkpoints")
 
 
 def _torch():

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from sdp_jupyter._files import (UnsafePath, ensure_private_dir, open_checked, open_private, private_writer,
                                 write_private)
+from sdp_jupyter._env import env_str
 
 STATES = ("pending", "running", "succeeded", "failed", "stopped")
 FINAL_STATES = ("succeeded", "failed", "stopped")
@@ -51,7 +52,7 @@ KNOWN_ENTRIES = frozenset({SCRIPT, SPEC, STATUS, RESULT, PUSH, LOGS, METRICS, CH
 
 def jobs_root(root: str | os.PathLike | None = None) -> Path:
     """`root`, else $SDP_JOBS_DIR, else ./sdp_jobs (absolute)."""
-    return Path(root or os.environ.get("SDP_JOBS_DIR") or "sdp_jobs").expanduser().absolute()
+    return Path(root or env_str("SDP_JOBS_DIR") or "sdp_jobs").expanduser().absolute()
 
 
 def new_job_name() -> str:

@@ -410,7 +410,7 @@ def setup_arguments() -> list[tuple[tuple, dict]]:
         else:
             rows.append(((flag,), {"dest": f.name}))
     for field, opt in zip(SLURM_FIELDS, SLURM_OPTIONS):  # SLURM_FIELDS is in SLURM_OPTIONS' order
-        rows.append(((opt.flag,), {"dest": field, "metavar": opt.metavar, "help": opt.help}))
+        rows.append(((opt.flag,), {"dest": field, "metavar": opt.metavar, "help": opt.help.replace("%", "%%")}))
     return rows
 
 

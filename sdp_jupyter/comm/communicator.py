@@ -13,7 +13,7 @@ from typing import Any, Callable
 import numpy as np
 
 from sdp_jupyter import _engine
-from sdp_jupyter._env import env_float, env_int
+from sdp_jupyter._env import env_float, env_int, env_str
 from sdp_jupyter.comm import usage
 from sdp_jupyter.comm.codes import (COLL_ALLGATHER, COLL_ALLREDUCE, COLL_BROADCAST, COLL_REDUCE_SCATTER,
                                     DEFAULT_CHUNK_BYTES, DEFAULT_TIMEOUT, DTYPES, NUMPY_DTYPES, OPS, EngineError,
@@ -35,7 +35,7 @@ def node_key() -> str:
 def bind_address() -> str:
     """Address the engine listens on: SDP_BIND_ADDR, else loopback for a local job, else the
     interface that routes to MASTER_ADDR (never 0.0.0.0 unless asked for)."""
-    explicit = os.environ.get("SDP_BIND_ADDR")
+    explicit = env_str("SDP_BIND_ADDR")
     if explicit:
         return explicit
     master = os.environ.get("MASTER_ADDR", "127.0.0.1")

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from sdp_jupyter._env import env_bool, env_int
+from sdp_jupyter._env import env_bool, env_int, env_str
 from sdp_jupyter._files import UnsafePath, ensure_private_dir, open_checked, write_private
 
 MIN_SECRET_BYTES = 16
@@ -171,7 +171,7 @@ def _process_start() -> float:
 
 def _preset(where: str) -> JobSecret | None:
     """Rules 1 and 2: SDP_JOB_SECRET, or the refusal (or the unauthenticated secret) across hosts."""
-    given = os.environ.get("SDP_JOB_SECRET")
+    given = env_str("SDP_JOB_SECRET")
     if given is not None:
         return JobSecret(check_secret(given), FROM_ENV)
     if single_node():

@@ -24,6 +24,7 @@ import warnings
 from typing import Any, Iterable, Iterator, TypeVar
 
 from sdp_jupyter import jobdir
+from sdp_jupyter._env import env_str
 
 __all__ = ["report", "emit", "flush", "timed", "Reporter"]
 
@@ -135,7 +136,7 @@ _init_lock = threading.Lock()
 
 def _get() -> Reporter | None:
     global _reporter, _warned
-    job_dir = os.environ.get("SDP_JOB_DIR")
+    job_dir = env_str("SDP_JOB_DIR")
     if not job_dir:
         if not _warned:
             _warned = True
@@ -163,14 +164,14 @@ def report(step=None, samples=None, loss=None, **more) -> None:
     the step (gives samples/s); loss: a number or 0-d tensor (`.item()` is called); more: any other
     numeric fields (e.g. `lr=`, `total_steps=` for the dashboard's ETA). Cheap enough for every step.
     """
-    rep = _reporter if _reporter is not None and os.environ.get("SDP_JOB_DIR") == _reporter.job_dir else _get()
+    rep = _reporter if _reporter is not None and env_str("SDP_JOB_DIR") == _reporter.job_dir else _get()
     if rep is not None:
         rep.report(step, samples, loss, **more)
 
 
 def emit(kind: str, **fields) -> None:
     """Internal: automatic metrics from our own code. See the module docstring and docs/monitoring.md."""
-    rep = _reporter if _reporter is not None and os.environ.get("SDP_JOB_DIR") == _reporter.job_dir else _get()
+    rep = _reporter if _reporter is not None and env_str("SDP_JOB_DIR") == _reporter.job_dir else _get()
     if rep is not None:
         rep.emit(kind, **fields)
 

@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from sdp_jupyter._env import env_str
 
 BACKENDS = ("gloo", "smddp")
 _ENV_BACKEND = "SDP_CONFORMANCE_BACKEND"
@@ -70,7 +71,7 @@ def _load_suite():
     return TestDistBackendWithSpawn
 
 
-if os.environ.get(_ENV_BACKEND):  # the worker and its spawned ranks
+if env_str(_ENV_BACKEND):  # the worker and its spawned ranks
     TestDistBackendWithSpawn = _load_suite()
 
 

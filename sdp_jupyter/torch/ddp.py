@@ -18,9 +18,8 @@ Works with any process group (gloo too, for comparison); with smddp it uses the 
 from __future__ import annotations
 
 import contextlib
-import os
 
-from sdp_jupyter._env import env_int
+from sdp_jupyter._env import env_int, env_str
 import time
 from typing import Iterator
 
@@ -232,7 +231,7 @@ class DistributedDataParallel(torch.nn.Module):
         }
         if self._step_t0 is not None:
             self.last_step["step_time"] = t_done - self._step_t0
-        if self.report_metrics and os.environ.get("SDP_JOB_DIR"):
+        if self.report_metrics and env_str("SDP_JOB_DIR"):
             fields = dict(self.last_step)
             if self.batch_size:
                 fields["samples"] = self.batch_size

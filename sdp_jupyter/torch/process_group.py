@@ -4,7 +4,6 @@ torch's signatures, tensor staging and the shape checks torch's users expect."""
 from __future__ import annotations
 
 import datetime
-import os
 import weakref
 
 import torch
@@ -16,6 +15,7 @@ from sdp_jupyter.comm import (COLL_ALLGATHER, COLL_ALLREDUCE, COLL_BROADCAST, CO
 from sdp_jupyter.torch.tensors import (Staging, block, dtype_code, moved, op_code, send_buffer, stage_chunk_bytes_from_env,
                                        staged, staged_all)
 from sdp_jupyter.torch.work import FutureCompleter, SmddpWork, backend_error, unsupported
+from sdp_jupyter._env import env_str
 
 BACKEND_NAME = "smddp"
 _TORCH_DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
@@ -31,7 +31,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         # SDP_TIMEOUT wins, then an explicit init_process_group(timeout=...); given None the
         # communicator reads SDP_TIMEOUT itself (default 300 s).
         seconds = None
-        if not os.environ.get("SDP_TIMEOUT") and timeout is not None and timeout != _TORCH_DEFAULT_TIMEOUT:
+        if not env_str("SDP_TIMEOUT") and timeout is not None and timeout != _TORCH_DEFAULT_TIMEOUT:
             seconds = timeout.total_seconds()
         self._seconds = seconds
         self.comm = self._communicator(store)

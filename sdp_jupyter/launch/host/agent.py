@@ -49,13 +49,14 @@ from pathlib import Path
 
 from sdp_jupyter.launch.channel import (HEARTBEAT_EVERY, HEARTBEAT_TIMEOUT, ChannelClosed, b64, decode,
                                         encode, unb64, version)
+from sdp_jupyter._env import env_str
 
 
 def connection_address() -> str:
     """The address the other hosts of the job reach this one on: SDP_AGENT_ADDR (set by the Ray
     target: the Ray node's address), else the address this host was reached on over SSH (the server
     side of $SSH_CONNECTION), else what the host name resolves to, else loopback."""
-    if os.environ.get("SDP_AGENT_ADDR"):
+    if env_str("SDP_AGENT_ADDR"):
         return os.environ["SDP_AGENT_ADDR"]
     parts = os.environ.get("SSH_CONNECTION", "").split()
     if len(parts) == 4:
@@ -67,7 +68,7 @@ def connection_address() -> str:
 
 
 def agent_root() -> Path:
-    return Path(os.environ.get("SDP_AGENT_DIR") or Path.home() / ".cache" / "sdp_jupyter" / "jobs")
+    return Path(env_str("SDP_AGENT_DIR") or Path.home() / ".cache" / "sdp_jupyter" / "jobs")
 
 
 class Agent:

@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 
 from sdp_jupyter.launch import process
+from sdp_jupyter._env import env_str
 
 # torch._dynamo: an optimizer's first step() imports it (about 800 modules, sympy among them: 1.4 s per
 # rank here), so a warm rank running the quickstart would pay it; importing it starts no thread.
@@ -187,7 +188,7 @@ def _child(req: dict, fds: list, server_pid: int, closing: list) -> None:
 def serve(sock_path: str, preload: list[str]) -> int:
     """The pool's loop: one thread, select() on the listening socket and stdin, reap with WNOHANG.
     `sock_path` "auto": a socket in a fresh 0700 folder, said in the ready line and removed at the end."""
-    owner = os.environ.get("SDP_WARM_OWNER")
+    owner = env_str("SDP_WARM_OWNER")
     made_dir = None
     if sock_path == "auto":
         made_dir = tempfile.mkdtemp(prefix="sdp-warm-")

@@ -18,6 +18,7 @@ import threading
 
 from sdp_jupyter.launch import process
 from sdp_jupyter.launch.host.warm import READY_TIMEOUT, fingerprint, fork_rank, module_argv
+from sdp_jupyter._env import env_str
 
 
 class Pool:
@@ -163,7 +164,7 @@ def discard(key: tuple) -> None:
 
 def _env_choice() -> bool | None:
     """SDP_WARM=1 / 0 when set (it overrides the default, not an explicit --warm/--cold), else None."""
-    if not os.environ.get("SDP_WARM", "").strip():
+    if not env_str("SDP_WARM", "").strip():
         return None
     from sdp_jupyter._env import env_bool
 

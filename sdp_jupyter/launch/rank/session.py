@@ -28,6 +28,7 @@ import time
 import traceback
 
 from sdp_jupyter import jobdir
+from sdp_jupyter._env import env_str
 
 SCRIPT = "from sdp_jupyter.launch.rank.session import serve as _sdp_serve\n_sdp_serve(globals())\n"
 INTERRUPT = signal.SIGUSR2
@@ -57,7 +58,7 @@ class RankSession:
         self.folder = jobdir.session_dir(job_dir)
         self.rank = int(os.environ.get("RANK", "0"))
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
-        self.backend = os.environ.get("SDP_BACKEND") or "smddp"
+        self.backend = env_str("SDP_BACKEND") or "smddp"
         self.generation = 0
         self._store = None
         self._groups: dict[tuple, object] = {}
@@ -68,7 +69,7 @@ class RankSession:
 
         if self.backend == "smddp":
             import sdp_jupyter.torch  # noqa: F401  registers the backend
-        timeout = float(os.environ.get("SDP_SESSION_CONNECT_TIMEOUT", "300"))
+        timeout = float(env_str("SDP_SESSION_CONNECT_TIMEOUT", "300"))
         import datetime
 
         self._store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), self.world,
