@@ -16,6 +16,11 @@ REPO = Path(__file__).resolve().parent.parent
 pytest_plugins = ["helpers.cluster", "helpers.sshd", "helpers.raycluster", "helpers.slurmcluster", "helpers.moto"]
 
 
+def pytest_collection_modifyitems(session, config, items):
+    """Tests marked `last` run after every other test (the docs site shows the notebooks the suite executed)."""
+    items.sort(key=lambda item: item.get_closest_marker("last") is not None)  # stable: the rest keep their order
+
+
 def job_processes(root) -> list:
     """Live processes (workers, samplers) whose SDP_JOB_DIR lies under `root`."""
     import psutil
