@@ -121,7 +121,8 @@ def check_rehearsal(nb):
     code = [c for c in nb.cells if c.cell_type == "code"]
     rehearse = next(c for c in code if c.source.startswith("%%sdp_train") and "--rehearse " in c.source)
     text = stream_text(rehearse)
-    assert "succeeded" in text and "Rehearsal on this machine (not AWS)" in text, text[-3000:]
+    assert "Job sm-demo-rehearsal: succeeded" in text, text[-3000:]
+    assert "Rehearsal on this machine" in text and "nothing was sent to AWS" in text and "Not checked" in text, text
     assert shows_widget(rehearse), "the rehearsal's job view was not displayed"
 
 
