@@ -4,8 +4,8 @@ It executes every cell in a fresh kernel with nbclient (4 local nodes train on s
 through %%sdp_train), then, in the same kernel, `%sdp_warm` and the training and evaluation cells once
 more (added to the executed copy only, under a note): the first run of the cell is the kernel's first
 job and starts cold, the second starts warm (docs/warm.md). It writes the executed copy to
-notebooks/executed/01_quickstart.ipynb and prints the cold and the warm training cell's wall time,
-the test accuracy line and the job directory, then the one-line summary of `python -m
+notebooks/executed/01_quickstart.ipynb (scrubbed: tools/executed.py) and prints the cold and the
+warm training cell's wall time, the test accuracy line and the job directory, then the one-line summary of `python -m
 sdp_jupyter.doctor` (run after the notebook, so it takes no CPU from the timed cells).
 """
 from __future__ import annotations
@@ -17,6 +17,10 @@ from datetime import datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # run as `python tools/main_job.py`: tools.executed is found from the checkout
+    sys.path.insert(0, str(REPO))
+from tools.executed import EXECUTED, write  # noqa: E402
+
 NOTEBOOK = REPO / "notebooks" / "01_quickstart.ipynb"
 
 
@@ -50,10 +54,11 @@ def add_warm_rerun(nb) -> None:
 
 
 def execute(path: Path, out_dir: Path, timeout: int = 600, prepare=None, km=None):
-    """Execute a notebook in a fresh kernel (cwd: its folder); write the executed copy to out_dir.
-    `prepare(nb)`, when given, edits the notebook in memory first. `km`, when given, is the kernel
-    manager to start the kernel with (another kernelspec: a kernel on a test host), instead of
-    python3's; its kernel is shut down at the end all the same."""
+    """Execute a notebook in a fresh kernel (cwd: its folder); write the executed copy to out_dir,
+    scrubbed (tools/executed.py: no secrets, no paths of this machine), also when a cell fails. Returns
+    the notebook as executed, unscrubbed. `prepare(nb)`, when given, edits the notebook in memory
+    first. `km`, when given, is the kernel manager to start the kernel with (another kernelspec: a
+    kernel on a test host), instead of python3's; its kernel is shut down at the end all the same."""
     import nbformat
     from nbclient import NotebookClient
 
@@ -65,8 +70,7 @@ def execute(path: Path, out_dir: Path, timeout: int = 600, prepare=None, km=None
     try:
         client.execute(env=kernel_env(), cleanup_kc=True)  # nbclient leaves a kernel it did not make running
     finally:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        nbformat.write(nb, out_dir / path.name)
+        write(nb, out_dir / path.name)
     return nb
 
 
@@ -95,7 +99,7 @@ def doctor_line(timeout: float = 90.0) -> str:
 
 
 def main() -> int:
-    out_dir = REPO / "notebooks" / "executed"
+    out_dir = EXECUTED
     print(f"[main] executing {NOTEBOOK.relative_to(REPO)} headless (nbclient, fresh kernel)")
     t0 = time.monotonic()
     try:

@@ -5,14 +5,22 @@ gets an ssh_config naming them and a known_hosts listing every host's key, so ho
 in real use (no StrictHostKeyChecking=no anywhere). Each sshd runs in the foreground (`-D`) in its
 host's namespaces and is stopped by PID in stop(); it sets SDP_AGENT_DIR for its sessions so each
 host's agent files are inspectable. Needs root and openssh-server.
+
+`config` is for a client on h0. `outside_config()` is for a client on this machine outside the hosts'
+network (a notebook's kernel started as usual): ssh reaches each host through a relay on h0
+(`ProxyCommand`: `python -m sdp_jupyter.testing.sshd relay HOST PORT` entered into h0), the host keys
+still checked. Only the ssh connections take that way; the ranks meet on the hosts' own network.
 """
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -58,6 +66,14 @@ class SSHHosts:
         for i in self.nodes:
             self._wait_listening(i)
 
+    def outside_config(self) -> Path:
+        """An ssh_config for a client outside the hosts' network: `config` plus a ProxyCommand that
+        relays each connection from h0 (written next to `config`)."""
+        relay = shlex.join(self.cluster.enter(0) + [sys.executable, "-m", "sdp_jupyter.testing.sshd", "relay"])
+        path = self.root / "ssh_config_outside"
+        path.write_text(self.config.read_text() + f"  ProxyCommand {relay} %h %p\n")
+        return path
+
     def _wait_listening(self, host: int, timeout: float = 15.0) -> None:
         probe = f"import socket; socket.create_connection(('{self.cluster.addresses[host]}', 22), 1).close()"
         deadline = time.monotonic() + timeout
@@ -102,3 +118,25 @@ class SSHHosts:
             if not left or time.monotonic() > deadline:
                 return left
             time.sleep(0.2)
+
+
+def relay(host: str, port: int) -> None:
+    """Copy stdin to a TCP connection to host:port and the connection to stdout until both ends close
+    (ssh's ProxyCommand)."""
+    sock = socket.create_connection((host, port), timeout=10)
+    sock.settimeout(None)
+
+    def upstream() -> None:
+        while data := os.read(0, 65536):
+            sock.sendall(data)
+        sock.shutdown(socket.SHUT_WR)
+
+    threading.Thread(target=upstream, daemon=True).start()
+    while data := sock.recv(65536):
+        os.write(1, data)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] != ["relay"] or len(sys.argv) != 4:
+        sys.exit("usage: python -m sdp_jupyter.testing.sshd relay HOST PORT")
+    relay(sys.argv[2], int(sys.argv[3]))

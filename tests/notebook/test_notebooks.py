@@ -1,59 +1,69 @@
-"""Every notebook in notebooks/ runs top to bottom in a real kernel (nbclient).
+"""Every notebook in notebooks/ runs top to bottom in a real kernel (nbclient), and its executed copy,
+scrubbed, is kept as notebooks/executed/<name>.ipynb.
 
-The kernel's environment lacks PYTEST_CURRENT_TEST (with it, ipykernel stops capturing subprocess
-output) and points SDP_JOBS_DIR at a private folder, so the jobs a notebook starts are checked for
-leftover processes after the kernel has shut down.
-
-07_slurm's kernel runs on h0 of the Slurm test cluster (the `slurm_hosts` fixture, started for that
-notebook only), as a notebook's kernel on a login node would: Slurm's commands reach slurmctld only
-from the test hosts' network, and SLURM_CONF is the kernel's environment, not the notebook's.
+The runs themselves (the kernel's environment, the test hosts 07_slurm and 09_ssh run on, the check for
+leftover processes) are helpers.notebooks.notebook_run: a notebook that test_newcomer_path.py already
+ran in this session is not run again. What each notebook must have shown is checked here.
 """
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, wait_no_processes
-from tools.main_job import cell_seconds, execute
+from conftest import REPO
+from helpers.notebooks import notebook_run
+from tools import executed
+from tools.main_job import cell_seconds
 
 NOTEBOOKS = sorted(p for p in (REPO / "notebooks").glob("*.ipynb"))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
-def test_notebook_runs(path: Path, tmp_path, monkeypatch, request):
-    jobs = tmp_path / "jobs"
-    monkeypatch.setenv("SDP_JOBS_DIR", str(jobs))
-    # 04_sagemaker runs against a local moto server, never AWS, even where credentials exist
-    monkeypatch.setenv("SDP_SAGEMAKER_MOTO", "1")
-    km = slurm_hosts = None
-    if path.name == "07_slurm.ipynb":
-        slurm_hosts = request.getfixturevalue("slurm_hosts")
-        for key, value in slurm_hosts.env({}).items():  # the kernel's environment (kernel_env) carries it
-            monkeypatch.setenv(key, value)
-        monkeypatch.delenv("SLURM_JOB_ID", raising=False)  # the kernel submits, as on a login node
-        km = slurm_hosts.cluster.kernel_manager(0, tmp_path, cwd=path.parent)
-    nb = execute(path, tmp_path / "executed", km=km)  # raises CellExecutionError naming the failing cell
-    assert wait_no_processes(jobs) == [], "a job process outlived the notebook's kernel"
+def test_notebook_runs(path: Path, request):
+    run = notebook_run(path.name, request)  # raises CellExecutionError naming the failing cell
+    nb, jobs = run.nb, run.jobs
+    check_executed_copy(path.name, jobs)
     if path.name == "01_quickstart.ipynb":
         check_quickstart(nb, jobs)
-    if slurm_hosts is not None:
-        check_slurm(nb, jobs, slurm_hosts)
+    if path.name == "07_slurm.ipynb":
+        check_slurm(nb, jobs, run.hosts)
+    if path.name == "09_ssh.ipynb":
+        check_ssh(nb, jobs, run.hosts)
+    if path.name == "04_sagemaker.ipynb":
+        check_rehearsal(nb)
     if path.name == "05_model_parallel.ipynb":  # tp x pp with --backend smddp: no gloo group at all
         logs = (jobs / "gpt_tp2_pp2" / "logs")
         said = [(logs / f"rank-{r}.log").read_text() for r in range(4)]
         assert all("process groups on: smddp\n" in s for s in said), said[0][-2000:]
 
 
+def check_executed_copy(name: str, jobs: Path):
+    """The copy the docs show: written, and nothing of this machine in it."""
+    text = (executed.EXECUTED / name).read_text()
+    assert json.loads(text)["cells"], name
+    for leak in (str(REPO), str(jobs), "/tmp/pytest-of-", "\x1b[", "\\u001b["):
+        assert leak not in text, f"notebooks/executed/{name} still holds {leak!r}"
+    assert not re.search(r"\b[0-9a-f]{64}\b", text), f"notebooks/executed/{name} holds what looks like a job secret"
+
+
+def stream_text(cell) -> str:
+    return "".join(o.get("text", "") for o in cell.outputs if o.get("output_type") == "stream")
+
+
+def shows_widget(cell) -> bool:
+    return any("application/vnd.jupyter.widget-view+json" in o.get("data", {}) for o in cell.outputs)
+
+
 def check_quickstart(nb, jobs: Path):
     outputs = {c.source.splitlines()[0]: c for c in nb.cells if c.cell_type == "code"}
     train = next(c for first, c in outputs.items() if first.startswith("%%sdp_train --nodes 4"))
-    text = "".join(o.get("text", "") for o in train.outputs if o.get("output_type") == "stream")
+    text = stream_text(train)
     assert "Job quickstart: succeeded" in text and "4 node(s)" in text
-    assert any("application/vnd.jupyter.widget-view+json" in o.get("data", {}) for o in train.outputs), \
-        "the job view widget was not displayed"
+    assert shows_widget(train), "the job view widget was not displayed"
     print(f"\nquickstart training cell: {cell_seconds(train):.1f} s from a fresh kernel")
     all_text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
     assert "test accuracy on 450 held-out digits: 0." in all_text
@@ -66,10 +76,9 @@ def check_quickstart(nb, jobs: Path):
 def check_slurm(nb, jobs: Path, slurm_hosts):
     code = [c for c in nb.cells if c.cell_type == "code"]
     train = next(c for c in code if c.source.startswith("%%sdp_train --target slurm --nodes 3"))
-    text = "".join(o.get("text", "") for o in train.outputs if o.get("output_type") == "stream")
+    text = stream_text(train)
     assert "Job slurm-quickstart: succeeded" in text, text[-3000:]
-    assert any("application/vnd.jupyter.widget-view+json" in o.get("data", {}) for o in train.outputs), \
-        "the job view widget was not displayed"
+    assert shows_widget(train), "the job view widget was not displayed"
     print(f"\nslurm training cell (3 nodes of the Slurm test cluster): {cell_seconds(train):.1f} s "
           "from a fresh kernel, queue and allocation included")
     sinfo = next(c for c in code if c.source == "!sinfo")
@@ -83,3 +92,69 @@ def check_slurm(nb, jobs: Path, slurm_hosts):
     assert (jobs / "slurm-quickstart" / "result.pkl").is_file()
     assert any((jobs / "slurm-quickstart" / "metrics").glob("rank-*.jsonl")), "sdp_jupyter.report() wrote no metrics"
     assert slurm_hosts.wait_clean(30) == {}, "a rank, an agent or a Slurm job outlived the notebook"
+
+
+def check_ssh(nb, jobs: Path, ssh_hosts):
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert any("injected-parameters" in c.metadata.get("tags", []) for c in code), "the suite's hosts were not used"
+    login = next(c for c in code if "!ssh " in c.source)
+    assert "".join(o.get("text", "") for o in login.outputs).split() == ["h1", "h2", "h3"]
+    train = next(c for c in code if c.source.startswith("%%sdp_train --target ssh"))
+    text = stream_text(train)
+    assert "Job ssh-quickstart: succeeded" in text, text[-3000:]
+    for rank, host in enumerate(["h1", "h2", "h3"]):  # each rank's output, streamed back into its log here
+        said = (jobs / "ssh-quickstart" / "logs" / f"rank-{rank}.log").read_text()
+        assert f"rank {rank} of 3 on {host}\n" in said, said[-2000:]
+    assert shows_widget(train), "the job view widget was not displayed"
+    print(f"\nssh training cell (3 SSH test hosts): {cell_seconds(train):.1f} s from a fresh kernel")
+    all_text = "".join(o.get("text", "") for c in code for o in c.outputs)
+    assert "test accuracy on 450 held-out digits: 0." in all_text
+    job = jobs / "ssh-quickstart"
+    assert json.loads((job / "status.json").read_text())["state"] == "succeeded"
+    assert (job / "result.pkl").is_file() and any((job / "metrics").glob("rank-*.jsonl"))
+    left = ssh_hosts.wait_clean(30)
+    pools = {i: ssh_hosts.processes(i, "sdp_jupyter.launch.host.warm") for i in ssh_hosts.nodes}
+    assert left == {} and not any(pools.values()), f"outlived the notebook: ranks/agents {left}, pools {pools}"
+
+
+def check_rehearsal(nb):
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    rehearse = next(c for c in code if c.source.startswith("%%sdp_train") and "--rehearse " in c.source)
+    text = stream_text(rehearse)
+    assert "Job sm-demo-rehearsal: succeeded" in text, text[-3000:]
+    assert "Rehearsal on this machine" in text and "nothing was sent to AWS" in text and "Not checked" in text, text
+    assert shows_widget(rehearse), "the rehearsal's job view was not displayed"
+
+
+def test_scrub_takes_out_planted_secrets_paths_and_colour_codes(tmp_path, monkeypatch):
+    import nbformat
+    from nbformat.v4 import new_code_cell, new_notebook, new_output
+
+    job_secret = "ab12" * 16  # the shape of a job secret: secrets.token_hex(32)
+    monkeypatch.setenv("SDP_TEST_SESSION_TOKEN", "kept-in-the-environment-42")
+    home = str(Path.home())
+    said = (f"SDP_JOB_SECRET={job_secret}\naws_secret_access_key='testing' AKIAIOSFODNN7EXAMPLE\n"
+            f"token leaked: kept-in-the-environment-42\nlogs in {REPO}/notebooks/sdp_jobs/quickstart and "
+            f"/tmp/pytest-of-root/pytest-7/test_x0/jobs/a, config {home}/.ssh/config\n")
+    cell = new_code_cell("print(1)", outputs=[
+        new_output("stream", name="stdout", text=said),
+        new_output("error", ename="ValueError", evalue="bad", traceback=[
+            f"\x1b[0;31mValueError\x1b[0m in \x1b[0;32m{REPO}/sdp_jupyter/launch/__init__.py\x1b[0m"]),
+        new_output("display_data", data={"application/vnd.jupyter.widget-view+json": {"model_id": "a" * 32}})])
+    nb = new_notebook(cells=[cell])
+    nb.metadata["widgets"] = {executed.WIDGET_STATE: {"state": {"a" * 32: {"big": "x" * executed.WIDGET_STATE_MAX}}}}
+    path = executed.write(nb, tmp_path / "out" / "n.ipynb")
+    text = path.read_text()
+    for leak in (job_secret, "testing", "AKIAIOSFODNN7EXAMPLE", "kept-in-the-environment-42", str(REPO),
+                 "/tmp/pytest-of-root", home + "/", "\\u001b", '"big"'):
+        assert leak not in text, f"{leak!r} survived the scrub"
+    out = nbformat.read(path, as_version=4).cells[0].outputs
+    assert out[0].text == ("SDP_JOB_SECRET=<secret>\naws_secret_access_key='<secret>' <secret>\ntoken leaked: <secret>\n"
+                           "logs in <checkout>/notebooks/sdp_jobs/quickstart and <tmp>/jobs/a, config ~/.ssh/config\n")
+    assert out[1].traceback == ["ValueError in <checkout>/sdp_jupyter/launch/__init__.py"]
+    assert out[2].data["application/vnd.jupyter.widget-view+json"]["model_id"] == "a" * 32  # views still find their model
+    assert nb.cells[0].outputs[0].text == said, "the notebook given was changed"
+    small = {"state": {"a" * 32: {"value": 1}}}
+    nb.metadata["widgets"] = {executed.WIDGET_STATE: small}
+    kept = nbformat.read(executed.write(nb, tmp_path / "small.ipynb"), as_version=4)
+    assert kept.metadata["widgets"][executed.WIDGET_STATE] == small
