@@ -39,6 +39,7 @@ ENTRY_POINTS = {
     "sdp_jupyter.testing.conformance": ("help", False),
     "sdp_jupyter.testing.cluster": ("help", False),
     "sdp_jupyter.testing.slurm": ("doc", False),
+    "sdp_jupyter.testing.sshd": ("doc", True),
     "sdp_jupyter.monitor.sampler": ("help", True),
     "sdp_jupyter.launch.host.agent": ("doc", True),
     "sdp_jupyter.launch.host.warm": ("help", True),
