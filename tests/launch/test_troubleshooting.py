@@ -265,7 +265,28 @@ def test_ranks_that_never_talk_are_said_to_have_trained_independently(tmp_path, 
     """)
     job = launch(script, nodes=2, name="alone")
     assert job.wait(120) == "succeeded", job.summary()
-    _has_all(job.summary(), "The ranks trained independently")
+    _has_all(job.summary(), "The ranks trained independently", 0)
+
+
+def test_ranks_that_each_made_a_world_of_one_are_said_to_have_trained_independently(tmp_path, jobs_dir):
+    """Each rank's own group (world_size=1, rank=0): its all_reduce runs, and averages nothing."""
+    script = _write(tmp_path / "own_world.py", f"""
+        import os, torch, torch.distributed as dist
+        dist.init_process_group("smddp", init_method="file://{tmp_path}/group-" + os.environ["RANK"],
+                                world_size=1, rank=0)
+        t = torch.ones(2)
+        dist.all_reduce(t)
+        assert t.tolist() == [1.0, 1.0]
+    """)
+    job = launch(script, nodes=2, name="own-world")
+    assert job.wait(120) == "succeeded", job.summary() + job.logs(0)
+    _has_all(job.summary(), "The ranks trained independently", 1)
+    talked = launch(_write(tmp_path / "talked.py", """
+        import torch, torch.distributed as dist
+        dist.init_process_group("smddp")
+        dist.all_reduce(torch.ones(2))
+    """), nodes=2, name="talked")
+    assert talked.wait(120) == "succeeded" and talked.warnings == [], talked.summary()
 
 
 # ----------------------------------------------------------------------------------- warm -> cold
