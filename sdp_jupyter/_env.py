@@ -128,6 +128,10 @@ VARIABLES: dict[str, Var] = {v.name: v for v in (
     Var("SDP_PIPELINE_DEPTH", "int (1 or 2)", "2", "engine",
         "chunks in flight on the one-rank-per-node TCP path"),
     Var("SDP_NO_SIMD", "bool", "0", "engine", "1 forces the portable reduction kernels instead of AVX2/F16C"),
+    Var("SDP_PORT_RANGE", "str (LO-HI)", "unset: any free port", "engine",
+        "the ports a job listens on come from this range, both ends included: each node's engine listener, each "
+        "rank's mailbox listener and the MASTER_PORT our launchers pick (open it in the hosts' firewall; parsed "
+        "by sdp_jupyter._net.port_range)"),
     Var("SDP_NO_CMA", "bool", "0", "engine",
         "1 sends large gather, scatter and all_to_all within a node through shared memory instead of reading "
         "the peers' memory; on any one rank it holds for the whole node"),

@@ -109,7 +109,9 @@ PYBIND11_MODULE(_engine, m) {
            }),
            py::arg("rank"), py::arg("node_of_rank"), py::arg("secret"), py::arg("bind_addr") = "127.0.0.1",
            py::arg("timeout") = defaults.timeout_s, py::arg("chunk_bytes") = defaults.chunk_bytes, py::arg("spin") = -1)
-      .def("prepare", &Engine::prepare, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "prepare", [](Engine& e, int port_lo, int port_hi) { return e.prepare(PortRange{port_lo, port_hi}); },
+          py::arg("port_lo") = 0, py::arg("port_hi") = 0, py::call_guard<py::gil_scoped_release>())
       .def("connect", &Engine::connect, py::call_guard<py::gil_scoped_release>())
       .def(
           "submit",
@@ -162,7 +164,9 @@ PYBIND11_MODULE(_engine, m) {
            }),
            py::arg("rank"), py::arg("world_size"), py::arg("secret"), py::arg("bind_addr") = "127.0.0.1",
            py::arg("timeout") = defaults.timeout_s, py::arg("spin") = true)
-      .def("listen", &Mailbox::listen, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "listen", [](Mailbox& mb, int port_lo, int port_hi) { return mb.listen(PortRange{port_lo, port_hi}); },
+          py::arg("port_lo") = 0, py::arg("port_hi") = 0, py::call_guard<py::gil_scoped_release>())
       .def("set_peers", &Mailbox::set_peers)
       .def(
           "isend",

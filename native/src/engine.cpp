@@ -30,8 +30,8 @@ Engine::~Engine() {
   try { shutdown(); } catch (...) {}
 }
 
-std::pair<int, std::string> Engine::prepare() {
-  int port = conns_.prepare(cfg_.bind_addr);
+std::pair<int, std::string> Engine::prepare(PortRange ports) {
+  int port = conns_.prepare(cfg_.bind_addr, ports);
   return {port, shm_.name()};
 }
 

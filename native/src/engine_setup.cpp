@@ -9,11 +9,11 @@
 
 namespace sdp {
 
-int Connections::prepare(const std::string& bind_addr) {
+int Connections::prepare(const std::string& bind_addr, PortRange ports) {
   if (topo_.is_leader()) {
     if (topo_.local_size() > 1) shm_.create();
     if (topo_.num_nodes() > 1 || topo_.local_size() > 1) {
-      listen_fd_ = listen_on(bind_addr, &port_);
+      listen_fd_ = listen_on(bind_addr, &port_, ports);
       acceptor_ = std::thread([this] {
         name_this_thread("sdp-accept");
         acceptor_loop();

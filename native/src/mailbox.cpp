@@ -54,9 +54,9 @@ std::string Mailbox::who(int r) const {
   return s;
 }
 
-int Mailbox::listen() {
+int Mailbox::listen(PortRange ports) {
   int port = 0;
-  listen_fd_ = listen_on(bind_addr_, &port);
+  listen_fd_ = listen_on(bind_addr_, &port, ports);
   if (::pipe2(wake_, O_CLOEXEC | O_NONBLOCK) != 0) throw Error(std::string("mailbox: pipe: ") + std::strerror(errno));
   ep_ = ::epoll_create1(EPOLL_CLOEXEC);
   stop_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);

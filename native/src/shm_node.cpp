@@ -103,11 +103,13 @@ void ShmNode::create() {
   size_ = header_bytes() + size_t(L + 1) * chunk_bytes_ + 2 * size_t(L) * kSmallBytes;
   int fd = shm_open(name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
   if (fd < 0) throw Error("cannot create shared memory " + name_ + ": " + std::strerror(errno));
-  if (ftruncate(fd, off_t(size_)) != 0) {
+  // fallocate, not ftruncate: it reserves the pages now, so a /dev/shm too small (Docker's 64 MiB
+  // default) is this error and not a SIGBUS at the first touch of a page that was never there.
+  if (int rc = posix_fallocate(fd, 0, off_t(size_)); rc != 0) {
     ::close(fd);
     shm_unlink(name_.c_str());
-    throw Error("cannot size shared memory (" + std::to_string(size_) + " bytes): " + std::strerror(errno) +
-                " (is /dev/shm large enough? lower SDP_CHUNK_BYTES)");
+    throw Error("cannot size shared memory in /dev/shm (" + std::to_string(size_) + " bytes): " + std::strerror(rc) +
+                " (/dev/shm is too small for this node's ranks: docker run --shm-size=8g, or lower SDP_CHUNK_BYTES)");
   }
   void* p = mmap(nullptr, size_, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
   ::close(fd);

@@ -113,29 +113,47 @@ std::string peer_address(int fd) {
   return std::string(host) + ":" + serv;
 }
 
-int listen_on(const std::string& addr, int* port_out) {
+// One listening socket on addr:service (service "0": any free port); -1 with *last set when none.
+static int try_listen(const std::string& addr, const std::string& service, std::string* last) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
   hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
   addrinfo* res = nullptr;
-  int rc = getaddrinfo(addr.empty() ? nullptr : addr.c_str(), "0", &hints, &res);
+  int rc = getaddrinfo(addr.empty() ? nullptr : addr.c_str(), service.c_str(), &hints, &res);
   if (rc != 0) throw Error("cannot resolve bind address '" + addr + "': " + gai_strerror(rc) +
                            " (set SDP_BIND_ADDR to an address of this host)");
   int fd = -1;
-  std::string last;
   for (addrinfo* ai = res; ai; ai = ai->ai_next) {
     fd = ::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
     if (fd < 0) continue;
     int one = 1;
     setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
     if (::bind(fd, ai->ai_addr, ai->ai_addrlen) == 0 && ::listen(fd, 128) == 0) break;
-    last = std::strerror(errno);
+    *last = std::strerror(errno);
     ::close(fd);
     fd = -1;
   }
   freeaddrinfo(res);
-  if (fd < 0) throw Error("cannot listen on '" + addr + "': " + last + " (set SDP_BIND_ADDR)");
+  return fd;
+}
+
+int listen_on(const std::string& addr, int* port_out, PortRange range) {
+  std::string last;
+  int fd = -1;
+  if (range.lo <= 0) {
+    fd = try_listen(addr, "0", &last);
+    if (fd < 0) throw Error("cannot listen on '" + addr + "': " + last + " (set SDP_BIND_ADDR)");
+  } else {
+    // Start at a place that differs between processes, so the ranks of a node do not all race
+    // for the range's first port.
+    int n = range.hi - range.lo + 1;
+    int start = int(getpid() % n);
+    for (int i = 0; i < n && fd < 0; ++i) fd = try_listen(addr, std::to_string(range.lo + (start + i) % n), &last);
+    if (fd < 0)
+      throw Error("cannot listen on '" + addr + "': no port of SDP_PORT_RANGE=" + std::to_string(range.lo) + "-" +
+                  std::to_string(range.hi) + " is free (" + last + "): widen the range");
+  }
   sockaddr_storage ss{};
   socklen_t sl = sizeof(ss);
   getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &sl);

@@ -14,6 +14,7 @@ import numpy as np
 
 from sdp_jupyter import _engine
 from sdp_jupyter._env import env_float, env_int, env_str
+from sdp_jupyter._net import port_range
 from sdp_jupyter.comm import usage
 from sdp_jupyter.comm.codes import (COLL_ALLGATHER, COLL_ALLREDUCE, COLL_BROADCAST, COLL_REDUCE_SCATTER,
                                     DEFAULT_CHUNK_BYTES, DEFAULT_TIMEOUT, DTYPES, NUMPY_DTYPES, OPS, EngineError,
@@ -100,13 +101,14 @@ class Communicator(Routes):
     def _connect(self, rank, world_size, store, node, bind_addr, chunk, spin) -> None:
         secret = self._secret
         addr = bind_addr or bind_address()
+        ports = port_range() or (0, 0)  # SDP_PORT_RANGE: both listeners below take their port from it
         # Point-to-point messages (send/recv, gather, scatter, all_to_all) go through the
         # mailbox: its listener is up before anyone learns its address. SDP_SPIN=0 also stops
         # its receives from polling before they sleep.
         self._mailbox = _engine.Mailbox(rank, world_size, secret, addr, self.timeout, spin != 0)
         self.messages = 0  # point-to-point operations posted (sends and receives)
         try:
-            p2p_port = self._mailbox.listen()
+            p2p_port = self._mailbox.listen(*ports)
         except EngineError as exc:
             self._mailbox.shutdown()
             raise SmddpError(str(exc)) from None
@@ -131,7 +133,7 @@ class Communicator(Routes):
 
         self._engine = _engine.Engine(rank, self.node_of_rank, secret, addr, self.timeout, chunk, spin)
         try:
-            port, _ = self._engine.prepare()
+            port, _ = self._engine.prepare(*ports)
             if self._engine.is_leader:
                 self._put(f"leader/{self._engine.node}", json.dumps({"addr": addr, "port": port}).encode())
             leaders = [json.loads(self._take(f"leader/{n}")) for n in range(self._engine.num_nodes)]

@@ -71,7 +71,7 @@ class Engine : private OpState {
   //    It returns the port (0 for non-leaders) and the shared-memory name to publish.
   // 2) connect(): with every node's leader address/port. Local ranks learn the node's shared
   //    memory from their leader over the authenticated connection, never from the store.
-  std::pair<int, std::string> prepare();
+  std::pair<int, std::string> prepare(PortRange ports = {});
   void connect(const std::vector<std::string>& leader_addrs, const std::vector<int>& leader_ports);
 
   uint64_t submit(Coll c, void* buf, size_t count, DType t, ReduceOp op, int root, const void* src = nullptr,

@@ -35,7 +35,7 @@ class Connections {
   Connections(const Connections&) = delete;
   Connections& operator=(const Connections&) = delete;
 
-  int prepare(const std::string& bind_addr);
+  int prepare(const std::string& bind_addr, PortRange ports = {});
   // Returns once every connection of this rank is made, the links are started and the node's
   // shared memory is mapped everywhere (and unlinked); throws Error naming who did not come.
   void connect(const std::vector<std::string>& leader_addrs, const std::vector<int>& leader_ports);

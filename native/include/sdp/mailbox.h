@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "sdp/matching.h"
+#include "sdp/transport.h"
 
 namespace sdp {
 
@@ -57,7 +58,7 @@ class Mailbox : private MatchEvents {
   Mailbox& operator=(const Mailbox&) = delete;
 
   // Opens this rank's listener and starts the threads; returns the port to publish.
-  int listen();
+  int listen(PortRange ports = {});
   // Every rank's listener (index = rank), from the rendezvous.
   void set_peers(std::vector<std::string> addrs, std::vector<int> ports);
 

@@ -51,7 +51,14 @@ struct PeerIdentity {
   uint32_t rank;
 };
 
-int listen_on(const std::string& addr, int* port_out);
+// Ports a listener may take: [lo, hi] inclusive, or any free port when lo is 0 (SDP_PORT_RANGE,
+// for firewalls that open one range).
+struct PortRange {
+  int lo = 0;
+  int hi = 0;
+};
+
+int listen_on(const std::string& addr, int* port_out, PortRange range = {});
 // Connects (non-blocking, retrying until deadline), then runs the client half of the handshake;
 // nothing here waits past `deadline`.
 int connect_to(const std::string& addr, int port, const std::string& secret, const PeerIdentity& me,

@@ -24,7 +24,7 @@ frame, so it is never on a command line, in the host's environment or in a file.
                         error {message}             the agent cannot go on (bad frame, cannot start)
                         session {name, data}        an interactive session's answer file (ready-R,
                                                     done-N-R: launch/rank/session.py), once written
-    launcher -> agent   start {...}  port {}  stop {}  ping {}  bye {}
+    launcher -> agent   start {...}  port {range}  stop {}  ping {}  bye {}   (range: the job's SDP_PORT_RANGE or None)
                         session {}                  this job is a session: send its answers back (or
                                                     "session": true in the start frame)
                         session {name, data}        a cell file for the node's ranks
@@ -111,7 +111,7 @@ class Agent:
                 elif kind == "port":
                     from sdp_jupyter._net import free_port
 
-                    self.send({"type": "port", "port": free_port(self.addr)})
+                    self.send({"type": "port", "port": free_port(self.addr, message.get("range"))})
                 elif kind == "session":
                     self._session(message)
                 elif kind == "interrupt":

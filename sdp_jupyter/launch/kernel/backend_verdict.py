@@ -59,6 +59,12 @@ def verdict(job_dir, asked: str, world_size: int, state: str = "succeeded") -> d
                     f"init_process_group in the script, or {OPTION}; Trainer and accelerate on CPU also need "
                     f"use_cpu=True / Accelerator(cpu=True) (docs/integrations.md)")
         warnings.append(f"the ranks trained independently: {what}")
+    elif (state == "succeeded" and world_size > 1 and complete
+          and all(r.get("group_size") == 1 for r in records.values())):
+        warnings.append(
+            f"the ranks trained independently: each of the {world_size} ranks made a process group of its own "
+            f"(world size 1), so nothing was averaged. Fix: init_process_group without world_size and rank "
+            f"(they come from WORLD_SIZE and RANK), or {OPTION}")
     return {"backend_used": ", ".join(used) if used else None,
             "collectives": min(counts) if known else None,
             "warnings": warnings}

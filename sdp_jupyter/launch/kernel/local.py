@@ -119,7 +119,7 @@ class LocalRun(supervise.Run):
                               **backend_verdict.verdict(job.dir, spec.backend, self.world_size, state))
 
     def _attempt(self, attempt: int, started: float) -> tuple[str, str | None, list]:
-        port = free_port()
+        port = free_port(ports=self.spec.env.get("SDP_PORT_RANGE"))
         script = str(self.job.dir / jobdir.SCRIPT) if self.spec.script is None else self.spec.script
         views = {rank: ViewCut() for rank in range(self.world_size)}
 

@@ -331,7 +331,7 @@ class RemoteRun(supervise.Run):
         return "succeeded", None, codes
 
     def _ask_port(self, conn: Link) -> int:
-        conn.send({"type": "port"})
+        conn.send({"type": "port", "range": self.spec.env.get("SDP_PORT_RANGE")})  # None: the host's own
         deadline = time.monotonic() + HEARTBEAT_TIMEOUT
         held = []
         try:

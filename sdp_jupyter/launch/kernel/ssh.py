@@ -227,6 +227,15 @@ class SSHLink(remote.Link):
             return super().diagnose(code, python) + ", or --python <its interpreter>"
         if code == 127 or "No such file" in said or "not found" in said:
             return f"{python} does not run there ({said or 'exit 127'}). Fix: --python <the interpreter on the host>"
+        everything = " ".join(self.stderr)  # ssh's changed-key banner is longer than `said` keeps
+        if "Host key verification failed" in everything:
+            if "IDENTIFICATION HAS CHANGED" in everything:
+                return (f"its host key is not the one known_hosts has for it, so ssh refused it (Host key "
+                        f"verification failed): the host was reinstalled or re-keyed, or something is in the "
+                        f"middle. Fix: once you know which, `ssh-keygen -R {self.host}`, then add its new key")
+            return (f"its host key is not in known_hosts and ssh refuses unknown hosts (Host key verification "
+                    f"failed). Fix: check the key's fingerprint, then `ssh-keyscan -H {self.host} >> "
+                    f"~/.ssh/known_hosts` (or `ssh {self.host}` once and answer yes)")
         if code == 255:
             return (f"ssh cannot reach it ({said or 'exit 255'}). Fix: make `ssh -o BatchMode=yes {self.host} true` "
                     "work from this machine (host name, key, known_hosts, ~/.ssh/config)")

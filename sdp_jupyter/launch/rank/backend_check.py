@@ -42,6 +42,7 @@ _groups: dict[str, int] = {}       # backend -> groups seen (default and subgrou
 _seq: dict[str, int] = {}          # backend -> collectives counted by torch's sequence numbers
 _uncounted: set[str] = set()       # backends with a group whose collectives could not be counted
 _launcher: dict = {}               # {"backend": ...} once --init-process-group made the default group
+_default_sizes: list[int] = []     # ranks in each default group this rank created, in order
 
 
 # ---------------------------------------------------------------------------------------------- worker side
@@ -146,9 +147,9 @@ def _already_initialized(c10d, asked) -> None:
                      f"{OPTION} so that the script chooses, or call init_process_group() without a backend")
 
 
-def _snapshot(c10d, group) -> list[tuple[str, int | None, bool]]:
-    """(backend, collectives or None, is the default group) of the groups `destroy_process_group(group)`
-    is about to destroy (every group when `group` is None or the default group)."""
+def _snapshot(c10d, group) -> list[tuple[str, int | None, bool, int | None]]:
+    """(backend, collectives or None, is the default group, its size or None) of the groups
+    `destroy_process_group(group)` is about to destroy (every group when `group` is None or the default group)."""
     try:
         if not c10d.is_initialized():
             return []
@@ -165,7 +166,11 @@ def _snapshot(c10d, group) -> list[tuple[str, int | None, bool]]:
                 count = int(pg._get_sequence_number_for_group())
             except Exception:  # noqa: BLE001 - this backend keeps no sequence number (smddp: the engine counts)
                 count = None
-            out.append((name, count, pg is world))
+            try:
+                size = int(pg.size())
+            except Exception:  # noqa: BLE001
+                size = None
+            out.append((name, count, pg is world, size))
         return out
     except Exception:  # noqa: BLE001 - the watch never breaks a job
         return []
@@ -187,9 +192,11 @@ def _backend_name(c10d, pg) -> str:
 
 def _commit(seen) -> None:
     with _lock:
-        for name, count, default in seen:
+        for name, count, default, size in seen:
             if default and (not _defaults or _defaults[-1] != name):
                 _defaults.append(name)
+            if default and size is not None:
+                _default_sizes.append(size)
             _groups[name] = _groups.get(name, 0) + 1
             if count is None:
                 _uncounted.add(name)
@@ -219,6 +226,8 @@ def summary() -> dict:
                   "attempt": env_int("SDP_RESTART", 0)}
         if len(_defaults) > 1:
             record["backends"] = list(_defaults)
+        if _default_sizes:
+            record["group_size"] = max(_default_sizes)  # 1: this rank's default group held it alone
         if engine["communicators"] and "smddp" not in _groups:
             record["engine"] = engine["communicators"]  # sdp_jupyter.comm used directly
         if _launcher:
