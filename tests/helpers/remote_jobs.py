@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import select
+import signal
 import subprocess
 import sys
 import time
@@ -91,6 +92,9 @@ def next_line(proc, timeout: float = 120.0) -> dict:
                 return json.loads(line)
             if not line:
                 break
+    if proc.poll() is None:  # a driver that hangs: its threads' stacks (CELLS_DRIVER registers SIGUSR1)
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(1.0)
     proc.kill()
     raise AssertionError(f"the driver said nothing more; its stderr: {proc.stderr.read()[-3000:]}")
 
@@ -128,20 +132,23 @@ def drive_session(cluster, launch_args: dict, runs: list, env: dict | None = Non
 # Plays the notebook on h0 with an interactive session (launch/kernel/session.py) on remote hosts: cells
 # through the agents, a failure, an interrupt, stop; one JSON line per step.
 CELLS_DRIVER = r'''
-import json, os, signal, socket, sys, threading
+import faulthandler, json, os, signal, socket, sys, threading
+# A notebook kernel takes SIGINT as KeyboardInterrupt even when it was started with SIGINT ignored (as
+# from CI's background shell: the ignore is inherited, and Python then installs no handler); so does
+# this stand-in, or the interrupt step's SIGINT would do nothing and the cell run forever.
+signal.signal(signal.SIGINT, signal.default_int_handler)
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # next_line() asks for the stacks of a driver that hangs
 from sdp_jupyter.launch import JobSpec
 from sdp_jupyter.launch.kernel import session as sessions
 args = json.loads(sys.argv[1])
-failure_step = args.pop("_failure_step", True)
 s = sessions.start(JobSpec(code="pass", **args))
 say = lambda **kw: print(json.dumps(kw), flush=True)
 say(ready=s.status())
 r = s.run("import socket, torch, torch.distributed as dist\nt = torch.ones(256) * (dist.get_rank() + 1)\n"
           "dist.all_reduce(t)\n(socket.gethostname(), t[0].item())", want="gather")
 say(gather=[r.value(i) for i in range(s.job.world_size)], failed=r.failed, seconds=r.seconds)
-if failure_step:
-    r = s.run("if dist.get_rank() == 2:\n    raise RuntimeError('host three is unhappy')\ndist.all_reduce(t)\n")
-    say(failed=r.failed, message=r.message())
+r = s.run("if dist.get_rank() == 2:\n    raise RuntimeError('host three is unhappy')\ndist.all_reduce(t)\n")
+say(failed=r.failed, message=r.message())
 threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
 try:
     s.run("import time\nwhile True:\n    time.sleep(0.05)\n")
@@ -154,18 +161,15 @@ say(stopped=s.stop(), error=s.job.error)
 '''
 
 
-def drive_cells(cluster, launch_args: dict, host_names: list, env: dict | None = None,
-                failure_step: bool = True) -> None:
-    """Run CELLS_DRIVER on h0 with these JobSpec fields and check each step (N ranks on `host_names`).
-    `failure_step`: include the cell that raises on rank 2 and the reconnect that follows."""
-    launch_args = {**launch_args, "_failure_step": failure_step}
+def drive_cells(cluster, launch_args: dict, host_names: list, env: dict | None = None) -> None:
+    """Run CELLS_DRIVER on h0 with these JobSpec fields and check each step (N ranks on `host_names`)."""
     full = dict(env or os.environ)
     full["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), full.get("PYTHONPATH")]))
     proc = cluster.popen(0, [sys.executable, "-c", CELLS_DRIVER, json.dumps(launch_args)], env=full, text=True,
                          stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     n = len(host_names)
     try:
-        _cells_steps(proc, n, host_names, failure_step)
+        _cells_steps(proc, n, host_names)
     except AssertionError as e:  # what the ranks said, for a step that hung or went wrong
         raise AssertionError(f"{e}\n{_job_logs(launch_args.get('jobs_dir'))}") from None
     finally:
@@ -181,17 +185,16 @@ def _job_logs(jobs_dir) -> str:
     return "\n".join(out)[-6000:] or "(no job logs)"
 
 
-def _cells_steps(proc, n: int, host_names: list, failure_step: bool) -> None:
+def _cells_steps(proc, n: int, host_names: list) -> None:
     ready = next_line(proc, timeout=180)["ready"]
     assert ready["alive"] and sorted(set(ready["hosts"].values())) == sorted(host_names), ready
     line = next_line(proc)
     total = n * (n + 1) / 2
     assert line["failed"] == [] and [v for _, v in line["gather"]] == [total] * n, line
     assert sorted(h for h, _ in line["gather"]) == sorted(host_names)
-    if failure_step:
-        line = next_line(proc)
-        assert 2 in line["failed"] and "RuntimeError: host three is unhappy" in line["message"], line
-        assert "process group reconnected" in line["message"]
+    line = next_line(proc)
+    assert 2 in line["failed"] and "RuntimeError: host three is unhappy" in line["message"], line
+    assert "process group reconnected" in line["message"]
     line = next_line(proc)
     ranks = ", ".join(map(str, range(n)))
     assert line["interrupted"] and f"interrupted on rank(s) {ranks}" in line["message"], line

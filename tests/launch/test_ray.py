@@ -248,5 +248,5 @@ def test_warm_starts_on_ray_nodes_match_cold_and_end_with_the_notebook(ray_hosts
 def test_a_session_on_ray_nodes_keeps_its_ranks_between_cells(ray_hosts, tmp_path):
     """The session's cells and answers ride the agents' frames through the Ray actors."""
     args = {"target": "ray", "ray": {"address": ray_hosts.address}, "jobs_dir": str(tmp_path / "jobs"), "nodes": 4}
-    drive_cells(ray_hosts.cluster, args, ["h0", "h1", "h2", "h3"], env=ray_hosts.env, failure_step=False)
+    drive_cells(ray_hosts.cluster, args, ["h0", "h1", "h2", "h3"], env=ray_hosts.env)
     assert _wait_clean(ray_hosts.cluster, 10) == {}

@@ -65,5 +65,5 @@ def test_pushed_values_arrive_and_a_dead_rank_ends_the_session_naming_it(jobs_di
 def test_a_session_on_the_ssh_hosts_keeps_its_ranks_between_cells(ssh_hosts, hosts, tmp_path):
     args = {"target": "ssh", "ssh": {"hosts": ssh_hosts.hosts, "config": str(ssh_hosts.config)},
             "jobs_dir": str(tmp_path / "jobs")}
-    drive_cells(ssh_hosts.cluster, args, ["h1", "h2", "h3"], failure_step=False)
+    drive_cells(ssh_hosts.cluster, args, ["h1", "h2", "h3"])
     assert ssh_hosts.wait_clean(10) == {}

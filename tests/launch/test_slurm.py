@@ -254,5 +254,5 @@ def test_what_slurm_would_refuse_is_refused_before_anything_is_queued(slurm_host
 def test_a_session_keeps_its_ranks_in_an_allocation(slurm_hosts, tmp_path):
     """An interactive session (docs/session.md) on Slurm: the cells reach the ranks through the agents."""
     drive_cells(slurm_hosts.cluster, {"target": "slurm", "nodes": 3, "jobs_dir": str(tmp_path / "jobs")},
-                slurm_hosts.names, env=slurm_hosts.env(), failure_step=False)
+                slurm_hosts.names, env=slurm_hosts.env())
     assert slurm_hosts.wait_clean(30) == {}
