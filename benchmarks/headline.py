@@ -21,7 +21,7 @@ it, keeping the ratio of communication to compute of SMDDP's BERT-large runs on 
 so at 2 hosts the gradients need half a step's compute to cross the link, as on p3dn. Reported per
 layout and mode: samples/s (4 samples per rank per step), scaling efficiency against one host of
 the same mode, and the ratio to DDP on gloo measured in the same run. JSON to
-benchmarks/results/headline.json, and a plotly figure (HTML) beside it when plotly is installed.
+benchmarks/results/headline.json, and a plotly figure (HTML) to docs/assets/headline.html when plotly is installed.
 
 Bounds: per link a ring over H x L ranks moves 2(HL-1)/HL of the gradients, the node-level
 algorithm 2(H-1)/H; so where communication dominates smddp can be at most x1.75 gloo at 2 x 4 and
@@ -170,6 +170,7 @@ def plot(rows: list, path: str) -> str | None:
     fig.update_layout(title="BERT-large-shaped data parallel training across test hosts (bar label: scaling "
                             "efficiency against one host)", xaxis_title="hosts x ranks per host",
                       yaxis_title="samples/s", barmode="group")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.write_html(path, include_plotlyjs="cdn")
     return path
 
@@ -190,6 +191,8 @@ def main() -> int:
     ap.add_argument("--fwd-s", type=float, default=0.0, help=argparse.SUPPRESS)
     ap.add_argument("--bwd-s", type=float, default=0.0, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=os.path.join(HERE, "results", "headline.json"))
+    ap.add_argument("--plot", default=os.path.join(os.path.dirname(HERE), "docs", "assets", "headline.html"),
+                    help="where the plotly figure goes (default docs/assets/headline.html: the docs show it)")
     a = ap.parse_args()
     if a.worker:
         worker(a.mode, a.blocks, a.fwd_s, a.bwd_s, a.steps, a.warmup, a.out)
@@ -236,7 +239,7 @@ def main() -> int:
                    "grad_bytes": grad_bytes, "rate": a.rate, "compute_s": compute, "ratio": a.ratio,
                    "steps": a.steps, "rows": rows}, f, indent=1)
     print(f"results: {a.out}")
-    html = plot(rows, os.path.splitext(a.out)[0] + ".html")
+    html = plot(rows, a.plot)
     if html:
         print(f"plot: {html}")
     return 0
