@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 from sdp_jupyter.doctor.report import FAIL, INFO, OK, WARN, Report
-from sdp_jupyter._env import env_str
+from sdp_jupyter._env import FALSE, env_str
 
 SHM_WARN_BYTES = 1 << 30  # below this, /dev/shm is WARN (Docker's default is 64 MiB)
 _MIB = 1 << 20
@@ -169,7 +169,7 @@ def check_engine(r: Report) -> None:
     if problem is not None:
         r.add("engine", FAIL, what, problem, brief="engine exports std:: symbols")
         return
-    if isa == "portable" and "avx2" in _cpu_flags() and env_str("SDP_NO_SIMD", "").strip().lower() in ("", "0", "false", "no", "off"):
+    if isa == "portable" and "avx2" in _cpu_flags() and env_str("SDP_NO_SIMD", "").strip().lower() in FALSE | {""}:
         r.add("engine", WARN, what, "the CPU has AVX2 but the engine runs its portable kernels (slower reductions): "
               "it was built with SDP_PORTABLE=1; rebuild without it (pip install -e .)", brief="engine portable kernels")
         return
