@@ -61,37 +61,9 @@ def block_params() -> int:
 
 
 def build(blocks: int, fwd_s: float, bwd_s: float):
-    import torch
+    from models import sleeping_model
 
-    class Block(torch.autograd.Function):
-        """Identity on activations; 'computes' for a fixed time; gives each parameter a real gradient."""
-
-        @staticmethod
-        def forward(ctx, x, *params):
-            ctx.shapes = [p.shape for p in params]
-            time.sleep(fwd_s)
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx, g):
-            time.sleep(bwd_s)
-            return (g,) + tuple(torch.full(s, 1e-3) for s in ctx.shapes)
-
-    class Model(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.blocks = torch.nn.ModuleList()
-            for _ in range(blocks):
-                m = torch.nn.Module()
-                m.p = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(s)) for s in BLOCK])
-                self.blocks.append(m)
-
-        def forward(self, x):
-            for b in self.blocks:
-                x = Block.apply(x, *b.p)
-            return x
-
-    return Model()
+    return sleeping_model([BLOCK] * blocks, fwd_s, bwd_s)
 
 
 def worker(mode: str, blocks: int, fwd_s: float, bwd_s: float, steps: int, warmup: int, out: str) -> None:

@@ -23,6 +23,46 @@ class TinyTransformer(torch.nn.Module):
         return self.head(self.body(self.emb(tokens) + self.pos[: tokens.shape[1]]))
 
 
+def sleeping_model(layers: list, fwd_s: float, bwd_s: float, grad_value=lambda i: 1e-3) -> torch.nn.Module:
+    """A model whose compute is simulated, as a GPU would do it while leaving the CPU to communication
+    (benchmarks/scaling.py, benchmarks/headline.py): layer i holds parameters of the shapes in
+    `layers[i]`; its forward sleeps `fwd_s` and passes its input on, its backward sleeps `bwd_s` and
+    gives every parameter a real gradient filled with `grad_value(i)`, so real gradient bytes flow
+    and every rank's averaged gradient is checkable."""
+    import time
+
+    class Sleep(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, grads, *params):
+            ctx.grads = grads
+            time.sleep(fwd_s)
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            time.sleep(bwd_s)
+            return (g, None, *ctx.grads)
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList()
+            # the gradients the layers "compute", made once: fixed values, no allocation per step
+            self.grads = []
+            for i, shapes in enumerate(layers):
+                m = torch.nn.Module()
+                m.p = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(s)) for s in shapes])
+                self.layers.append(m)
+                self.grads.append([torch.full(s, grad_value(i)) for s in shapes])
+
+        def forward(self, x):
+            for m, grads in zip(self.layers, self.grads):
+                x = Sleep.apply(x, grads, *m.p)
+            return x
+
+    return Model()
+
+
 def make(name: str):
     """(model, batch(step) -> (inputs, loss_fn))"""
     if name == "mlp25m":

@@ -26,36 +26,10 @@ sys.path.insert(0, HERE)
 
 
 def build(params: int, layers: int, fwd_s: float, bwd_s: float):
-    import torch
+    from models import sleeping_model
 
-    class SleepLayer(torch.autograd.Function):
-        """Identity on activations; 'computes' for a fixed time; gives its parameter a real gradient."""
-
-        @staticmethod
-        def forward(ctx, x, p, grad):
-            ctx.grad = grad
-            time.sleep(fwd_s)
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx, g):
-            time.sleep(bwd_s)
-            return g, ctx.grad, None
-
-    class Model(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            n = params // layers
-            self.weights = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(n)) for _ in range(layers)])
-            # the gradient each layer "computes": fixed values, so every rank's result is checkable
-            self.grads = [torch.full((n,), 1e-3 * (i + 1)) for i in range(layers)]
-
-        def forward(self, x):
-            for p, g in zip(self.weights, self.grads):
-                x = SleepLayer.apply(x, p, g)
-            return x
-
-    return Model()
+    # layer i's gradient is 1e-3 * (i + 1): every rank's result is checkable
+    return sleeping_model([[(params // layers,)]] * layers, fwd_s, bwd_s, lambda i: 1e-3 * (i + 1))
 
 
 def worker(mode: str, params: int, layers: int, fwd_s: float, bwd_s: float, steps: int, warmup: int) -> None:
@@ -88,7 +62,7 @@ def worker(mode: str, params: int, layers: int, fwd_s: float, bwd_s: float, step
     elapsed = time.perf_counter() - t0
     # every rank's gradient is the mean of identical per-rank gradients: check one value
     expect = 1e-3 * layers
-    got = float(model.weights[-1].grad[0])
+    got = float(list(model.parameters())[-1].grad[0])
     out = {"rank": dist.get_rank(), "steps_per_s": steps / elapsed, "grad_ok": abs(got - expect) < 1e-6 * layers}
     if exposed:
         out["exposed_comm_s"] = sum(exposed) / len(exposed)
