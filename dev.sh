@@ -45,15 +45,16 @@ install_test_hosts() {
     # iproute2 (ip, tc) for the cluster-in-a-box test hosts (sdp_jupyter.testing.cluster),
     # openssh (client and sshd) for the SSH target's tests: an sshd runs on each test host, and
     # Slurm (slurm-wlm, munge) for the Slurm target's: slurmctld and slurmd run on the test hosts
-    # (sdp_jupyter.testing.slurm). No daemon is started here; the tests start and stop them by PID.
-    if ! command -v ip >/dev/null 2>&1 || ! command -v tc >/dev/null 2>&1 \
+    # (sdp_jupyter.testing.slurm), strace for the engine test that widens a race on purpose
+    # (tests/engine/test_barrier_race.py). No daemon is started here; the tests start and stop them by PID.
+    if ! command -v ip >/dev/null 2>&1 || ! command -v tc >/dev/null 2>&1 || ! command -v strace >/dev/null 2>&1 \
             || ! command -v ssh >/dev/null 2>&1 || [ ! -x /usr/sbin/sshd ] \
             || [ ! -x /usr/sbin/slurmctld ] || [ ! -x /usr/sbin/slurmd ] || [ ! -x /usr/sbin/munged ]; then
-        echo "[dev.sh] installing iproute2, openssh and Slurm for the network-namespace test hosts"
+        echo "[dev.sh] installing iproute2, openssh, Slurm and strace for the test hosts and engine tests"
         if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
         $SUDO apt-get update -q >/dev/null
         DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends \
-            iproute2 openssh-client openssh-server slurm-wlm munge >/dev/null
+            iproute2 openssh-client openssh-server slurm-wlm munge strace >/dev/null
         # Debian's packages may start their own daemons where an init system runs: the tests want none
         $SUDO pkill -x slurmctld 2>/dev/null || true; $SUDO pkill -x slurmd 2>/dev/null || true
         $SUDO pkill -x munged 2>/dev/null || true

@@ -359,3 +359,28 @@ def all_reduce_timed(n: int, repeats: int):
     took = time.monotonic() - t0
     comm.shutdown()
     return {"took": took, "first": float(x[0])}
+
+
+def leader_leaves_after_last_barrier(folder: str):
+    """Two ranks of one node. Rank 1 writes its pid to folder/pid and enters an all_reduce once
+    folder/go exists (the test has slowed its health probes meanwhile); rank 0, the leader, arrives
+    a moment later, so it is the last into the collective's barrier, then shuts down at once. Rank
+    1 must still get the sum: every rank reached the barrier."""
+    c = comm.init(timeout=30)
+    x = np.full(4, float(c.rank + 1), dtype=np.float32)
+    c.all_reduce(x)  # set-up done on both sides
+    if c.rank == 1:
+        with open(os.path.join(folder, "pid.tmp"), "w") as f:
+            f.write(str(os.getpid()))
+        os.rename(os.path.join(folder, "pid.tmp"), os.path.join(folder, "pid"))
+    while not os.path.exists(os.path.join(folder, "go")):
+        time.sleep(0.01)
+    if c.rank == 0:
+        # rank 1 is in the barrier by now, and half-way through one of its slowed probes: they
+        # take 3 s each, back to back from the tracer's attach 1 s before `go` (test_barrier_race)
+        time.sleep(6.5)
+    x[:] = c.rank + 1
+    c.all_reduce(x)
+    if c.rank == 0:
+        comm.shutdown()  # closes the node's connections while rank 1 may still be asleep
+    return x.tolist()

@@ -97,7 +97,7 @@ class Engine : private OpState {
   void execute_front(std::unique_lock<std::mutex>& lk);
   void run(const Work& w);
   [[noreturn]] void fail(const std::string& msg, bool remote = false) override;
-  void check_health() override;
+  void check_health(const std::function<bool()>* settled = nullptr) override;
   void idle_check();
 
   EngineConfig cfg_;

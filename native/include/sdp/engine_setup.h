@@ -14,6 +14,7 @@
 #pragma once
 #include <atomic>
 #include <condition_variable>
+#include <functional>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -43,7 +44,7 @@ class Connections {
 
   // Raises (op.fail) a local rank that exited or closed its liveness socket: the leader checks its
   // local ranks, a local rank its leader. Notes a clean goodbye.
-  void check_local_ranks();
+  void check_local_ranks(const std::function<bool()>* settled = nullptr);
 
   // The acceptor gives up (the engine stops); the listener closes with it.
   void stop_accepting() { stopping_.store(true); }

@@ -2,6 +2,7 @@
 // shared-memory node and the collectives share so that every error names the right ranks.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -42,8 +43,10 @@ class OpState {
   double deadline = 0;    // when it times out (now_s() clock)
   double timeout_s = 0;   // the configured per-collective timeout, for messages
   [[noreturn]] virtual void fail(const std::string& msg, bool remote = false) = 0;
-  // Raises the node's published error, or a local rank that died or left.
-  virtual void check_health() = 0;
+  // Raises the node's published error, or a local rank that died or left; unless `settled` is
+  // given and says the wait that asked is over by now (a rank that passed a barrier every rank
+  // reached may finish and shut down before a slow peer wakes: that must not fail the barrier).
+  virtual void check_health(const std::function<bool()>* settled = nullptr) = 0;
 };
 
 // "2.5", "300", "0.001": a number of seconds for a message (printf's %g; no iostreams).
