@@ -10,10 +10,12 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
-# Shared fixtures (tests/helpers/): the cluster-in-a-box hosts, an sshd on them, a Ray cluster and a Slurm cluster on them,
+# Shared fixtures (tests/helpers/), after the plugin that makes a SIGTERM tear them all down (terminate):
+# the cluster-in-a-box hosts, an sshd on them, a Ray cluster and a Slurm cluster on them,
 # the local AWS stand-in (moto) for the SageMaker tests.
 # Session-scoped ones start on first use and are shared by every module that asks for them.
-pytest_plugins = ["helpers.cluster", "helpers.sshd", "helpers.raycluster", "helpers.slurmcluster", "helpers.moto"]
+pytest_plugins = ["helpers.terminate", "helpers.cluster", "helpers.sshd", "helpers.raycluster", "helpers.slurmcluster",
+                  "helpers.moto"]
 
 
 def pytest_collection_modifyitems(session, config, items):

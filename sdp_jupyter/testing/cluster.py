@@ -37,6 +37,8 @@ PREFIX = "sdptb"                 # every namespace this module makes starts with
 STATE_ROOT = Path("/run/sdp-testbed")
 SUBNET = "10.213.0"              # a private test range; traffic goes only to these test hosts
 _LIVE: set["Cluster"] = set()
+# The SIGTERM handler the first live cluster replaced (restored when the last one closes).
+_TERM_BEFORE: list = []
 
 
 def _sh(*argv: str, check: bool = True, input: str | None = None) -> subprocess.CompletedProcess:
@@ -90,7 +92,6 @@ class Cluster:
         self.addresses = [f"{SUBNET}.{i + 1}" for i in range(hosts)]
         self._procs: list[subprocess.Popen] = []
         self._up = False
-        self._old_term = None
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> "Cluster":
@@ -107,8 +108,8 @@ class Cluster:
         clean()  # what a killed run left (its owner is gone): it would otherwise stay until someone runs `clean`
         _LIVE.add(self)
         self._up = True
-        if self._old_term is None and _is_main_thread():
-            self._old_term = signal.signal(signal.SIGTERM, _on_sigterm)
+        if _is_main_thread() and signal.getsignal(signal.SIGTERM) is not _on_sigterm:
+            _TERM_BEFORE[:] = [signal.signal(signal.SIGTERM, _on_sigterm)]
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             (self.dir / "owner").write_text(str(os.getpid()))
@@ -165,9 +166,8 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 pass
         _LIVE.discard(self)
-        if self._old_term is not None and _is_main_thread():
-            signal.signal(signal.SIGTERM, self._old_term)
-            self._old_term = None
+        if not _LIVE and _TERM_BEFORE and _is_main_thread():
+            signal.signal(signal.SIGTERM, _TERM_BEFORE.pop())
 
     # ------------------------------------------------------------------ processes
     def enter(self, host: int, cwd: str | os.PathLike | None = None) -> list[str]:
@@ -268,9 +268,16 @@ def _is_main_thread() -> bool:
 
 
 def _on_sigterm(signum, frame):
-    # Tear every live cluster down, then die of SIGTERM as the process would have: raising
-    # SystemExit instead would be caught by a test runner, which then goes on with the hosts gone.
+    # Tear every live cluster down, then do what the process would have done without us: call the
+    # handler that was there before (the suite's turns SIGTERM into an interrupt, so pytest stops
+    # and tears its other fixtures down too: tests/helpers/terminate.py), or die of SIGTERM. Raising
+    # SystemExit here instead would be caught by a test runner, which then goes on with the hosts gone.
+    before = _TERM_BEFORE[0] if _TERM_BEFORE else signal.SIG_DFL
     _close_all()
+    if callable(before):
+        signal.signal(signal.SIGTERM, before)
+        before(signum, frame)
+        return
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.kill(os.getpid(), signal.SIGTERM)
 
