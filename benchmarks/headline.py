@@ -20,7 +20,10 @@ it, keeping the ratio of communication to compute of SMDDP's BERT-large runs on 
 
 so at 2 hosts the gradients need half a step's compute to cross the link, as on p3dn. Reported per
 layout and mode: samples/s (4 samples per rank per step), scaling efficiency against one host of
-the same mode, and the ratio to DDP on gloo measured in the same run. JSON to
+the same mode, and the ratio to DDP on gloo measured in the same run; and, as in
+benchmarks/cluster.py, how busy the whole machine was during the timed steps and the longest time a
+rank waited for a core per step (its run-queue wait): where that is a large part of the step, the
+machine rather than the links or the algorithm sets the pace. JSON to
 benchmarks/results/headline.json, and a plotly figure (HTML) to docs/assets/headline.html when plotly is installed.
 
 Bounds: per link a ring over H x L ranks moves 2(HL-1)/HL of the gradients, the node-level
@@ -40,7 +43,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from cluster import rank_env  # noqa: E402
+from cluster import machine_share, machine_ticks, rank_env, sched_ns  # noqa: E402
 
 HIDDEN, FFN = 1024, 4096
 # BERT-large's encoder block: (shape of each parameter tensor)
@@ -85,18 +88,21 @@ def worker(mode: str, blocks: int, fwd_s: float, bwd_s: float, steps: int, warmu
     for i in range(warmup + steps):
         if i == warmup:
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, m0, (_, wait0) = time.perf_counter(), machine_ticks(), sched_ns()
         for p in model.parameters():
             p.grad = None
         ddp(x).sum().backward()
     dist.barrier()
     elapsed = time.perf_counter() - t0
+    share, (_, wait1) = machine_share(m0, machine_ticks()), sched_ns()
     ok = all(abs(float(p.grad.view(-1)[0]) - 1e-3) < 1e-7 for p in model.parameters())
-    agg = torch.tensor([elapsed, 0.0 if ok else 1.0], dtype=torch.float64)
+    # the slowest rank's time, and the longest any rank was ready to run without a core (per step)
+    agg = torch.tensor([elapsed, 0.0 if ok else 1.0, (wait1 - wait0) / 1e9 / steps], dtype=torch.float64)
     dist.all_reduce(agg, op=dist.ReduceOp.MAX)
     if dist.get_rank() == 0:
         with open(out, "w") as f:
-            json.dump({"elapsed_s": agg[0].item(), "grad_ok": agg[1].item() == 0.0}, f)
+            json.dump({"elapsed_s": agg[0].item(), "grad_ok": agg[1].item() == 0.0, "machine_busy": share["busy"],
+                       "runq_s_per_step_max": agg[2].item()}, f)
     dist.destroy_process_group()
 
 
@@ -187,24 +193,29 @@ def main() -> int:
     print(f"machine: {os.cpu_count()} cpus, load {load:.2f}; model {params / 1e6:.1f}M parameters "
           f"({a.blocks} BERT-large blocks, {params / BERT_LARGE_PARAMS:.3f} of BERT-large), gradients "
           f"{grad_bytes / 2**20:.0f} MiB fp32; links {a.rate}; simulated compute {compute:.2f} s per step", flush=True)
-    print(f"{'layout':<14} {'mode':<11} {'samples/s':>10} {'efficiency':>10} {'vs gloo':>8}")
+    print(f"{'layout':<14} {'mode':<11} {'samples/s':>10} {'efficiency':>10} {'vs gloo':>8} {'busy':>6} "
+          f"{'core wait':>11}")
     rows, base = [], {}
     for hosts in [int(h) for h in a.hosts.split(",")]:
         with Cluster(hosts=hosts, rate=a.rate) as c:
-            measured = {}
+            measured, waits = {}, {}
             for mode in MODES:
                 res = run(c, hosts, a.per_host, mode, common)
                 world = hosts * a.per_host
                 measured[mode] = world * SAMPLES_PER_RANK * a.steps / res["elapsed_s"]
+                waits[mode] = res
             for mode in MODES:
                 sps = measured[mode]
                 base.setdefault(mode, (sps, hosts))
                 eff = sps / (base[mode][0] * hosts / base[mode][1])
                 row = {"hosts": hosts, "per_host": a.per_host, "mode": mode, "samples_per_s": sps,
-                       "efficiency": eff, "ratio_vs_gloo": sps / measured["ddp-gloo"], "load": os.getloadavg()[0]}
+                       "efficiency": eff, "ratio_vs_gloo": sps / measured["ddp-gloo"], "load": os.getloadavg()[0],
+                       "machine_busy": waits[mode]["machine_busy"],
+                       "runq_s_per_step_max": waits[mode]["runq_s_per_step_max"]}
                 rows.append(row)
                 print(f"{hosts} x {a.per_host:<10} {mode:<11} {sps:>10.2f} {100 * eff:>9.0f}% "
-                      f"x{row['ratio_vs_gloo']:>6.2f}", flush=True)
+                      f"x{row['ratio_vs_gloo']:>6.2f} {100 * row['machine_busy']:>5.0f}% "
+                      f"{row['runq_s_per_step_max'] * 1e3:>8.0f} ms", flush=True)
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump({"command": " ".join(sys.argv), "cpus": os.cpu_count(), "load": load, "params": params,
