@@ -167,7 +167,9 @@ class Cluster:
                 pass
         _LIVE.discard(self)
         if not _LIVE and _TERM_BEFORE and _is_main_thread():
-            signal.signal(signal.SIGTERM, _TERM_BEFORE.pop())
+            before = _TERM_BEFORE.pop()
+            if before is not None:  # None: a handler not set from Python, which Python cannot put back
+                signal.signal(signal.SIGTERM, before)
 
     # ------------------------------------------------------------------ processes
     def enter(self, host: int, cwd: str | os.PathLike | None = None) -> list[str]:

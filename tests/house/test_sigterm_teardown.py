@@ -77,6 +77,13 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _kill_daemon(out: Path) -> None:
+    """Whatever the outcome, the inner run's daemon does not outlive this test."""
+    pid_file = out / "daemon"
+    if pid_file.exists() and _alive(int(pid_file.read_text())):
+        os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+
 @pytest.mark.parametrize("with_hosts", [False, True], ids=["fixtures", "fixtures-and-test-hosts"])
 def test_sigterm_tears_every_fixture_down(tmp_path, with_hosts):
     if with_hosts and test_hosts.available():
@@ -91,8 +98,7 @@ def test_sigterm_tears_every_fixture_down(tmp_path, with_hosts):
             left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
             assert name not in left, f"test host namespaces left: {left}"
     finally:
-        if (tmp_path / "daemon").exists() and _alive(int((tmp_path / "daemon").read_text())):
-            os.kill(int((tmp_path / "daemon").read_text()), signal.SIGKILL)
+        _kill_daemon(tmp_path)
 
 
 def test_without_the_plugin_the_daemon_would_outlive_the_run(tmp_path):
@@ -102,5 +108,4 @@ def test_without_the_plugin_the_daemon_would_outlive_the_run(tmp_path):
         assert not (tmp_path / "torn-down").exists()
         assert _alive(int((tmp_path / "daemon").read_text()))
     finally:
-        if (tmp_path / "daemon").exists() and _alive(int((tmp_path / "daemon").read_text())):
-            os.kill(int((tmp_path / "daemon").read_text()), signal.SIGKILL)
+        _kill_daemon(tmp_path)
