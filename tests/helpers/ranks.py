@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import pickle
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -28,10 +29,11 @@ class RankResult:
     output: str = ""
 
 
-def start_ranks(target: str, world: int, per_node: int, args=(), env=None, secret=None, tmp=None, wrap=None,
+def start_ranks(target: str, world: int, per_node: int, args=(), env=None, secret=None, wrap=None,
                 master_addr: str = "127.0.0.1"):
-    """`wrap(rank)` -> an argv prefix (e.g. a test host's nsenter) to start that rank under."""
-    tmp = tmp or tempfile.mkdtemp(prefix="sdp-ranks-")
+    """`wrap(rank)` -> an argv prefix (e.g. a test host's nsenter) to start that rank under. Returns the
+    processes and their own folder, which `collect` removes."""
+    tmp = tempfile.mkdtemp(prefix="sdp-ranks-")
     args_path = os.path.join(tmp, "args.pkl")
     with open(args_path, "wb") as f:
         pickle.dump(tuple(args), f)
@@ -62,6 +64,8 @@ def start_ranks(target: str, world: int, per_node: int, args=(), env=None, secre
 
 
 def collect(procs, tmp, timeout: float = 120.0) -> list[RankResult]:
+    """Wait for the ranks, read their results and logs, and remove `tmp` (each rank's output is in its
+    RankResult): a full run starts thousands of ranks and once filled the disk with their folders."""
     deadline = time.monotonic() + timeout
     for p in procs:
         try:
@@ -86,6 +90,7 @@ def collect(procs, tmp, timeout: float = 120.0) -> list[RankResult]:
         elif p in timed_out:
             res.error = f"rank {r} did not finish within {timeout} s"
         results.append(res)
+    shutil.rmtree(tmp, ignore_errors=True)
     return results
 
 
