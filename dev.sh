@@ -14,7 +14,18 @@ ROOT=$(pwd)
 PY=${PYTHON:-python3}
 VENV="$ROOT/.venv"
 
+need_space() {  # $1: a folder, $2: GiB it needs free, $3: what for. A full disk otherwise fails deep in pip or a test.
+    local free
+    free=$(df -Pk "$1" | awk 'NR == 2 {print int($4 / 1048576)}')
+    if [ "$free" -lt "$2" ]; then
+        echo "[dev.sh] only ${free} GiB free in $1; $3 needs about $2 GiB. Free some space (old clones, their .venv) and run again." >&2
+        exit 1
+    fi
+}
+
 bootstrap() {  # $1: the extras to install (test: everything the suite needs; notebooks: the main job's)
+    [ -x "$VENV/bin/python" ] || need_space "$ROOT" 4 "a new .venv (torch, JupyterLab, Ray and the test extras)"
+    need_space "${TMPDIR:-/tmp}" 1 "the jobs' and tests' temporary folders"
     [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
     "$VENV/bin/python" -c "import torch" 2>/dev/null || "$VENV/bin/pip" install -q torch==2.13.0
     echo "[dev.sh] installing sdp_jupyter[$1] into .venv (compiles native/: needs a C++17 compiler and Python headers)"
