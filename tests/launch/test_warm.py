@@ -141,18 +141,20 @@ assert pool.ready() is None, pool.ready()
 job = LocalLauncher(warm=True).start(JobSpec(script=sys.argv[1], nodes=2, backend="gloo"))
 while "up" not in job.logs(1):
     time.sleep(0.1)
-print(json.dumps({"pool": pool.proc.pid, "ranks": job.status["pids"], "start": job.status["start"]}), flush=True)
+print(json.dumps({"pool": pool.proc.pid, "socket": pool.path, "ranks": job.status["pids"], "start": job.status["start"]}),
+      flush=True)
 time.sleep(300)
 """
 
 
-def test_killing_the_owner_leaves_neither_pool_nor_rank(tmp_path, jobs_dir):
+def test_killing_the_owner_leaves_neither_pool_nor_rank_nor_socket(tmp_path, jobs_dir):
     sleepy = write(tmp_path / "sleepy.py", "import time\nprint('up', flush=True)\ntime.sleep(300)\n")
     owner = subprocess.Popen([sys.executable, "-c", OWNER, sleepy], stdout=subprocess.PIPE, text=True)
     info = json.loads(owner.stdout.readline())
     assert info["start"] == "warm"
     pids = [info["pool"]] + info["ranks"]
     assert all(psutil.pid_exists(p) for p in pids)
+    assert os.path.exists(info["socket"])
     owner.kill()  # the kernel dies
     owner.wait(30)
     deadline = time.monotonic() + 15
@@ -162,6 +164,7 @@ def test_killing_the_owner_leaves_neither_pool_nor_rank(tmp_path, jobs_dir):
             break
         time.sleep(0.2)
     assert left == []
+    assert not os.path.exists(os.path.dirname(info["socket"]))  # the server removed its folder as it went
 
 
 def test_unsafe_pool_falls_back_to_cold_with_a_reason(monkeypatch):

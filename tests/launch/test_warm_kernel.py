@@ -114,5 +114,8 @@ def test_sdp_warm_makes_the_first_job_warm_and_killing_the_kernel_leaves_nothing
     assert st["start"] == "warm"
     pids = [pool_pid(kc)] + st["pids"]
     assert all(psutil.pid_exists(p) for p in pids)
+    folder = os.path.dirname(run_ok(kc, "print(warm_pool._POOL.path)").strip())
+    assert os.path.isdir(folder)
     os.kill(km.provisioner.pid, signal.SIGKILL)  # no atexit: the parent-death signals take them along
     assert gone(pids) == []
+    assert not os.path.exists(folder)  # nor the pool's socket folder

@@ -10,8 +10,9 @@ fork, so nothing it imports or sets reaches the next job.
 
 Safe by construction: the server runs no thread (it checks threading, /proc/self/task and
 torch.cuda before every fork and answers "cold: REASON" when anything is off; the launcher then
-starts that rank cold), never runs job code itself, dies with its owner (parent-death signal on the
-owning thread, and EOF on its stdin when the owner closes it) and is replaced when the installed
+starts that rank cold), never runs job code itself, dies with its owner (parent-death SIGTERM on the
+owning thread, and EOF on its stdin when the owner closes it; either way it kills its ranks and removes
+its socket folder) and is replaced when the installed
 code changes (fingerprint of sdp_jupyter's files and the torch version).
 
 Server:  python -m sdp_jupyter.launch.host.warm --socket PATH|auto [--preload numpy,sklearn]
@@ -121,6 +122,7 @@ def _child(req: dict, fds: list, server_pid: int, closing: list) -> None:
         process.arm_parent_death_signal(signal.SIGKILL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # blocked by the server around fork
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
@@ -188,15 +190,40 @@ def _child(req: dict, fds: list, server_pid: int, closing: list) -> None:
 def serve(sock_path: str, preload: list[str]) -> int:
     """The pool's loop: one thread, select() on the listening socket and stdin, reap with WNOHANG.
     `sock_path` "auto": a socket in a fresh 0700 folder, said in the ready line and removed at the end."""
+    # The owner's death (parent-death signal) or a plain kill ends the server through `finally`, which
+    # kills its ranks and removes the socket and its folder; forked ranks put SIGTERM back to default.
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    process.arm_parent_death_signal(signal.SIGTERM, parent=0)
     owner = env_str("SDP_WARM_OWNER")
+    if owner and os.getppid() != int(owner):
+        return 1
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the kernel's Ctrl-C is not ours
     made_dir = None
     if sock_path == "auto":
         made_dir = tempfile.mkdtemp(prefix="sdp-warm-")
         sock_path = os.path.join(made_dir, "pool.sock")
-    process.arm_parent_death_signal(signal.SIGKILL, parent=0)
-    if owner and os.getppid() != int(owner):
-        return 1
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the kernel's Ctrl-C is not ours
+    conns: dict[int, socket.socket] = {}  # rank pid -> its client's connection
+    try:
+        return _serve(sock_path, preload, conns)
+    finally:
+        for pid in list(conns):
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        if made_dir:
+            for p, remove in ((sock_path, os.unlink), (made_dir, os.rmdir)):
+                try:
+                    remove(p)
+                except OSError:
+                    pass
+
+
+def _exit_on_signal(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+def _serve(sock_path: str, preload: list[str], conns: dict) -> int:
     import importlib
 
     failed = []
@@ -217,7 +244,6 @@ def serve(sock_path: str, preload: list[str]) -> int:
     reason = fork_unsafe_reason()
     print(json.dumps({"ready": True, "pid": os.getpid(), "fingerprint": fingerprint(), "socket": sock_path,
                       "unsafe": reason, "preload_failed": failed}), flush=True)
-    conns: dict[int, socket.socket] = {}  # rank pid -> its client's connection
     owned: set[int] = set()               # ranks killed when their client goes away (an agent's)
     stdin = sys.stdin.buffer
     try:
@@ -258,17 +284,6 @@ def serve(sock_path: str, preload: list[str]) -> int:
                     c.close()
     finally:
         listener.close()
-        for pid in list(conns):
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except OSError:
-                pass
-        if made_dir:
-            for p, remove in ((sock_path, os.unlink), (made_dir, os.rmdir)):
-                try:
-                    remove(p)
-                except OSError:
-                    pass
 
 
 def _accept(listener, conns, owned, base_path, stdin) -> None:
@@ -283,9 +298,14 @@ def _accept(listener, conns, owned, base_path, stdin) -> None:
             conn.send(json.dumps({"cold": reason}).encode())
             conn.close()
             return
-        pid = os.fork()
-        if pid == 0:
-            _child(req, fds, os.getppid(), [listener, conn, stdin] + [c for c in conns.values() if c.fileno() >= 0])
+        # SIGTERM waits until the child has put it back to default: the server's exit must not run there
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        try:
+            pid = os.fork()
+            if pid == 0:
+                _child(req, fds, os.getppid(), [listener, conn, stdin] + [c for c in conns.values() if c.fileno() >= 0])
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
         conn.send(json.dumps({"pid": pid}).encode())
         conns[pid] = conn
         if req.get("owned"):

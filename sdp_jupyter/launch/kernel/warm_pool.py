@@ -13,7 +13,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import threading
 
 from sdp_jupyter.launch import process
@@ -30,8 +29,7 @@ class Pool:
     def __init__(self, preload: list[str] | None = None, opener=None):
         self.preload = sorted(set(preload or []))
         self.opener = opener
-        self.dir = None if opener else tempfile.mkdtemp(prefix="sdp-warm-")  # 0700
-        self.path = "" if opener else os.path.join(self.dir, "pool.sock")  # another host's: from its ready line
+        self.path = ""  # the server's socket, in a 0700 folder it makes and removes: from its ready line
         self.info: dict = {}
         self.proc: subprocess.Popen | None = None
         self._ready = threading.Event()
@@ -44,20 +42,19 @@ class Pool:
         env = dict(os.environ, PYTHONPATH=process.rank_pythonpath(os.environ.get("PYTHONPATH")), SDP_WARM_OWNER=str(os.getpid()),
                    OPENBLAS_NUM_THREADS="1")  # OpenBLAS would start its thread pool at import
         try:
+            server_args = ["--socket", "auto", "--preload", ",".join(self.preload)]
             if self.opener is not None:
-                self.proc = self.opener(["--socket", "auto", "--preload", ",".join(self.preload)])
+                self.proc = self.opener(server_args)
             else:
                 self.proc = subprocess.Popen(
-                    [sys.executable, "-m", "sdp_jupyter.launch.host.warm", "--socket", self.path,
-                     "--preload", ",".join(self.preload)],
+                    [sys.executable, "-m", "sdp_jupyter.launch.host.warm", *server_args],
                     env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                     start_new_session=True, close_fds=True)
             line = self.proc.stdout.readline()
             while line and not line.startswith(b"{"):  # a login shell's greeting on another host
                 line = self.proc.stdout.readline()
             self.info = json.loads(line) if line else {}
-            if self.opener is not None:
-                self.path = self.info.get("socket", "")
+            self.path = self.info.get("socket", "")
             if not self.info.get("ready"):
                 self._error = f"the pool server exited ({self.proc.wait()}) before it was ready"
         except Exception as e:
@@ -99,20 +96,18 @@ class Pool:
         return {"socket": self.path, "fingerprint": self.info.get("fingerprint")}, None
 
     def close(self) -> None:
+        """Stop the server (EOF on its stdin; then SIGTERM; SIGKILL last). It removes its own socket."""
         if self.proc is not None and self.proc.poll() is None:
             try:
-                self.proc.stdin.close()  # EOF: the server stops
+                self.proc.stdin.close()
                 self.proc.wait(timeout=3)
             except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait()
-        if self.dir is None:  # another host's: its server removes its own socket
-            return
-        for p in (self.path, self.dir):
-            try:
-                (os.unlink if p == self.path else os.rmdir)(p)
-            except OSError:
-                pass
+                try:
+                    self.proc.terminate()
+                    self.proc.wait(timeout=3)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait()
 
 
 _POOL: Pool | None = None
