@@ -149,14 +149,14 @@ class Cluster:
             "--propagation", "private", "sh", "-c", setup)
 
     def close(self) -> None:
-        """Kill every process on every host, remove namespaces, mounts and folders. Idempotent."""
+        """Shut every host down (SIGTERM, then SIGKILL after 2 s), remove namespaces, mounts and folders. Idempotent."""
         if not self._up:
             return
         self._up = False
         for p in self._procs:
             if p.poll() is None:
                 try:
-                    p.kill()
+                    p.terminate()
                 except OSError:
                     pass
         _teardown(self.name)
@@ -216,8 +216,7 @@ class Cluster:
         return p
 
     def pids(self, host: int) -> list[int]:
-        out = _sh("ip", "netns", "pids", self.host_ns[host], check=False).stdout
-        return [int(x) for x in out.split()]
+        return _pids([self.host_ns[host]])
 
     def running(self, host: int, module: str) -> list[int]:
         """PIDs on `host` whose command line runs `module` (python -m MODULE, or MODULE as a word)."""
@@ -235,11 +234,7 @@ class Cluster:
         """Send `sig` to every process running on `host` (a host losing power, as far as its
         processes are concerned). Returns the PIDs signalled."""
         pids = self.pids(host)
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
+        _signal_all(pids, sig)
         return pids
 
     # ------------------------------------------------------------------ links
@@ -284,21 +279,33 @@ def _on_sigterm(signum, frame):
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _teardown(name: str) -> None:
+def _pids(namespaces: list[str]) -> list[int]:
+    return [int(pid) for ns in namespaces for pid in _sh("ip", "netns", "pids", ns, check=False).stdout.split()]
+
+
+def _signal_all(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def _teardown(name: str, grace: float = 2.0) -> None:
     """Remove everything of the run `name` (a cluster's name, PREFIX + run id)."""
     netns = [n.split()[0] for n in _sh("ip", "netns", "list", check=False).stdout.splitlines() if n.strip()]
     mine = [n for n in netns if n.startswith(name + "-")]
+    # as a machine shuts down: SIGTERM first, so that what a process removes on its way out (a warm
+    # pool's socket folder, in the /tmp the hosts share with this machine) goes; SIGKILL after `grace`
+    _signal_all(_pids(mine), signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while _pids(mine) and time.monotonic() < deadline:
+        time.sleep(0.05)
     for _ in range(3):  # processes may fork while we kill: repeat until the namespaces are empty
-        left = False
-        for ns in mine:
-            for pid in _sh("ip", "netns", "pids", ns, check=False).stdout.split():
-                left = True
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except (ProcessLookupError, ValueError):
-                    pass
-        if not left:
+        pids = _pids(mine)
+        if not pids:
             break
+        _signal_all(pids, signal.SIGKILL)
         time.sleep(0.2)
     for ns in mine:
         _sh("ip", "netns", "del", ns, check=False)

@@ -3,6 +3,8 @@ real links. One 4-host cluster serves the whole module (tests/helpers/cluster.py
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import sys
 import time
 
@@ -49,6 +51,24 @@ def test_hosts_are_really_separate(hosts):
         srv.kill()
     after = [hosts.bytes(h) for h in range(hosts.n)]
     assert after[0]["tx"] - before[0]["tx"] >= 50000 and after[3]["rx"] - before[3]["rx"] >= 50000
+
+
+def test_closing_shuts_the_hosts_down_sigterm_first(tmp_path):
+    """What a process removes on SIGTERM is gone after close() (a warm pool's socket folder, in the
+    /tmp the hosts share with this machine); one that ignores SIGTERM is still killed."""
+    from sdp_jupyter.testing.cluster import Cluster
+
+    mark = tmp_path / "removed-on-sigterm"
+    mark.touch()
+    polite = ("import os, signal, sys, time\n"
+              f"signal.signal(signal.SIGTERM, lambda *a: (os.unlink({str(mark)!r}), sys.exit(0)))\n"
+              "print('up', flush=True)\ntime.sleep(300)")
+    stubborn = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('up', flush=True)\ntime.sleep(300)"
+    with Cluster(hosts=1, rate=None) as c:
+        procs = [c.popen(0, [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True) for code in (polite, stubborn)]
+        assert [p.stdout.readline().strip() for p in procs] == ["up", "up"]
+    assert [p.wait(timeout=10) for p in procs] == [0, -signal.SIGKILL]
+    assert not mark.exists()
 
 
 def test_shape_cut_heal(hosts):

@@ -178,3 +178,41 @@ def test_unsafe_pool_falls_back_to_cold_with_a_reason(monkeypatch):
         t.join()
     p = warm_pool.Pool.__new__(warm_pool.Pool)
     assert p.start(["/bin/sh", "-c", "true"], {}) == "only `python [-u] -m MODULE` starts warm"
+
+
+def test_stale_socket_folders_of_killed_servers_are_removed(tmp_path):
+    """A server killed outright (Ray SIGKILLs an actor's children) leaves its folder; the next server
+    started on that host removes it, but never a live server's nor one still starting."""
+    import socket as socketlib
+
+    old = time.time() - 2 * warm.READY_TIMEOUT
+
+    def folder(name, listening, age=old):
+        d = tmp_path / (warm.FOLDER_PREFIX + name)
+        d.mkdir()
+        s = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_SEQPACKET)
+        s.bind(str(d / "pool.sock"))
+        if listening:
+            s.listen(1)
+        else:
+            s.close()
+        os.utime(d / "pool.sock", (age, age), follow_symlinks=False)
+        os.utime(d, (age, age))
+        return d, s
+
+    dead, _ = folder("dead", False)
+    empty = tmp_path / (warm.FOLDER_PREFIX + "empty")
+    empty.mkdir()
+    os.utime(empty, (old, old))
+    live, server = folder("live", True)
+    starting = tmp_path / (warm.FOLDER_PREFIX + "starting")
+    starting.mkdir()  # made just now: its server is importing torch and binds later
+    other = tmp_path / "not-a-pool"
+    other.mkdir()
+    os.utime(other, (old, old))
+    try:
+        assert sorted(warm.remove_stale_folders(str(tmp_path))) == sorted([str(dead), str(empty)])
+        assert not dead.exists() and not empty.exists()
+        assert (live / "pool.sock").exists() and starting.exists() and other.exists()
+    finally:
+        server.close()

@@ -48,6 +48,7 @@ BASE_MODULES = ("torch", "torch.optim", "torch.distributed", "torch.nn.parallel"
                 "sdp_jupyter.torch")
 MAX_REQUEST = 4 << 20
 READY_TIMEOUT = 120.0
+FOLDER_PREFIX = "sdp-warm-"  # the socket folder of a server started with --socket auto, in the temp folder
 
 
 # ---------------------------------------------------------------------------------------- shared
@@ -200,7 +201,8 @@ def serve(sock_path: str, preload: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the kernel's Ctrl-C is not ours
     made_dir = None
     if sock_path == "auto":
-        made_dir = tempfile.mkdtemp(prefix="sdp-warm-")
+        remove_stale_folders(tempfile.gettempdir())
+        made_dir = tempfile.mkdtemp(prefix=FOLDER_PREFIX)
         sock_path = os.path.join(made_dir, "pool.sock")
     conns: dict[int, socket.socket] = {}  # rank pid -> its client's connection
     try:
@@ -217,6 +219,38 @@ def serve(sock_path: str, preload: list[str]) -> int:
                     remove(p)
                 except OSError:
                     pass
+
+
+def remove_stale_folders(tmp: str, min_age: float = READY_TIMEOUT) -> list[str]:
+    """Remove the socket folders of this user's pool servers that were killed outright, so their own
+    exit never ran (SIGKILL: Ray's clean-up of an actor's children, the OOM killer): a folder older
+    than `min_age` whose socket no server listens on any more. Returns the folders removed."""
+    removed = []
+    now = time.time()
+    for d in Path(tmp).glob(FOLDER_PREFIX + "*"):
+        sock = d / "pool.sock"
+        try:
+            st = d.lstat()
+            if not d.is_dir() or d.is_symlink() or st.st_uid != os.getuid() or now - st.st_mtime < min_age:
+                continue  # another user's, or a server still starting (the socket is bound after its imports)
+            if sock.exists() or sock.is_symlink():
+                probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                try:
+                    probe.settimeout(1.0)
+                    probe.connect(str(sock))
+                    continue  # a live server (it answers the empty request with a reason, and goes on)
+                except ConnectionRefusedError:
+                    pass
+                except OSError:
+                    continue
+                finally:
+                    probe.close()
+                sock.unlink()
+            d.rmdir()
+            removed.append(str(d))
+        except OSError:
+            continue
+    return removed
 
 
 def _exit_on_signal(signum, frame):
