@@ -328,7 +328,7 @@ def clean() -> list[str]:
     if STATE_ROOT.is_dir():
         runs.update(d.name for d in STATE_ROOT.iterdir() if d.name.startswith(PREFIX))
     removed = []
-    for name in sorted(runs):
+    for name in sorted(runs - {c.name for c in _LIVE}):  # this process's own live clusters stay
         owner = STATE_ROOT / name / "owner"
         try:
             pid = int(owner.read_text())

@@ -53,9 +53,10 @@ def test_hosts_are_really_separate(hosts):
     assert after[0]["tx"] - before[0]["tx"] >= 50000 and after[3]["rx"] - before[3]["rx"] >= 50000
 
 
-def test_closing_shuts_the_hosts_down_sigterm_first(tmp_path):
+def test_closing_shuts_the_hosts_down_sigterm_first(hosts, tmp_path):
     """What a process removes on SIGTERM is gone after close() (a warm pool's socket folder, in the
-    /tmp the hosts share with this machine); one that ignores SIGTERM is still killed."""
+    /tmp the hosts share with this machine); one that ignores SIGTERM is still killed. Another cluster
+    of this process (the module's `hosts`) lives on through both the start and the close."""
     from sdp_jupyter.testing.cluster import Cluster
 
     mark = tmp_path / "removed-on-sigterm"
@@ -69,6 +70,7 @@ def test_closing_shuts_the_hosts_down_sigterm_first(tmp_path):
         assert [p.stdout.readline().strip() for p in procs] == ["up", "up"]
     assert [p.wait(timeout=10) for p in procs] == [0, -signal.SIGKILL]
     assert not mark.exists()
+    assert [hosts.run(h, ["hostname"]).stdout.strip() for h in range(hosts.n)] == ["h0", "h1", "h2", "h3"]
 
 
 def test_shape_cut_heal(hosts):
