@@ -191,9 +191,10 @@ def _child(req: dict, fds: list, server_pid: int, closing: list) -> None:
 def serve(sock_path: str, preload: list[str]) -> int:
     """The pool's loop: one thread, select() on the listening socket and stdin, reap with WNOHANG.
     `sock_path` "auto": a socket in a fresh 0700 folder, said in the ready line and removed at the end."""
-    # The owner's death (parent-death signal) or a plain kill ends the server through `finally`, which
-    # kills its ranks and removes the socket and its folder; forked ranks put SIGTERM back to default.
-    signal.signal(signal.SIGTERM, _exit_on_signal)
+    # The owner's death (parent-death signal) or a plain kill asks the loop to stop (a flag, not an
+    # exception: one raised inside the `finally` would cut its clean-up short); the `finally` kills the
+    # ranks and removes the socket and its folder. Forked ranks put SIGTERM back to default.
+    signal.signal(signal.SIGTERM, _stop_on_signal)
     process.arm_parent_death_signal(signal.SIGTERM, parent=0)
     owner = env_str("SDP_WARM_OWNER")
     if owner and os.getppid() != int(owner):
@@ -253,8 +254,11 @@ def remove_stale_folders(tmp: str, min_age: float = READY_TIMEOUT) -> list[str]:
     return removed
 
 
-def _exit_on_signal(signum, frame):
-    raise SystemExit(128 + signum)
+_STOP = [False]  # set by SIGTERM: the loop ends at its next turn (within 20 ms)
+
+
+def _stop_on_signal(signum, frame):
+    _STOP[0] = True
 
 
 def _serve(sock_path: str, preload: list[str], conns: dict) -> int:
@@ -281,7 +285,7 @@ def _serve(sock_path: str, preload: list[str], conns: dict) -> int:
     owned: set[int] = set()               # ranks killed when their client goes away (an agent's)
     stdin = sys.stdin.buffer
     try:
-        while True:
+        while not _STOP[0]:
             watched = [c for c in conns.values() if c.fileno() >= 0]
             r, _, _ = select.select([listener, stdin] + watched, [], [], 0.02)
             if stdin in r and not os.read(0, 4096):
@@ -316,6 +320,7 @@ def _serve(sock_path: str, preload: list[str], conns: dict) -> int:
                     except OSError:
                         pass
                     c.close()
+        return 0  # SIGTERM
     finally:
         listener.close()
 
