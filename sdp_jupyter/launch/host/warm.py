@@ -32,6 +32,7 @@ import os
 import select
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -232,9 +233,9 @@ def remove_stale_folders(tmp: str, min_age: float = READY_TIMEOUT) -> list[str]:
         sock = d / "pool.sock"
         try:
             st = d.lstat()
-            if not d.is_dir() or d.is_symlink() or st.st_uid != os.getuid() or now - st.st_mtime < min_age:
-                continue  # another user's, or a server still starting (the socket is bound after its imports)
-            if sock.exists() or sock.is_symlink():
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or now - st.st_mtime < min_age:
+                continue  # not a folder (a link), another user's, or a server still starting (it binds after its imports)
+            if os.path.lexists(sock):
                 probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
                 try:
                     probe.settimeout(1.0)
@@ -337,7 +338,8 @@ def _accept(listener, conns, owned, base_path, stdin) -> None:
             conn.send(json.dumps({"cold": reason}).encode())
             conn.close()
             return
-        # SIGTERM waits until the child has put it back to default: the server's exit must not run there
+        # SIGTERM waits until the child has put it back to default: in between, the server's handler
+        # would only set the child's copy of the stop flag, and the rank would outlive the signal
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
         try:
             pid = os.fork()
