@@ -111,6 +111,16 @@ VARIABLES: dict[str, Var] = {v.name: v for v in (
     Var("SDP_TIMEOUT", "float (seconds)", "300", "rank",
         "deadline of every wait of the engine and the rendezvous; a collective that misses it fails and names "
         "the ranks that did not arrive"),
+    Var("SDP_FLIGHT_ENTRIES", "int (>= 0)", "2048", "engine",
+        "collectives each engine keeps in its flight recorder's ring (0: off); dumped into the job directory "
+        "after a failure, on a stop, when a wait passes SDP_HANG_WARN_S and on request (docs/failures.md)"),
+    Var("SDP_HANG_WARN_S", "float (seconds)", "20", "rank",
+        "a collective waited on this long, or a rank idle this long after its last one, is reported (who waits "
+        "where, who has not arrived) while the job runs, long before SDP_TIMEOUT fails it"),
+    Var("SDP_FLIGHT_DIR", "str (folder)", "unset: the job directory's metrics/", "rank",
+        "where a rank writes its flight recorder file when no job directory is set (plain torchrun)"),
+    Var("SDP_FLIGHT_POLL_S", "float (seconds)", "1", "rank",
+        "how often each rank's flight watchdog looks at its engines and for a dump request"),
     Var("SDP_CHUNK_BYTES", "int (bytes, >= 4096)", "4194304", "rank",
         "engine chunk: the pipeline grain and the size of each shared-memory slot; the same on every rank"),
     Var("SDP_SPIN", "int (>= -1)", "2000", "rank",

@@ -17,6 +17,7 @@ import pickle
 import re
 import secrets
 import shutil
+import signal
 import time
 from pathlib import Path
 
@@ -47,7 +48,7 @@ REHEARSAL = "rehearsal"
 CONTAINER_JOB_DIR = "sdp_job"
 # what a job directory may hold; a folder with anything else and no spec.json is not a job's
 KNOWN_ENTRIES = frozenset({SCRIPT, SPEC, STATUS, RESULT, PUSH, LOGS, METRICS, CHECKPOINTS, SESSION, MODEL, OUTPUT, DATA,
-                           SAGEMAKER_SOURCE})
+                           SAGEMAKER_SOURCE, "flight-request"})
 
 
 def jobs_root(root: str | os.PathLike | None = None) -> Path:
@@ -90,17 +91,44 @@ def node_metrics_path(job_dir: str | os.PathLike, node: int) -> Path:
     return Path(job_dir) / METRICS / f"system-node-{node}.jsonl"
 
 
-_METRICS_NAME = re.compile(r"^(rank-\d+|system-node-\d+)\.jsonl$")
+def flight_metrics_name(rank: int) -> str:
+    return f"flight-rank-{int(rank)}.jsonl"
+
+
+def flight_metrics_path(job_dir: str | os.PathLike, rank: int) -> Path:
+    """A rank's flight recorder lines (sdp_jupyter/comm/flight.py): its rings and what it waits for.
+    Beside the metrics, so that it travels back from remote hosts as they do; not a metrics file."""
+    return Path(job_dir) / METRICS / flight_metrics_name(rank)
+
+
+def flight_paths(job_dir: str | os.PathLike) -> list[Path]:
+    return sorted((Path(job_dir) / METRICS).glob("flight-rank-*.jsonl"))
+
+
+# one entry of a flight record's ring, in this order (sdp_jupyter/comm/flight.py writes, sdp_jupyter/flight.py reads)
+FLIGHT_FIELDS = ("seq", "op", "dtype", "count", "arg", "state", "posted", "started", "ended")
+FLIGHT_REQUEST = "flight-request"
+
+
+def flight_request_path(job_dir: str | os.PathLike) -> Path:
+    """Touched to ask every rank of a live job for its flight recorder's ring (Job.flight())."""
+    return Path(job_dir) / FLIGHT_REQUEST
+
+
+_METRICS_NAME = re.compile(r"^(flight-)?(rank-\d+|system-node-\d+)\.jsonl$")
 
 
 def is_metrics_name(name: str) -> bool:
-    """Whether `name` is one of the metrics files above: what an agent may send, never a path."""
+    """Whether `name` is one of the metrics files above (or a rank's flight file): what an agent may
+    send, never a path."""
     return bool(_METRICS_NAME.match(name))
 
 
-def metrics_paths(job_dir: str | os.PathLike, ranks_only: bool = False) -> list[Path]:
-    """The job's metrics files, sorted (only the ranks' with ranks_only)."""
-    return sorted((Path(job_dir) / METRICS).glob("rank-*.jsonl" if ranks_only else "*.jsonl"))
+def metrics_paths(job_dir: str | os.PathLike, ranks_only: bool = False, flight: bool = False) -> list[Path]:
+    """The job's metrics files, sorted (only the ranks' with ranks_only; the flight files too with
+    flight, for what forwards every file of the folder)."""
+    paths = sorted((Path(job_dir) / METRICS).glob("rank-*.jsonl" if ranks_only else "*.jsonl"))
+    return paths if flight else [p for p in paths if not p.name.startswith("flight-")]
 
 
 # The private-file rules live in sdp_jupyter._files; these names stay importable from here.
@@ -168,6 +196,16 @@ def pid_alive(pid) -> bool:
             return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
     except OSError:
         return True
+
+
+def describe_exit(code: int) -> str:
+    """How a rank ended, from its exit status (negative: the signal that killed it), as errors say it."""
+    if code < 0:
+        try:
+            return f"was killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
 
 
 def seen_status(status: dict) -> dict:
@@ -392,7 +430,8 @@ def list_job_dirs(root: str | os.PathLike | None = None) -> list[Path]:
 __all__ = ["STATES", "FINAL_STATES", "SCRIPT", "SPEC", "STATUS", "RESULT", "PUSH", "LOGS", "METRICS", "CHECKPOINTS",
            "MODEL", "OUTPUT", "DATA", "TRAIN_CHANNEL", "SAGEMAKER_SOURCE", "SAGEMAKER_REQUEST", "REHEARSAL", "CONTAINER_JOB_DIR",
            "KNOWN_ENTRIES", "LINE_CAP", "READ_CAP", "jobs_root", "new_job_name", "log_path", "host_log_path",
-           "agent_log_path", "sampler_log_path", "rank_metrics_path", "node_metrics_path", "is_metrics_name",
+           "agent_log_path", "sampler_log_path", "rank_metrics_path", "flight_metrics_name", "flight_metrics_path",
+           "flight_paths", "FLIGHT_FIELDS", "FLIGHT_REQUEST", "flight_request_path", "node_metrics_path", "is_metrics_name",
            "metrics_paths", "UnsafeJobDir", "ensure_private_dir", "write_private", "open_private", "load_pickle",
-           "write_json_atomic", "read_json", "prepare", "read_log", "parse_record", "JsonLinesTail", "Mirror",
+           "write_json_atomic", "read_json", "describe_exit", "prepare", "read_log", "parse_record", "JsonLinesTail", "Mirror",
            "list_job_dirs"]

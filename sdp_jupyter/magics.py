@@ -72,12 +72,23 @@ def check_cell(cell: str) -> None:
 class _JobTable:
     """%sdp_jobs output: HTML in a notebook, text elsewhere."""
 
-    COLUMNS = ("name", "state", "elapsed", "ranks", "backend", "restarts", "where", "directory")
+    COLUMNS = ("name", "state", "elapsed", "ranks", "backend", "restarts", "where", "directory", "why")
 
     def __init__(self, jobs: list[Job], mine: set):
         self.rows = [(j.name, j.state, f"{j.elapsed:.1f} s", f"{j.spec.nodes}x{j.spec.procs_per_node or 1}",
-                      j.spec.backend, str(j.restarts), "this kernel" if j.dir in mine else "disk", str(j.dir))
-                     for j in jobs]
+                      j.spec.backend, str(j.restarts), "this kernel" if j.dir in mine else "disk", str(j.dir),
+                      self._why(j)) for j in jobs]
+
+    @staticmethod
+    def _why(job: Job) -> str:
+        """The flight recorder's sentence: who waits where (running), or what failed (failed)."""
+        st = job.status
+        if st.get("hang"):
+            return "waiting: " + st["hang"]
+        for line in str(st.get("error") or "").splitlines():
+            if line.startswith("flight recorder: "):
+                return line[len("flight recorder: "):]
+        return ""
 
     def __repr__(self) -> str:
         if not self.rows:

@@ -58,6 +58,12 @@ PYBIND11_MODULE(_engine, m) {
       .value("gather", Coll::GATHER)
       .value("scatter", Coll::SCATTER)
       .value("all_to_all", Coll::ALLTOALL);
+  py::enum_<FlightState>(m, "FlightState")
+      .value("posted", FlightState::POSTED)
+      .value("started", FlightState::STARTED)
+      .value("finished", FlightState::FINISHED)
+      .value("failed", FlightState::FAILED)
+      .value("skipped", FlightState::SKIPPED);
 
   // The engine's numbers that Python decides by (bound, never copied): the size up to which a
   // block moves through the node's small slots and an engine call costs more than a message saves
@@ -139,6 +145,8 @@ PYBIND11_MODULE(_engine, m) {
       .def("test", &Engine::test)
       .def("shutdown", &Engine::shutdown, py::call_guard<py::gil_scoped_release>())
       .def("broken_message", &Engine::broken_message)
+      .def("report", &Engine::report, py::arg("message"),
+           "A failure seen outside the engine (a message whose peer died): the group fails with it and passes it on.")
       .def("stats",
            [](Engine& e) {
              Stats s = e.stats();
@@ -149,6 +157,18 @@ PYBIND11_MODULE(_engine, m) {
              d["peer_read_bytes"] = s.peer_read_bytes;
              return d;
            })
+      .def(
+          "flight",
+          // (seq, coll, dtype, op, count, root, state, posted, started, ended) per entry, oldest
+          // first; the codes are the enums above and FlightState's (sdp_jupyter/comm/flight.py)
+          [](Engine& e, size_t last) {
+            py::list out;
+            for (const FlightEntry& f : e.flight(last))
+              out.append(py::make_tuple(f.seq, int(f.coll), int(f.dtype), int(f.op), f.count, f.root, int(f.state),
+                                        f.posted, f.started, f.ended));
+            return out;
+          },
+          py::arg("last") = 0)
       .def_property_readonly("rank", &Engine::rank)
       .def_property_readonly("world_size", &Engine::world_size)
       .def_property_readonly("node", &Engine::node)

@@ -12,7 +12,8 @@ size_t round_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
 
 Engine::Engine(EngineConfig cfg)
     : cfg_(std::move(cfg)), topo_(cfg_.rank, cfg_.node_of_rank), links_(topo_, *this), shm_(topo_, *this),
-      colls_(topo_, *this, links_, shm_), conns_(topo_, *this, links_, shm_, cfg_.secret, cfg_.timeout_s) {
+      colls_(topo_, *this, links_, shm_), conns_(topo_, *this, links_, shm_, cfg_.secret, cfg_.timeout_s),
+      flight_(size_t(env_int("SDP_FLIGHT_ENTRIES", 2048, 0, 1 << 20))) {
   if (topo_.local_size() > kMaxLocal) throw Error("at most 256 ranks per node are supported");
   if (cfg_.chunk_bytes < 4096) cfg_.chunk_bytes = 4096;
   cfg_.chunk_bytes = round_up(cfg_.chunk_bytes, 64);
@@ -59,6 +60,7 @@ uint64_t Engine::submit(Coll c, void* buf, size_t count, DType t, ReduceOp op, i
   if (stopping_) throw Error("the process group has been shut down");
   uint64_t id = next_id_++;
   queue_.push_back(Work{id, c, static_cast<char*>(buf), count, t, op, root, static_cast<const char*>(src), std::move(blocks)});
+  flight_.posted(queue_.back());
   work_cv_.notify_one();
   return id;
 }
@@ -93,6 +95,11 @@ std::string Engine::broken_message() {
   return broken_;
 }
 
+std::vector<FlightEntry> Engine::flight(size_t last) {
+  std::lock_guard<std::mutex> g(mu_);
+  return flight_.snapshot(last);
+}
+
 Stats Engine::stats() {
   std::lock_guard<std::mutex> g(mu_);
   Stats s = stats_;
@@ -105,6 +112,7 @@ void Engine::execute_front(std::unique_lock<std::mutex>& lk) {
   busy_ = true;
   Work w = queue_.front();
   bool already_broken = failed_from_ != 0;
+  if (!already_broken) flight_.started(w.id);
   lk.unlock();
   // A failure is a flag, never "a non-empty message": an error whose text was lost (an empty
   // exception message, a peer's ERROR frame without a body) must still fail the collective.
@@ -132,6 +140,7 @@ void Engine::execute_front(std::unique_lock<std::mutex>& lk) {
     broken_ = err.empty() ? "rank " + std::to_string(cfg_.rank) + ": " + desc() + " failed (its message was lost)" : err;
   }
   running = nullptr;
+  flight_.ended(w.id, already_broken ? FlightState::SKIPPED : failed ? FlightState::FAILED : FlightState::FINISHED);
   if (!failed_from_) {
     completed_ = w.id;
     stats_.collectives++;
@@ -161,7 +170,11 @@ void Engine::progress_loop() {
     lk.lock();
     busy_ = false;
     if (failed && !failed_from_) {
-      failed_from_ = next_id_;
+      // Every handle not completed yet fails, not only those submitted from now on: a collective
+      // submitted while this check ran (mu_ released) is queued already; it would be skipped as
+      // broken, never complete, and its waiter would sleep forever (the missed death of issue 40:
+      // the progress thread idle, the caller waiting, about once in 100 runs under load).
+      failed_from_ = completed_ + 1;
       broken_ = err.empty() ? "rank " + std::to_string(cfg_.rank) + " failed between collectives (its message was lost)" : err;
     }
     done_cv_.notify_all();
@@ -194,9 +207,23 @@ void Engine::fail(const std::string& msg, bool remote) {
   throw Error(final_msg);
 }
 
+void Engine::report(const std::string& msg) {
+  std::lock_guard<std::mutex> g(report_mu_);
+  if (reported_.empty()) reported_ = msg.empty() ? "rank " + std::to_string(cfg_.rank) + " failed outside the engine" : msg;
+  has_report_.store(true, std::memory_order_release);
+  work_cv_.notify_all();
+}
+
 void Engine::check_health(const std::function<bool()>* settled) {
   std::string m;
   bool remote = false;
+  if (has_report_.load(std::memory_order_acquire)) {
+    {
+      std::lock_guard<std::mutex> g(report_mu_);
+      m = reported_;
+    }
+    fail(m);  // latched for this node, sent to the other nodes: the cause, not the cascade
+  }
   if (shm_.published_error(&m, &remote)) {
     if (settled && (*settled)()) return;  // the next collective reports it
     if (is_leader() && !remote) links_.send_error_frames(m);
@@ -230,6 +257,11 @@ void Engine::shutdown() {
     done_cv_.notify_all();
   }
   if (progress_.joinable()) progress_.join();
+  // A failure reported from outside (a message whose peer died) and not yet passed on: pass it on
+  // before the connections close, or this rank's peers blame its exit instead of the cause.
+  if (connected_ && has_report_.load() && !shm_published()) {
+    try { check_health(); } catch (...) {}
+  }
   conns_.close(now_s() + 1.0);
   if (is_leader()) shm_.unlink();  // set-up did not finish: the segment is still named
   shm_.unmap();

@@ -15,7 +15,7 @@ import numpy as np
 from sdp_jupyter import _engine
 from sdp_jupyter._env import env_float, env_int, env_str
 from sdp_jupyter._net import port_range
-from sdp_jupyter.comm import usage
+from sdp_jupyter.comm import flight, usage
 from sdp_jupyter.comm.codes import (COLL_ALLGATHER, COLL_ALLREDUCE, COLL_BROADCAST, COLL_REDUCE_SCATTER,
                                     DEFAULT_CHUNK_BYTES, DEFAULT_TIMEOUT, DTYPES, NUMPY_DTYPES, OPS, EngineError,
                                     SmddpError)
@@ -79,6 +79,7 @@ class Communicator(Routes):
         self._error = error
         node = node if node is not None else node_key()
         self._prefix = prefix
+        self.group_name = "default" if prefix == "sdp" else prefix  # how the flight recorder names the group
         # No secret in the store, ever: it comes from the launcher (SDP_JOB_SECRET) or, on one
         # host, from a 0600 file that this group's rank 0 writes (sdp_jupyter.comm.secret).
         if isinstance(secret, JobSecret):
@@ -95,8 +96,18 @@ class Communicator(Routes):
             self._connect(rank, world_size, store, node, bind_addr, chunk, spin)
         finally:
             self._job_secret.released()  # failed: the one-host file must not outlive the attempt
-        self._channels = Channels(self._engine, self._mailbox, error)
+        self._channels = Channels(self._engine, self._mailbox, error, self._failed)
         usage.opened(self)
+        flight.watch(self)
+
+    def _failed(self, message: str, in_message: bool) -> None:
+        """Every failed collective or message: the flight recorder's ring goes into the job directory."""
+        flight.failed(self, message)
+
+    def flight(self, last: int = 0) -> list[list]:
+        """The engine's flight recorder: its newest `last` collectives (all it keeps when 0), oldest
+        first, each a list in sdp_jupyter.comm.flight.FIELDS' order."""
+        return flight.ring(self, last)
 
     def _connect(self, rank, world_size, store, node, bind_addr, chunk, spin) -> None:
         secret = self._secret
@@ -393,6 +404,7 @@ class Communicator(Routes):
 
     def close(self) -> None:
         usage.closing(self)
+        flight.forget(self)
         self._engine.shutdown()
         self._mailbox.shutdown()
         if self._close_store and hasattr(self._store, "close"):

@@ -15,12 +15,14 @@ class Channels:
     """What a group's works wait on: its engine and mailbox, and how a failure is raised (the
     torch adapter makes torch's DistBackendError; the numpy face SmddpError)."""
 
-    __slots__ = ("engine", "mailbox", "error")
+    __slots__ = ("engine", "mailbox", "error", "failed")
 
-    def __init__(self, engine, mailbox, error: Callable[[str], BaseException] = SmddpError):
+    def __init__(self, engine, mailbox, error: Callable[[str], BaseException] = SmddpError,
+                 failed: Callable[[str, bool], None] | None = None):
         self.engine = engine
         self.mailbox = mailbox
         self.error = error
+        self.failed = failed  # told of every failure (its message, whether a message failed): the flight recorder
 
 
 class Work:
@@ -63,6 +65,9 @@ class Work:
                 if self._messages:
                     try:
                         self._wait_messages(float(timeout or 0.0))
+                    except EngineError as exc:
+                        self._message_failed(str(exc), bool(timeout))
+                        raise
                     finally:  # the engine's part runs to its end before any buffer goes (peers read them)
                         if self._handles:
                             self._wait_engine()
@@ -72,6 +77,8 @@ class Work:
                     f()
             except EngineError as exc:
                 self._error = self._ch.error(str(exc))
+                if self._ch.failed is not None:
+                    self._ch.failed(str(exc), bool(self._messages))
                 raise self._error from None
             finally:
                 self._done = True
@@ -88,6 +95,18 @@ class Work:
             wait(h, 0.0)
             if step is not None:
                 step()
+
+    def _message_failed(self, message: str, own_timeout: bool) -> None:
+        """A message failed because its peer died, broke the connection or missed the group's
+        deadline: the group's engine fails with this cause and passes it on, so that this rank's peers
+        name that peer, not this rank, whose exit follows. A timeout the caller chose (the message is
+        withdrawn and the group goes on) or a group already shut down is not passed on."""
+        if (own_timeout and "Timed out" in message) or "was shut down" in message:
+            return
+        try:
+            self._ch.engine.report(message)
+        except Exception:  # noqa: BLE001 - a closed engine cannot pass anything on
+            pass
 
     def _wait_messages(self, timeout_s: float) -> None:
         wait = self._ch.mailbox.wait

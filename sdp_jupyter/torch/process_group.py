@@ -20,6 +20,7 @@ from sdp_jupyter._env import env_str
 BACKEND_NAME = "smddp"
 _TORCH_DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 _LIVE: "weakref.WeakSet[ProcessGroupSMDDP]" = weakref.WeakSet()  # this process's groups (reconnect_all)
+_GROUPS_MADE: list[str] = []  # the flight recorder names of the groups made so far (default first)
 
 
 class ProcessGroupSMDDP(dist.ProcessGroup):
@@ -44,10 +45,16 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
 
     def _communicator(self, store) -> Communicator:
         try:
-            return Communicator(self._rank, self._world, StoreAdapter(store), timeout=self._seconds,
-                                error=backend_error)
+            comm = Communicator(self._rank, self._world, StoreAdapter(store), timeout=self._seconds,
+                                 error=backend_error)
         except SmddpError as exc:
             raise backend_error(exc) from None
+        # the flight recorder's name for it: torch makes the default group first, then the others in order
+        if not hasattr(self, "_flight_name"):
+            self._flight_name = "default" if not _GROUPS_MADE else f"group {len(_GROUPS_MADE)}"
+            _GROUPS_MADE.append(self._flight_name)
+        comm.group_name = self._flight_name
+        return comm
 
     def reconnect(self, store) -> None:
         """The engine's connections made anew through `store` (a fresh rendezvous): what an interactive

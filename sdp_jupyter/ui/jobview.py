@@ -227,8 +227,9 @@ class JobView(w.VBox):
             f"<b>{esc(job.name)}</b> · <span style='color:{colour}'><b>{esc(state)}</b></span>"
             f" · {job.elapsed:.1f} s · {esc(spec.nodes)} node(s) × {esc(spec.procs_per_node or 1)}{where} · "
             f"{esc(job.backend_label)}{start}{restarts} · <code>{esc(job.dir)}</code>")
-        if st.get("error") or job.warnings:
-            self.error.value = _problems_html(job.warnings, st.get("error"), colour)
+        # a hang the flight recorder sees while the job runs is shown, and goes when the wait ends
+        self.error.value = _problems_html(job.warnings, st.get("error") or (
+            f"waiting: {st['hang']}" if st.get("hang") else None), colour if st.get("error") else "#b26b00")
         if state in ("succeeded", "failed", "stopped"):
             self.stop_button.disabled = True
             self.stop_button.description = "Stop"

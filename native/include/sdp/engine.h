@@ -34,6 +34,7 @@
 #include "sdp/collectives.h"
 #include "sdp/common.h"
 #include "sdp/engine_setup.h"
+#include "sdp/flight.h"
 #include "sdp/frame.h"
 #include "sdp/group.h"
 #include "sdp/peer.h"
@@ -80,6 +81,11 @@ class Engine : private OpState {
   void wait(uint64_t handle, double timeout_s);
   bool test(uint64_t handle);
   void shutdown();
+  // A failure this rank saw outside the engine (a message whose peer died, sdp_jupyter.comm): the
+  // engine fails with it at its next health check, and passes it to the node's ranks and to the
+  // other nodes as the first error, so that every rank names the cause and none blames this
+  // rank's exit that follows. Safe from any thread.
+  void report(const std::string& msg);
 
   int rank() const { return cfg_.rank; }
   int world_size() const { return topo_.world_size(); }
@@ -91,6 +97,8 @@ class Engine : private OpState {
   int listen_port() const { return conns_.port(); }
   std::string broken_message();
   Stats stats();
+  // The flight recorder's newest `last` entries (all when 0), oldest first (flight.h).
+  std::vector<FlightEntry> flight(size_t last = 0);
 
  private:
   void progress_loop();
@@ -121,6 +129,15 @@ class Engine : private OpState {
   std::thread progress_;
   std::mutex shutdown_mu_;  // shutdown() runs once at a time
   Stats stats_;
+  FlightRing flight_;  // written with mu_ held
+  std::mutex report_mu_;
+  std::string reported_;
+  std::atomic<bool> has_report_{false};
+  bool shm_published() {
+    std::string m;
+    bool remote = false;
+    return shm_.active() && shm_.published_error(&m, &remote);
+  }
 };
 
 }  // namespace sdp

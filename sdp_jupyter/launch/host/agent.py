@@ -116,6 +116,11 @@ class Agent:
                     self._session(message)
                 elif kind == "interrupt":
                     self._interrupt()
+                elif kind == "flight":  # Job.flight(): this host's ranks write their flight recorders' rings
+                    if self.job_dir is not None:
+                        from sdp_jupyter import jobdir
+
+                        jobdir.write_private(jobdir.flight_request_path(self.job_dir), str(time.time()))
                 elif kind == "stop":
                     self._stop_ranks(float(message.get("sigint_grace", 3)), float(message.get("sigterm_grace", 2)))
                 elif kind == "bye":
@@ -272,7 +277,7 @@ class Agent:
         tails: dict[str, jobdir.JsonLinesTail] = {}
         while True:
             last = stop.wait(0.5)
-            for path in jobdir.metrics_paths(self.job_dir):
+            for path in jobdir.metrics_paths(self.job_dir, flight=True):
                 if jobdir.is_metrics_name(path.name) and path.name not in tails:
                     tails[path.name] = jobdir.JsonLinesTail(path)
             for name, tail in tails.items():

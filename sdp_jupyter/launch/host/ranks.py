@@ -42,15 +42,6 @@ def gpu_count() -> int:
     return n
 
 
-def describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            return f"was killed by signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with code {code}"
-
-
 LAST_LINES = 12  # lines of a failed rank's output quoted in the job's error
 _CRASH_LINES = 400  # how far back a crashed rank's log is read for its stacks
 
@@ -94,7 +85,7 @@ def crash_summary(log: str) -> str:
 def failure_message(job, rank: int, who: str, code: int) -> str:
     """The job's error for a rank that ended badly: who, how, what was running (for a signal) and
     where its log is, then its last lines."""
-    msg = f"{who} {describe_exit(code)}"
+    msg = f"{who} {jobdir.describe_exit(code)}"
     if code < 0:
         msg += crash_summary(job.logs(rank, tail=_CRASH_LINES))
         msg += (f"; its log (Python stacks, native frames): {jobdir.log_path(job.dir, rank)}; "

@@ -124,17 +124,79 @@ class Job(Shown):
 
     @property
     def status(self) -> dict:
+        """status.json as read now; while the job runs and a collective has waited longer than
+        SDP_HANG_WARN_S, "hang" says who waits where (see `hang`)."""
         with self._lock:
             if self.supervisor is None and not self._done.is_set():
                 self._status = jobdir.seen_status(jobdir.read_json(self.dir / jobdir.STATUS, self._status) or {})
                 st = self._status
                 if st.get("state") in jobdir.FINAL_STATES:
                     self._done.set()
-            return dict(self._status)
+            st = dict(self._status)
+        if st.get("state") == "running":
+            hang = self.hang
+            if hang:
+                st["hang"] = hang
+        return st
 
     @property
     def state(self) -> str:
         return self.status.get("state", "pending")
+
+    # ------------------------------------------------------------------ the flight recorder (docs/failures.md)
+    def _warn_s(self) -> float | None:
+        """The job's SDP_HANG_WARN_S (None: what the ranks' flight lines say they use)."""
+        try:
+            value = (self.spec.env or {}).get("SDP_HANG_WARN_S")
+            return float(value) if value else None
+        except (TypeError, ValueError):
+            return None
+
+    @property
+    def hang(self) -> str | None:
+        """While the job runs: who has waited where longer than SDP_HANG_WARN_S (20 s) and who has not
+        arrived, from the ranks' flight recorders ("rank 3 (host h2) never entered all_reduce #7 of the
+        default group; ranks 0-2 waited 25 s in it"); None when nothing waits that long. The job goes on."""
+        with self._lock:
+            if self._status.get("state") != "running":
+                return None
+        now = time.monotonic()
+        with self._lock:
+            cached = getattr(self, "_hang_cache", None)
+            if cached is not None and now - cached[0] < 1.0:
+                return cached[1]
+        from sdp_jupyter import flight
+
+        sentence = flight.live_sentence(self.dir, self._warn_s())
+        with self._lock:
+            self._hang_cache = (now, sentence)
+        return sentence
+
+    def flight(self, wait: float = 3.0):
+        """The flight recorder of every rank: asks a live job's ranks to write their rings (the job goes
+        on), then analyses what the ranks wrote (a finished job: what they left). Returns a Finding: its
+        `sentence` says what went wrong, if anything; shown in a notebook, a table of the last
+        operations per rank, aligned by sequence number, the first disagreement marked."""
+        from sdp_jupyter import flight
+
+        if not self.done:
+            before = {p: p.stat().st_size for p in jobdir.flight_paths(self.dir)}
+            path = jobdir.flight_request_path(self.dir)
+            jobdir.write_private(path, str(time.time()))
+            request = getattr(self.supervisor, "request_flight", None)
+            if request is not None:  # remote ranks: the agents touch their copy of the request file
+                request()
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline:
+                now = {p: p.stat().st_size for p in jobdir.flight_paths(self.dir)}
+                grown = [p for p, size in now.items() if size > before.get(p, 0)]
+                if len(grown) >= self.world_size:
+                    break
+                time.sleep(0.1)
+        first = self.status.get("first_failure") or {}
+        exits = {int(first["rank"]): int(first["code"])} if "rank" in first and "code" in first else None
+        return flight.analyse(self.dir, exits=exits, warn_s=self._warn_s(),
+                              now=time.time() if not self.done else None, live=not self.done)
 
     @property
     def error(self) -> str | None:
@@ -314,6 +376,16 @@ class Job(Shown):
                 pass
 
     def update_status(self, **fields) -> None:
+        if fields.get("state") == "failed" and fields.get("error"):
+            # every target ends a failed job here: its error ends with the flight recorder's sentence
+            from sdp_jupyter import flight
+
+            # the first rank that ended: the exit codes of the others are the launcher stopping them
+            first = fields.get("first_failure") or self._status.get("first_failure") or {}
+            exits = {int(first["rank"]): int(first["code"])} if "rank" in first and "code" in first else None
+            why = flight.cause(self.dir, exits)
+            if why and why not in fields["error"]:
+                fields["error"] = f"{fields['error']}\nflight recorder: {why}"
         with self._lock:
             self._status.update(fields)
             jobdir.write_json_atomic(self.dir / jobdir.STATUS, self._status)
@@ -383,6 +455,9 @@ class Job(Shown):
                 f"{self.backend_label}{start}, restarts {st.get('restarts', 0)}) in {self.dir}")
         for warning in self.warnings:
             line += "\nwarning: " + warning
+        hang = self.hang
+        if hang:
+            line += "\nwaiting: " + hang
         if st.get("error"):
             line += "\n" + st["error"]
         return line

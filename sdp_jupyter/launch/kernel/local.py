@@ -173,6 +173,7 @@ class LocalRun(supervise.Run):
         return ranks.spawn(env)
 
     def _failure_message(self, rank: int, code: int) -> str:
+        self.job.update_status(first_failure={"rank": rank, "code": code})  # the flight recorder's cause
         node, local_rank = divmod(rank, self.spec.procs_per_node)
         return ranks.failure_message(self.job, rank, f"rank {rank} (node {node}, local rank {local_rank})", code)
 

@@ -402,6 +402,11 @@ class RemoteRun(supervise.Run):
         for conn in self.conns:
             conn.send({"type": "interrupt"})
 
+    def request_flight(self) -> None:
+        """Job.flight(): every host's ranks write their flight recorders' rings (they come back as metrics do)."""
+        for conn in self.conns:
+            conn.send({"type": "flight"})
+
     def _out(self, rank: int, text: str) -> None:
         self._mirror_files.append(jobdir.log_path(self.job.dir, rank), text)
         shown = self._views.setdefault(rank, ViewCut()).text(text.encode("utf-8", "surrogateescape"))
@@ -415,6 +420,7 @@ class RemoteRun(supervise.Run):
         self._mirror_files.append(self.job.dir / jobdir.METRICS / name, str(message.get("lines", "")))
 
     def _failure_message(self, rank: int, code: int) -> str:
+        self.job.update_status(first_failure={"rank": rank, "code": code})  # the flight recorder's cause
         node, local_rank = divmod(rank, self.spec.procs_per_node)
         return ranks.failure_message(self.job, rank, f"rank {rank} (node {node} on host {self.hosts[node]}, "
                                      f"local rank {local_rank})", code)

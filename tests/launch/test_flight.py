@@ -1,0 +1,143 @@
+"""The flight recorder end to end: planted faults in real jobs, each named in one sentence in the job's
+error and by the analyser (python -m sdp_jupyter.flight JOBDIR) from the rings the ranks dumped; a
+hang named while the job still runs; the analyser's rules on hand-made rings."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO
+from sdp_jupyter import flight, jobdir
+from sdp_jupyter.launch import launch
+
+# 2 nodes x 2 ranks: the victim (rank 3) shares a node with rank 2 and is across TCP from ranks 0-1.
+FAULTS = r'''
+import os, signal, threading, time, torch, torch.distributed as dist
+dist.init_process_group("smddp")
+rank, world = dist.get_rank(), dist.get_world_size()
+fault, victim = os.environ["FAULT"], world - 1
+t = torch.ones(1 << 20)
+for step in range(10):
+    if step == 5 and rank == victim:
+        if fault == "skip":      # its own code, never all_reduce #6
+            time.sleep(120)
+        elif fault == "other":   # another operation as #6
+            dist.broadcast(t, src=0)
+            continue
+        elif fault == "kill":    # killed in the middle of all_reduce #6
+            threading.Timer(0.002, os.kill, (os.getpid(), signal.SIGKILL)).start()
+        elif fault == "stop":    # frozen (alive, silent) before all_reduce #6
+            os.kill(os.getpid(), signal.SIGSTOP)
+    dist.all_reduce(t)
+print("done", flush=True)
+'''
+
+EXPECTED = {
+    "skip": ["rank 3", "never entered all_reduce #6 of the default group", "ranks 0-2 waited"],
+    "other": ["at #6 of the default group rank 3 called broadcast(root 0) while the others called all_reduce"],
+    "kill": ["rank 3", "died (was killed by signal SIGKILL) during all_reduce #6 of the default group"],
+    "stop": ["rank 3", "has made no progress for", "all_reduce #6"],
+}
+ENV = {"SDP_TIMEOUT": "6", "SDP_HANG_WARN_S": "1"}
+
+
+def _check(sentence: str, fault: str, host: str | None = None):
+    for part in EXPECTED[fault]:
+        assert part in sentence, f"{fault}: {part!r} not in {sentence!r}"
+    if host and fault in ("skip", "kill"):
+        assert f"(host {host})" in sentence, sentence
+
+
+def _analyser_says(job_dir) -> dict:
+    out = subprocess.run([sys.executable, "-m", "sdp_jupyter.flight", str(job_dir), "--json"], capture_output=True,
+                         text=True, cwd=REPO, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["skip", "other", "kill", "stop"])
+def test_a_planted_fault_is_named_in_one_sentence_on_the_local_target(fault, jobs_dir):
+    job = launch(code=FAULTS, nodes=2, procs_per_node=2, env={**ENV, "FAULT": fault}, name=f"fault-{fault}")
+    job.wait(timeout=120)
+    assert job.state == "failed", job.summary()
+    line = next((ln for ln in job.error.splitlines() if ln.startswith("flight recorder: ")), None)
+    assert line, job.error
+    _check(line, fault)
+    said = _analyser_says(job.dir)
+    _check(said["sentence"], fault)
+    assert said["first_difference"] == 6 and any(row[0].startswith("#6") for row in said["table"]), said
+    if fault == "other":  # the table marks the first disagreement
+        assert any(row[0] == "#6 <" for row in said["table"]), said["table"]
+
+
+@pytest.mark.slow
+def test_a_hang_is_named_while_the_job_still_runs(jobs_dir):
+    """Rank 3 stuck in its own code while the others wait in all_reduce #6: status, summary and the
+    job's flight() name it within seconds (SDP_HANG_WARN_S=2), long before the deadline, and the job
+    goes on (and then succeeds, when rank 3 comes)."""
+    code = FAULTS.replace("time.sleep(120)", "time.sleep(float(os.environ['SLEEP']))")
+    job = launch(code=code, nodes=2, procs_per_node=2, env={"SDP_TIMEOUT": "120", "SDP_HANG_WARN_S": "2",
+                                                        "FAULT": "skip", "SLEEP": "14"}, name="live-hang")
+    deadline = time.monotonic() + 60
+    hang = None
+    while time.monotonic() < deadline and not job.done:
+        hang = job.status.get("hang")
+        if hang and "rank 3" in hang:
+            break
+        time.sleep(0.5)
+    assert hang and "rank 3" in hang and "never entered all_reduce #6 of the default group" in hang, (hang, job.summary())
+    assert job.state == "running"
+    assert "waiting: " + hang.split(";")[0] in job.summary()
+    found = job.flight()
+    assert found.sentence and "rank 3" in found.sentence, found.text()
+    assert "rank 3" in found._repr_html_()
+    assert job.wait(timeout=90) == "succeeded", job.summary()
+    assert job.status.get("hang") is None
+
+
+# ---------------------------------------------------------------------------------------------- rules
+def _ring_line(rank, entries, reason="failed", t=100.0, world=4, error=""):
+    return {"t": t, "kind": "flight", "rank": rank, "group": "default", "world_size": world, "host": f"h{rank}",
+            "reason": reason, "error": error, "fields": list(flight.FIELDS), "entries": entries}
+
+
+def _live_line(rank, last, state, t, every=1.0, world=4):
+    return {"t": t, "kind": "flight-live", "rank": rank, "group": "default", "world_size": world, "host": f"h{rank}",
+            "state": state, "last": last, "fields": list(flight.FIELDS), "every": every}
+
+
+def _write(tmp_path, lines):
+    (tmp_path / jobdir.METRICS).mkdir(exist_ok=True)
+    for line in lines:
+        with open(jobdir.flight_metrics_path(tmp_path, line["rank"]), "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+
+def _e(seq, op="all_reduce", count=1000, state="finished", arg="sum", t=90.0):
+    return [seq, op, "float32", count, arg, state, t, t, t + 0.01 if state == "finished" else (t + 5 if state == "failed" else 0)]
+
+
+def test_the_count_that_differs_is_named(tmp_path):
+    _write(tmp_path, [_ring_line(r, [_e(11), _e(12, count=1000 if r == 2 else 1001, state="failed")]) for r in range(4)])
+    found = flight.analyse(tmp_path)
+    assert found.sentence == "at #12 of the default group rank 2 reduced 1000 elements, the others 1001"
+    assert found.first_difference == 12
+
+
+def test_no_finding_for_a_healthy_job_and_an_empty_folder(tmp_path):
+    assert flight.analyse(tmp_path).sentence is None
+    _write(tmp_path, [_live_line(r, _e(40), "idle", 100.0 + r * 0.1) for r in range(4)])
+    assert flight.analyse(tmp_path, now=101.0, live=True).sentence is None
+
+
+def test_live_waits_shorter_than_the_threshold_are_not_reported(tmp_path):
+    _write(tmp_path, [_live_line(r, _e(7, state="started", t=100.0), "waiting", 101.0, every=20.0) for r in range(3)]
+           + [_live_line(3, _e(6, t=99.0), "idle", 101.0, every=20.0)])
+    assert flight.analyse(tmp_path, now=110.0, live=True).sentence is None
+    said = flight.analyse(tmp_path, now=125.0, live=True).sentence
+    assert said == "rank 3 (host h3) never entered all_reduce #7 of the default group; ranks 0-2 waited 25 s in it"
