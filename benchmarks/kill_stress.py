@@ -91,12 +91,13 @@ def worker(seed: int, warmup: int, ready_path: str) -> int:
 LAYOUTS = {"1x4": (1, 4), "2x2": (2, 2), "4x1": (4, 1), "2x2h": (2, 2)}
 
 
-def _names(err: str, victim: int, host: str | None) -> bool:
+def _names(err: str, victim: int, host: tuple | None) -> bool:
+    """Whether an error names the victim rank (and, across test hosts, its host's name or address)."""
     import re
 
     if not re.search(rf"\brank(?:\(s\))? (?:\d+, )*{victim}\b", err):
         return False
-    return host is None or host in err
+    return host is None or any(re.search(rf"\b{re.escape(h)}\b", err) for h in host)
 
 
 def one_round(layout: str, n: int, args, cluster, tmp: str) -> dict:
@@ -136,7 +137,8 @@ def one_round(layout: str, n: int, args, cluster, tmp: str) -> dict:
         time.sleep(random.uniform(1.5, 1.5 + args.max_delay) if args.stop else random.uniform(0, args.max_delay))
         t_kill = time.time()
         os.kill(procs[victim].pid, signal.SIGSTOP if args.stop else signal.SIGKILL)
-        result.update(victim=victim, victim_host=(cluster.hostnames[victim // per_node] if cluster else None))
+        h = victim // per_node
+        result.update(victim=victim, victim_host=(cluster.hostnames[h], cluster.addresses[h]) if cluster else None)
         deadline = time.monotonic() + args.hang_after + (args.deadline if args.stop else 0)
         for r, p in enumerate(procs):
             if r == victim:

@@ -121,6 +121,9 @@ VARIABLES: dict[str, Var] = {v.name: v for v in (
         "where a rank writes its flight recorder file when no job directory is set (plain torchrun)"),
     Var("SDP_FLIGHT_POLL_S", "float (seconds)", "1", "rank",
         "how often each rank's flight watchdog looks at its engines and for a dump request"),
+    Var("SDP_ARRIVALS_S", "float (seconds)", "5", "rank",
+        "how often each rank writes when it came to its recent collectives and how long it waited in them "
+        "(the stragglers analysis and the dashboard's per-rank panel)"),
     Var("SDP_CHUNK_BYTES", "int (bytes, >= 4096)", "4194304", "rank",
         "engine chunk: the pipeline grain and the size of each shared-memory slot; the same on every rank"),
     Var("SDP_SPIN", "int (>= -1)", "2000", "rank",

@@ -2,7 +2,7 @@
 
 Torch-free and engine-free (it runs in the notebook's kernel, in `sdp-train`, or alone):
 
-    python -m sdp_jupyter.flight JOBDIR        # the cause in one sentence, then the last operations per rank
+    python -m sdp_jupyter.flight JOBDIR        # the cause in one sentence, the last operations per rank, a straggler
 
 Each rank writes `metrics/flight-rank-<RANK>.jsonl` (sdp_jupyter/comm/flight.py, docs/failures.md): its
 ring of recent collectives when something fails, when it is stopped, when a wait passes SDP_HANG_WARN_S
@@ -172,11 +172,12 @@ class Finding:
     group: str | None = None
     first_difference: int | None = None  # the seq the table marks
     logs: dict[int, RankLog] = field(default_factory=dict)
+    last: int = 8  # operations per rank shown
 
-    def table(self, last: int = 8) -> list[list[str]]:
-        return table(self.logs, last, self.first_difference)
+    def table(self, last: int | None = None) -> list[list[str]]:
+        return table(self.logs, self.last if last is None else last, self.first_difference)
 
-    def text(self, last: int = 8) -> str:
+    def text(self, last: int | None = None) -> str:
         lines = [self.sentence or "the flight recorder shows nothing wrong"]
         rows = self.table(last)
         if rows:
@@ -200,6 +201,9 @@ class Finding:
 
     def __str__(self) -> str:
         return self.text()
+
+    def _repr_pretty_(self, p, cycle):  # IPython in a terminal
+        p.text(self.text())
 
 
 def table(logs: dict[int, RankLog], last: int = 8, mark: int | None = None) -> list[list[str]]:
@@ -312,7 +316,7 @@ def _stalled(logs: dict[int, RankLog], group: str, now: float, warn_s: float, ex
     ends = [at[r].ended for r in waiters if at[r].state == "failed" and at[r].ended]
     end = now if live or len(ends) < len(waiters) else max(ends)
     waited = end - start
-    if live and waited < warn_s:
+    if waited < warn_s:  # the ranks' lines are snapshots taken at different moments: a short wait is no stall
         return None
     sentences = []
     for r in frozen:
@@ -348,12 +352,22 @@ def _stalled(logs: dict[int, RankLog], group: str, now: float, warn_s: float, ex
 
 
 def analyse(folder: str | os.PathLike, *, exits: list | dict | None = None, now: float | None = None,
-            warn_s: float | None = None, live: bool = False) -> Finding:
+            warn_s: float | None = None, live: bool = False, first_failure: dict | None = None) -> Finding:
     """The one-sentence cause from a job directory's flight files (see the module's docstring).
-    `exits`: {rank: exit code} of the rank(s) that ended on their own (status.json's first_failure; negative:
-    killed by that signal), not of those the launcher stopped after it.
+    `exits`: {rank: exit code} of the rank(s) that ended on their own (negative: killed by that signal),
+    not of those the launcher stopped after it; or `first_failure`, status.json's record of the first
+    rank that ended ({"rank", "code", "host"}), which names the host of a rank that left no flight line.
     `live`: the job still runs, so a wait shorter than `warn_s` is no finding yet."""
     groups = load(folder)
+    first = first_failure or {}
+    if "rank" in first and "code" in first:
+        try:
+            exits = {**(exits if isinstance(exits, dict) else {}), int(first["rank"]): int(first["code"])}
+            if first.get("host") and int(first["code"]) < 0 and "default" in groups:  # died: named with its host
+                groups["default"].setdefault(int(first["rank"]), RankLog(int(first["rank"]), "default")).host = \
+                    str(first["host"])
+        except (TypeError, ValueError):
+            pass
     worlds = {g: max(lg.world for lg in logs.values()) for g, logs in groups.items()}
     if isinstance(exits, list):
         exits = {r: c for r, c in enumerate(exits) if c is not None}
@@ -384,12 +398,93 @@ def live_sentence(job_dir: str | os.PathLike, warn_s: float | None = None) -> st
         return None
 
 
-def cause(job_dir: str | os.PathLike, exits: dict | None = None, warn_s: float | None = None) -> str | None:
+def cause(job_dir: str | os.PathLike, first_failure: dict | None = None, warn_s: float | None = None) -> str | None:
     """After a job failed: the flight recorder's sentence, or None when it has nothing to say."""
     try:
-        return analyse(job_dir, exits=exits, warn_s=warn_s).sentence
+        return analyse(job_dir, first_failure=first_failure, warn_s=warn_s).sentence
     except Exception:  # noqa: BLE001
         return None
+
+
+# ---------------------------------------------------------------------------------------------- stragglers
+@dataclass
+class Stragglers:
+    """Who comes last to the collectives of the default group, from the ranks' "arrivals" metrics lines
+    (sdp_jupyter/comm/flight.py): per rank, the share of collectives it came to last, how late it was
+    then (against the median of the others), and the share of its time spent waiting inside them."""
+
+    collectives: int = 0                                  # collectives every rank reported
+    last_share: dict = field(default_factory=dict)        # rank -> share of them it came to last
+    late_s: dict = field(default_factory=dict)            # rank -> mean lateness when last (s)
+    wait_share: dict = field(default_factory=dict)        # rank -> share of its time waiting in collectives
+    hosts: dict = field(default_factory=dict)             # rank -> host
+    cost: float = 0.0                                     # the straggler's lateness over the span: the others' wait
+    straggler: int | None = None
+
+    @property
+    def sentence(self) -> str | None:
+        r = self.straggler
+        if r is None:
+            return None
+        who = f"host {self.hosts[r]} (rank {r})" if self.hosts.get(r) else f"rank {r}"
+        return (f"{who} arrived last in {self.last_share[r]:.0%} of {self.collectives} collectives, "
+                f"{self.late_s[r] * 1e3:.0f} ms late on average: about {self.cost:.0%} of the job's time")
+
+
+MIN_COLLECTIVES = 20  # fewer aligned collectives than this: no verdict
+
+
+def stragglers(records: list[dict], hosts: dict | None = None) -> Stragglers:
+    """The analysis from metrics lines (any order; other kinds are skipped)."""
+    arrivals: dict[int, dict[int, tuple[float, float]]] = {}
+    named = dict(hosts or {})
+    for rec in records:
+        if rec.get("kind") != "arrivals" or (rec.get("group") or "default") != "default":
+            continue
+        try:
+            rank, seq0, base = int(rec["rank"]), int(rec["seq0"]), float(rec["base"])
+            if rec.get("host"):
+                named[rank] = str(rec["host"])
+            mine = arrivals.setdefault(rank, {})
+            for i, (p, w) in enumerate(zip(rec["posted_ms"], rec["wait_ms"])):
+                mine[seq0 + i] = (base + float(p) / 1e3, float(w) / 1e3)
+        except (KeyError, TypeError, ValueError):
+            continue
+    out = Stragglers(hosts=named)
+    if len(arrivals) < 2:
+        return out
+    ranks = sorted(arrivals)
+    common = sorted(set.intersection(*(set(arrivals[r]) for r in ranks)))
+    out.collectives = len(common)
+    last = {r: 0 for r in ranks}
+    late = {r: 0.0 for r in ranks}
+    for s in common:
+        times = {r: arrivals[r][s][0] for r in ranks}
+        r_last = max(times, key=times.get)
+        others = sorted(t for r, t in times.items() if r != r_last)
+        last[r_last] += 1
+        late[r_last] += times[r_last] - others[len(others) // 2]
+    for r in ranks:
+        out.last_share[r] = last[r] / len(common) if common else 0.0
+        out.late_s[r] = late[r] / last[r] if last[r] else 0.0
+        waits = [arrivals[r][s][1] for s in common]
+        span = (arrivals[r][common[-1]][0] + arrivals[r][common[-1]][1] - arrivals[r][common[0]][0]) if common else 0
+        out.wait_share[r] = sum(waits) / span if span > 0 else 0.0
+    if len(common) < MIN_COLLECTIVES:
+        return out
+    top = max(ranks, key=lambda r: last[r])
+    span = max(arrivals[r][common[-1]][0] for r in ranks) - min(arrivals[r][common[0]][0] for r in ranks)
+    # by chance each rank is last in 1/W of them: a straggler is last far more often than that, and late enough to matter
+    if out.last_share[top] >= max(0.5, 1.5 / len(ranks)) and out.late_s[top] >= 0.005 and span > 0:
+        out.straggler = top
+        out.cost = min(1.0, late[top] / span)
+    return out
+
+
+def job_stragglers(job_dir: str | os.PathLike) -> Stragglers:
+    """stragglers() over a job directory's metrics."""
+    return stragglers([rec for path in jobdir.metrics_paths(job_dir, ranks_only=True)
+                       for rec in jobdir.JsonLinesTail(path).records(final=True)])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -401,13 +496,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print the finding as JSON")
     args = ap.parse_args(argv)
     status = jobdir.read_json(Path(args.job_dir) / jobdir.STATUS, {}) or {}
-    first = status.get("first_failure") or {}  # the rank that ended first (the others were stopped after it)
-    found = analyse(args.job_dir, exits={int(first["rank"]): int(first["code"])} if "rank" in first else None)
+    # the rank that ended first (the others were stopped after it)
+    found = analyse(args.job_dir, first_failure=status.get("first_failure"))
+    straggler = job_stragglers(args.job_dir).sentence
     if args.json:
-        print(json.dumps({"sentence": found.sentence, "group": found.group,
+        print(json.dumps({"sentence": found.sentence, "group": found.group, "straggler": straggler,
                           "first_difference": found.first_difference, "table": found.table(args.last)}))
     else:
         print(found.text(args.last))
+        if straggler:
+            print(f"\nstraggler: {straggler}")
     return 0
 
 

@@ -268,6 +268,23 @@ class SdpMagics(Magics):
 
     @magic_arguments.magic_arguments()
     @magic_arguments.argument("name", nargs="?", help="job name (default: the latest job of this kernel)")
+    @magic_arguments.argument("--last", type=int, default=8, help="operations per rank in the table (default 8)")
+    @line_magic
+    def sdp_flight(self, line: str = ""):
+        """The flight recorder of a job: a running job's ranks write their rings (the job goes on); the
+        cause in one sentence, then the last operations per rank aligned by sequence number, the first
+        disagreement marked (docs/failures.md)."""
+        args = parse_line(self.sdp_flight, line)
+        job = self._job(args.name)
+        found = job.flight()
+        found.last = args.last
+        straggler = job.straggler
+        if straggler:
+            print(f"straggler: {straggler}")
+        return found  # shown as the sentence and the table (HTML in a notebook, text in a terminal)
+
+    @magic_arguments.magic_arguments()
+    @magic_arguments.argument("name", nargs="?", help="job name (default: the latest job of this kernel)")
     @line_magic
     def sdp_wait(self, line: str = ""):
         """Block until a job ends; raise if it failed."""

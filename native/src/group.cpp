@@ -29,9 +29,11 @@ Topology::Topology(int r, std::vector<int> nodes) : rank(r), node_of_rank(std::m
 std::string Topology::rank_name(int r) const {
   int n = node_of_rank[r];
   std::string s = "rank " + std::to_string(r) + " (node " + std::to_string(n);
-  // Ranks of other nodes are named with their host's address too: "the host is unreachable"
-  // is what a user needs to know when a link fails.
-  if (n != node && size_t(n) < node_addrs.size() && !node_addrs[n].empty()) s += " at " + node_addrs[n];
+  // Ranks are named with their host's address too: "the host is unreachable" is what a user needs
+  // to know when a link fails, and which host a dead rank was on when a job spans hosts (the
+  // ranks of this rank's own node on loopback are named without it: it says nothing there).
+  bool known = size_t(n) < node_addrs.size() && !node_addrs[n].empty();
+  if (known && (n != node || node_addrs[n].rfind("127.", 0) != 0)) s += " at " + node_addrs[n];
   return s + ")";
 }
 

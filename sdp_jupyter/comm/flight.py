@@ -138,7 +138,7 @@ def watch(c) -> None:
     """Start watching a new communicator (the watchdog starts with the first one)."""
     global _thread
     with _lock:
-        _groups[c] = {"warned": None, "live_at": 0.0}
+        _groups[c] = {"warned": None, "live_at": 0.0, "reported": 0, "window_at": time.time()}
         if _thread is None or not _thread.is_alive():
             _thread = threading.Thread(target=_watchdog, name="smddp-flight", daemon=True)
             _thread.start()
@@ -150,7 +150,14 @@ def _at_exit() -> None:
     written, and the group is shut down now, so that the failure this rank saw reaches its peers as
     the cause before its connections close (and they blame its exit instead)."""
     with _lock:
-        groups = list(_groups)
+        records = list(_groups.items())
+    groups = [c for c, _ in records]
+    if env_str("SDP_JOB_DIR"):
+        for c, rec in records:  # the last window's arrivals, however short the job
+            try:
+                _arrivals(c, rec, time.time())
+            except Exception:  # noqa: BLE001
+                pass
     for c in groups:
         try:
             broken = c._engine.broken_message()  # noqa: SLF001
@@ -213,8 +220,28 @@ def _check(c, rec: dict, warn_s: float, now: float) -> None:
             "fields": FIELDS, "every": warn_s})
 
 
+def _arrivals(c, rec: dict, now: float) -> None:
+    """When this rank came to each collective finished since the last call (the newest 256 at most),
+    and how long it spent in them, as one metrics line (kind "arrivals"): the notebook lines the ranks'
+    lines up by sequence number to see who comes last and what that costs the others (stragglers,
+    sdp_jupyter.flight.stragglers; the dashboard's per-rank panel)."""
+    done = [e for e in ring(c, 256) if e[5] == "finished" and e[0] > rec["reported"]]
+    if not done:
+        return
+    rec["reported"] = done[-1][0]
+    base = done[0][6]
+    from sdp_jupyter.monitor.reporter import emit  # a rank's own metrics file, one writer
+
+    emit("arrivals", group=getattr(c, "group_name", "default"), host=socket.gethostname(), seq0=done[0][0], base=base,
+         posted_ms=[round((e[6] - base) * 1e3, 2) for e in done],
+         wait_ms=[round((e[8] - e[6]) * 1e3, 2) for e in done], window_s=now - rec["window_at"])
+    rec["window_at"] = now
+
+
 def _watchdog() -> None:
     poll = env_float("SDP_FLIGHT_POLL_S", 1.0, min=0.05)
+    every = env_float("SDP_ARRIVALS_S", 5.0, min=0.1)
+    in_job = bool(env_str("SDP_JOB_DIR"))
     while True:
         time.sleep(poll)
         with _lock:
@@ -229,6 +256,8 @@ def _watchdog() -> None:
         for c, rec in groups:
             try:
                 _check(c, rec, warn_s, now)
+                if in_job and now - rec["window_at"] >= every:
+                    _arrivals(c, rec, now)
             except Exception:  # noqa: BLE001 - the watchdog never takes the rank down
                 pass
 

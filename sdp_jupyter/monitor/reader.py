@@ -198,6 +198,7 @@ class Frame:
     comm_share: float | None = None                # recent share of step time in exposed communication
     state: str | None = None
     done: bool = False
+    stragglers: Any = None                         # sdp_jupyter.flight.Stragglers, from the ranks' arrivals
     world_size: int | None = None
     events: int = 0
     skipped_lines: int = 0
@@ -239,6 +240,7 @@ class Metrics:
         self.events = 0
         self.has_samples = False
         self.cells: deque = deque(maxlen=window)
+        self.arrivals: deque = deque(maxlen=window)
 
     def update(self, events: Iterable[dict]) -> int:
         n = 0
@@ -261,6 +263,8 @@ class Metrics:
                 self.sources[ev.get("node", 0)] = ev.get("source", "?")
             elif kind == "cell":  # a session's cell began (launch/rank/session.py): a marker on the timeline
                 self.cells.append((t, ev.get("cell")))
+            elif kind == "arrivals":  # when a rank came to its collectives (comm/flight.py): stragglers
+                self.arrivals.append(ev)
             else:
                 continue
             n += 1
@@ -348,6 +352,10 @@ class Metrics:
         self._system_frame(fr, t0)
         fr.cells = [(t - t0, n) for t, n in self.cells]
         fr.eta_s = self._eta(fr)
+        if self.arrivals:
+            from sdp_jupyter.flight import stragglers
+
+            fr.stragglers = stragglers(list(self.arrivals))
         return fr
 
     def _rates(self, ts: list, samples: list) -> tuple[list, list]:

@@ -3,8 +3,8 @@ does the waiting; here are only what torch asks of a `dist._Work` (a future for 
 result, the sender of a receive from any source) and torch's error type."""
 from __future__ import annotations
 
+import collections
 import datetime
-import queue
 import threading
 
 import torch
@@ -35,27 +35,112 @@ def unsupported(op: str, instead: str):
     raise SmddpUnsupportedError(f"smddp does not implement {op} yet; {instead}")
 
 
-class FutureCompleter:
-    """Completes the futures of works that are not done yet when asked for one (DDP's reducer asks),
-    in one small thread per process group; callers that never ask pay nothing."""
+# torch runs a future's then-callbacks in the thread that sets its result: a completer's thread also
+# runs user code (a DDP comm hook's callbacks). `_running.completer`: in a completer's thread, that
+# completer (see FutureCompleter); a thread of the user's has none.
+_running = threading.local()
 
-    def __init__(self):
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="smddp-futures", daemon=True)
-        self._thread.start()
+
+class FutureCompleter:
+    """Settles the futures of works that are not done yet when asked for one (DDP's reducer and its
+    comm hooks ask), in one thread, in the order they were asked for (so that callbacks that issue
+    collectives issue them in the same order on every rank); callers that never ask pay nothing: the
+    thread starts with the first such future.
+
+    That thread runs the futures' callbacks too (torch's way), and a callback may wait for another of
+    our futures: PowerSGD's call `all_reduce(..., async_op=True).get_future().wait()`. Queued here,
+    such a future would wait for the thread that waits for it, and neither would ever be settled:
+    DDP with PowerSGD hung silently (issue 40 item 5). So a future asked for inside a callback goes
+    to `nested()`, a completer of its own (its thread is free: only callbacks run here wait for it;
+    deeper callbacks go deeper still), and a callback that waits for a future still queued here
+    settles it itself (_Future.wait). Either way: every future handed out completes or fails, in the
+    worst case when the engine fails the operation at the group's deadline."""
+
+    def __init__(self, level: int = 0):
+        self._cv = threading.Condition(threading.Lock())
+        self._queue: collections.deque[SmddpWork] = collections.deque()
+        self._thread: threading.Thread | None = None
+        self._nested: FutureCompleter | None = None
+        self._level = level
+        self._closed = False
 
     def put(self, work: "SmddpWork") -> None:
-        self._queue.put(work)
+        with self._cv:
+            if not self._closed:
+                work._future.queued_in = self
+                self._queue.append(work)
+                if self._thread is None:
+                    name = "smddp-futures" + (f"-nested-{self._level}" if self._level else "")
+                    self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+                    self._thread.start()
+                else:
+                    self._cv.notify()
+                return
+        # a shut-down group: its engine is closed (or about to be), so the wait ends at once, in error
+        work.settle_future()
+
+    def nested(self) -> "FutureCompleter":
+        """The completer for futures asked for inside the callbacks this one runs."""
+        with self._cv:
+            if self._nested is None:
+                self._nested = FutureCompleter(self._level + 1)
+                if self._closed:
+                    self._nested._closed = True
+            return self._nested
+
+    def take(self, work: "SmddpWork") -> bool:
+        """Takes `work` out of the queue (its future is then the caller's to settle): False when it
+        is not there (a thread has it already)."""
+        with self._cv:
+            try:
+                self._queue.remove(work)
+            except ValueError:
+                return False
+            return True
 
     def close(self) -> None:
-        self._queue.put(None)
+        """The group is shut down: no work is queued any more, and every one still queued is settled
+        now, failed unless the engine has finished it (a work the thread is waiting for gets the
+        closed engine's error); the threads end."""
+        with self._cv:
+            self._closed = True
+            left = list(self._queue)
+            self._queue.clear()
+            self._cv.notify_all()
+            nested = self._nested
+        for work in left:
+            work.settle_or_fail("the process group was shut down before this operation finished")
+        if nested is not None:
+            nested.close()
 
     def _run(self) -> None:
+        _running.completer = self
         while True:
-            work = self._queue.get()
-            if work is None:
-                return
+            with self._cv:
+                while not self._queue and not self._closed:
+                    self._cv.wait()
+                if not self._queue:  # closed
+                    return
+                work = self._queue.popleft()
             work.settle_future()
+
+
+class _Future(torch.futures.Future):
+    """The future a work hands out. `queued_in`: the completer whose queue holds its work, while it
+    waits there."""
+
+    queued_in: FutureCompleter | None = None
+    work: "SmddpWork | None" = None
+
+    def wait(self):
+        # A callback (run by a completer's thread) that waits for a future still queued, in this
+        # completer or another, settles it here: the thread that would settle it may be this one
+        # (e.g. `fa.then(lambda _: fb.wait())` with fa and fb asked for in that order).
+        completer, work = self.queued_in, self.work
+        if (completer is not None and work is not None and getattr(_running, "completer", None) is not None
+                and completer.take(work)):
+            work.settle_future()
+        return super().wait()
 
 
 class SmddpWork(dist._Work):
@@ -90,24 +175,51 @@ class SmddpWork(dist._Work):
         with _future_lock:
             if self._future is not None:
                 return self._future
-            self._future = torch.futures.Future()
+            self._future = _Future()
         try:
             done = self.is_completed()
         except SmddpError:
             done = True
         if done:  # no hand-off to the completer thread when the engine has already finished
             self.settle_future()
-        else:
-            self._completer.put(self)
+            return self._future
+        self._future.work = self  # for _Future.wait, until settled
+        running = getattr(_running, "completer", None)
+        # asked for inside a callback that a completer's thread runs: not to that thread (see FutureCompleter)
+        (self._completer if running is None else running.nested()).put(self)
         return self._future
 
     def settle_future(self) -> None:
+        """Waits for the engine, then completes the future: its then-callbacks run here, in this
+        thread (torch's way)."""
         try:
             self.comm_work.wait()
         except BaseException as exc:  # noqa: BLE001 - delivered through the future
-            self._future.set_exception(exc)
+            self._deliver(exc)
         else:
-            self._future.set_result(self._result)
+            self._deliver(None)
+
+    def settle_or_fail(self, why: str) -> None:
+        """The group is shut down: settled as usual if the engine has finished, else failed."""
+        try:
+            done = self.is_completed()
+        except SmddpError:
+            done = True
+        if done:
+            self.settle_future()
+        else:
+            self._deliver(backend_error("smddp: " + why))
+
+    def _deliver(self, error: BaseException | None) -> None:
+        fut = self._future
+        fut.queued_in = fut.work = None  # no cycle left between the work and its future
+        try:
+            if error is not None:
+                fut.set_exception(error)
+            else:
+                fut.set_result(self._result)
+        except Exception:  # noqa: BLE001 - a completer thread lives on (a callback's own error is its future's)
+            pass
 
     def result(self):
         return self._result

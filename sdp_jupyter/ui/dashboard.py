@@ -1,8 +1,10 @@
 """Live monitoring dashboard: a plotly FigureWidget fed by sdp_jupyter.monitor.reader.
 
-`dashboard(job_or_dir, reference=None)` returns a `Dashboard` (a `go.FigureWidget`) with four panels:
+`dashboard(job_or_dir, reference=None)` returns a `Dashboard` (a `go.FigureWidget`) with six panels:
 throughput over time (total and per rank), GPU or CPU utilization per node and device, loss per rank,
-and per-step compute vs exposed communication (and data wait). Its title is the header: current
+per-step compute vs exposed communication (and data wait), and per rank the share of time spent waiting
+inside collectives and the share of collectives it came to last (a straggler's bar in red, named in the
+header: sdp_jupyter.flight.stragglers). Its title is the header: current
 samples/s, mean utilization (saying GPU or CPU), step / total and ETA, scaling efficiency against a
 reference job, and an input-bound warning.
 
@@ -31,7 +33,7 @@ __all__ = ["Dashboard", "dashboard", "snapshot", "header_text"]
 INPUT_BOUND_SHARE = 0.3   # data wait above this share of the step time flags the job as input-bound
 BAR_STEPS = 200           # steps shown in the compute-vs-communication panel
 
-_PANELS = {"throughput": (1, 1), "util": (1, 2), "loss": (2, 1), "steps": (2, 2)}
+_PANELS = {"throughput": (1, 1), "util": (1, 2), "loss": (2, 1), "steps": (2, 2), "waiting": (3, 1), "last": (3, 2)}
 _COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
            "#bcbd22", "#17becf"]
 
@@ -85,6 +87,8 @@ def header_text(frame: Frame, name: str = "", ref: Frame | None = None, ref_name
             third.append(f"⚠ input-bound: {100 * frame.input_bound:.0f}% of step time waiting for data")
         else:
             third.append(f"data wait {100 * frame.input_bound:.0f}% of step")
+    if frame.stragglers is not None and frame.stragglers.sentence:
+        third.append(f"⚠ straggler: {frame.stragglers.sentence}")
     if frame.skipped_lines:
         third.append(f"⚠ {frame.skipped_lines} bad record{'s' if frame.skipped_lines != 1 else ''} skipped")
     return "<br>".join(" · ".join(part) for part in (top, second, third) if part)
@@ -96,10 +100,11 @@ class Dashboard(go.FigureWidget):
     def __init__(self, source: Any, reference: Any = None, window: int = 600, interval: float = 0.5,
                  name: str | None = None, start: bool = True):
         fig = make_subplots(
-            rows=2, cols=2, vertical_spacing=0.14, horizontal_spacing=0.08,
-            subplot_titles=("Throughput (x: seconds since start)", "Utilization", "Loss", "Per step (s): compute, exposed comm, data wait"))
+            rows=3, cols=2, vertical_spacing=0.1, horizontal_spacing=0.08, row_heights=[0.38, 0.38, 0.24],
+            subplot_titles=("Throughput (x: seconds since start)", "Utilization", "Loss", "Per step (s): compute, exposed comm, data wait",
+                            "Per rank: share of time waiting inside collectives", "Per rank: share of collectives it came to last"))
         fig.update_layout(
-            width=1000, height=700, margin=dict(t=130, l=60, r=20, b=40), barmode="stack", template="plotly_white",
+            width=1000, height=900, margin=dict(t=130, l=60, r=20, b=40), barmode="stack", template="plotly_white",
             legend=dict(orientation="h", y=-0.08, x=0), title=dict(text="", x=0.01, y=0.97, font=dict(size=14)),
             uirevision="sdp")  # keep the user's zoom across redraws
         fig.update_xaxes(title_text="step", row=2, col=1)
@@ -108,6 +113,10 @@ class Dashboard(go.FigureWidget):
         fig.update_yaxes(title_text="%", range=[0, 105], row=1, col=2)
         fig.update_yaxes(title_text="loss", row=2, col=1)
         fig.update_yaxes(title_text="seconds", rangemode="tozero", row=2, col=2)
+        fig.update_yaxes(title_text="share", range=[0, 1], row=3, col=1)
+        fig.update_yaxes(title_text="share", range=[0, 1], row=3, col=2)
+        fig.update_xaxes(title_text="rank", type="category", row=3, col=1)
+        fig.update_xaxes(title_text="rank", type="category", row=3, col=2)
         self._lock = threading.RLock()  # before super(): messages from the browser take it (see _handle_msg)
         super().__init__(fig)
         self._reader = Reader(source, window=window)
@@ -261,6 +270,15 @@ class Dashboard(go.FigureWidget):
                 if field == "compute" or any(v for v in vals):
                     i = self._ensure(f"{label} (rank {fr.ranks[0]})", "steps", kind="bar", color=color)
                     updates[i] = {"x": steps, "y": tuple(vals)}
+        sg = fr.stragglers
+        if sg is not None and sg.wait_share:
+            ranks = sorted(sg.wait_share)
+            colors = tuple("#d62728" if r == sg.straggler else "#4c78a8" for r in ranks)
+            i = self._ensure("waiting in collectives", "waiting", kind="bar")
+            updates[i] = {"x": tuple(str(r) for r in ranks), "y": tuple(sg.wait_share[r] for r in ranks), "colors": colors}
+            i = self._ensure("came last", "last", kind="bar")
+            updates[i] = {"x": tuple(str(r) for r in ranks), "y": tuple(sg.last_share.get(r, 0.0) for r in ranks),
+                          "colors": colors}
         cpu_too = any(dev == "cpu" for _, dev in fr.system)
         util_title = {"CPU": "CPU utilization, no GPU (x: seconds)",
                       "GPU": "GPU and CPU utilization (x: seconds)" if cpu_too else "GPU utilization (x: seconds)",
@@ -270,6 +288,8 @@ class Dashboard(go.FigureWidget):
             for i, props in updates.items():
                 self.data[i].x = props["x"]
                 self.data[i].y = props["y"]
+                if "colors" in props:  # the straggler's bar in red
+                    self.data[i].marker.color = props["colors"]
             if fr.cells != self._cells_drawn:
                 self._draw_cells(fr.cells)
             self.layout.title.text = title

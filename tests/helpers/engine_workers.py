@@ -119,18 +119,32 @@ def just_init():
     return x.tolist()
 
 
-def torch_ddp(steps: int, backend: str, seed: int = 0):
-    """Train a small model with stock DDP on `backend`; return the final parameters."""
+def torch_ddp(steps: int, backend: str, seed: int = 0, hook: str | None = None):
+    """Train a small model with stock DDP on `backend` (with torch's comm hook `hook`: "powerSGD" or
+    "fp16"); return the final parameters."""
     import torch
     import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powerSGD
 
     import sdp_jupyter.torch  # noqa: F401 - registers smddp
 
     dist.init_process_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(seed)
+    # Linear(6, 16)'s weight is compressed by PowerSGD at rank 1 (16 + 6 < 96 / 2); the biases and the
+    # small Linear(16, 2) travel uncompressed: both of the hook's chains of futures run
     model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
     ddp = torch.nn.parallel.DistributedDataParallel(model)
+    if hook == "powerSGD":
+        # plain all_reduce for the first 3 steps, then PowerSGD: its callbacks run in the thread that
+        # settles the future and ask for further futures there (all_reduce(...).get_future().wait())
+        state = powerSGD.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=3)
+        ddp.register_comm_hook(state, powerSGD.powerSGD_hook)
+    elif hook == "fp16":
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif hook is not None:
+        raise ValueError(f"unknown hook {hook!r}")
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(123)
     for _ in range(steps):

@@ -93,7 +93,13 @@ def message_readers():
 
     th = threading.Thread(target=waiting)
     th.start()
-    time.sleep(0.5)
+    # One outcome per rank, not a race: rank 0 shuts down 0.5 s into its wait (its own shutdown ends its
+    # receive); rank 1 shuts down only once its receive has ended, which rank 0 closing its connection
+    # does. (Both shutting down at once, either event could reach a rank first.)
+    if c.rank == 0:
+        time.sleep(0.5)
+    else:
+        th.join(10)
     t0 = time.monotonic()
     comm.shutdown()
     out["shutdown_s"] = time.monotonic() - t0

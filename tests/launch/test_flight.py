@@ -36,17 +36,18 @@ for step in range(10):
 print("done", flush=True)
 '''
 
-EXPECTED = {
-    "skip": ["rank 3", "never entered all_reduce #6 of the default group", "ranks 0-2 waited"],
-    "other": ["at #6 of the default group rank 3 called broadcast(root 0) while the others called all_reduce"],
-    "kill": ["rank 3", "died (was killed by signal SIGKILL) during all_reduce #6 of the default group"],
-    "stop": ["rank 3", "has made no progress for", "all_reduce #6"],
+EXPECTED = {  # {v}: the victim, {others}: the other ranks
+    "skip": ["rank {v}", "never entered all_reduce #6 of the default group", "{others} waited"],
+    "other": ["at #6 of the default group rank {v} called broadcast(root 0) while the others called all_reduce"],
+    "kill": ["rank {v}", "died (was killed by signal SIGKILL) during all_reduce #6 of the default group"],
+    "stop": ["rank {v}", "has made no progress for", "all_reduce #6"],
 }
 ENV = {"SDP_TIMEOUT": "6", "SDP_HANG_WARN_S": "1"}
 
 
-def _check(sentence: str, fault: str, host: str | None = None):
+def _check(sentence: str, fault: str, host: str | None = None, world: int = 4):
     for part in EXPECTED[fault]:
+        part = part.format(v=world - 1, others=f"ranks 0-{world - 2}" if world > 3 else "ranks 0-1")
         assert part in sentence, f"{fault}: {part!r} not in {sentence!r}"
     if host and fault in ("skip", "kill"):
         assert f"(host {host})" in sentence, sentence
@@ -71,8 +72,16 @@ def test_a_planted_fault_is_named_in_one_sentence_on_the_local_target(fault, job
     said = _analyser_says(job.dir)
     _check(said["sentence"], fault)
     assert said["first_difference"] == 6 and any(row[0].startswith("#6") for row in said["table"]), said
-    if fault == "other":  # the table marks the first disagreement
+    if fault == "other":  # the table marks the first disagreement; %sdp_flight shows the same
         assert any(row[0] == "#6 <" for row in said["table"]), said["table"]
+        from IPython.testing.globalipapp import get_ipython
+
+        from sdp_jupyter.magics import SdpMagics
+
+        # the magic's own method, not load_ext: the shared test shell must stay as other tests expect it
+        found = SdpMagics(shell=get_ipython()).sdp_flight(f"{job.name} --last 4")
+        assert found.sentence == said["sentence"] and 2 <= len(found.table()) <= 1 + 4, found.text()
+        assert "#6 &lt;" in found._repr_html_() or "#6 <" in found._repr_html_()
 
 
 @pytest.mark.slow
@@ -141,3 +150,94 @@ def test_live_waits_shorter_than_the_threshold_are_not_reported(tmp_path):
     assert flight.analyse(tmp_path, now=110.0, live=True).sentence is None
     said = flight.analyse(tmp_path, now=125.0, live=True).sentence
     assert said == "rank 3 (host h3) never entered all_reduce #7 of the default group; ranks 0-2 waited 25 s in it"
+
+
+# ---------------------------------------------------------------------------------------------- SSH hosts
+STRAGGLE = r'''
+import os, time, torch, torch.distributed as dist
+import sdp_jupyter
+dist.init_process_group("smddp")
+rank = dist.get_rank()
+torch.manual_seed(0)
+torch.set_num_threads(1)
+w = torch.randn(384, 384)
+g = torch.zeros(4096)
+for step in range(int(os.environ["STEPS"])):
+    x = torch.randn(384, 384)
+    for _ in range(4):
+        x = torch.tanh(x @ w)          # the same compute on every rank: a slow host comes last
+    dist.all_reduce(g)
+    sdp_jupyter.report(step=step, samples=384)
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["skip", "other", "kill", "stop"])
+def test_a_planted_fault_is_named_in_one_sentence_on_ssh_hosts(fault, ssh_hosts, tmp_path):
+    from helpers.remote_jobs import drive, next_line
+
+    args = {"target": "ssh", "ssh": {"hosts": ssh_hosts.hosts, "config": str(ssh_hosts.config)},
+            "jobs_dir": str(tmp_path), "code": FAULTS, "name": f"ssh-fault-{fault}", "env": {**ENV, "FAULT": fault}}
+    out = next_line(drive(ssh_hosts.cluster, args), timeout=180)
+    assert out["state"] == "failed", out
+    line = next((ln for ln in out["error"].splitlines() if ln.startswith("flight recorder: ")), None)
+    assert line, out["error"]
+    victim_host = ssh_hosts.hosts[-1]  # rank 2: the last of three hosts, one rank each
+    _check(line, fault, victim_host, world=3)
+    said = _analyser_says(out["dir"])
+    assert said["sentence"] in line, (said, line)
+    assert ssh_hosts.wait_clean(15) == {}
+
+
+@pytest.mark.slow
+def test_a_host_slowed_by_a_cpu_limit_is_named_as_the_straggler(ssh_hosts, tmp_path):
+    from helpers import cgroup
+    from helpers.remote_jobs import drive, next_line
+
+    why = cgroup.available()
+    if why:
+        pytest.skip(f"cannot limit a test host's CPU: {why}")
+    slow = 2  # h2: rank 1
+    args = {"target": "ssh", "ssh": {"hosts": ssh_hosts.hosts, "config": str(ssh_hosts.config)},
+            "jobs_dir": str(tmp_path), "code": STRAGGLE, "name": "ssh-straggler",
+            "env": {"STEPS": "200", "SDP_ARRIVALS_S": "2"}}
+    with cgroup.cpu_limited(lambda: ssh_hosts.cluster.pids(slow), 0.25):
+        out = next_line(drive(ssh_hosts.cluster, args), timeout=180)
+    assert out["state"] == "succeeded", out
+    straggler = next((ln for ln in out["summary"].splitlines() if ln.startswith("straggler: ")), None)
+    assert straggler and straggler.startswith(f"straggler: host h{slow} (rank 1) arrived last in "), out["summary"]
+    assert "ms late on average: about " in straggler and "% of the job's time" in straggler
+    from sdp_jupyter.ui.dashboard import Dashboard
+
+    board = Dashboard(out["dir"], start=False)
+    found = board.frame.stragglers
+    assert found.straggler == 1 and found.last_share[1] > 0.5, found
+    assert f"straggler: host h{slow} (rank 1)" in board.layout.title.text
+    bars = {tr.name: tr for tr in board.data}
+    assert list(bars["came last"].x) == ["0", "1", "2"] and max(bars["came last"].y) == bars["came last"].y[1]
+    assert ssh_hosts.wait_clean(15) == {}
+
+
+def test_the_rank_that_comes_last_is_named_with_its_cost():
+    """Rank 2 comes to 90% of 100 collectives 30 ms after the others (10 ms apart otherwise); steps of 100 ms."""
+    import random
+
+    rng = random.Random(1)
+    records = []
+    for r in range(4):
+        posted, waits = [], []
+        for s in range(100):
+            late = 0.030 if (r == 2 and s % 10) else rng.uniform(0, 0.010)
+            posted.append(round((s * 0.1 + late) * 1e3, 2))
+            waits.append(round((0.031 - late) * 1e3, 2))
+        records.append({"t": 1.0, "kind": "arrivals", "rank": r, "host": f"h{r // 2}", "group": "default", "seq0": 1,
+                        "base": 1000.0, "posted_ms": posted, "wait_ms": waits})
+    found = flight.stragglers(records)
+    assert found.straggler == 2 and found.collectives == 100
+    assert found.last_share[2] >= 0.9, found  # the 10 on time are last now and then by chance
+    assert found.sentence.startswith(f"host h1 (rank 2) arrived last in {found.last_share[2]:.0%} of 100 collectives, ")
+    assert 20 <= found.late_s[2] * 1e3 <= 30 and 0.2 <= found.cost <= 0.3, found
+    assert found.wait_share[2] < found.wait_share[0]
+    for r in range(4):  # no rank stands out: no verdict
+        records[r]["posted_ms"] = [p if r != 2 else p - 25.0 for p in records[r]["posted_ms"]]
+    assert flight.stragglers(records).straggler is None

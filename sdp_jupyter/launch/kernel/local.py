@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import queue
 import secrets
+import socket
 import signal
 import subprocess
 import time
@@ -173,7 +174,7 @@ class LocalRun(supervise.Run):
         return ranks.spawn(env)
 
     def _failure_message(self, rank: int, code: int) -> str:
-        self.job.update_status(first_failure={"rank": rank, "code": code})  # the flight recorder's cause
+        self.job.update_status(first_failure={"rank": rank, "code": code, "host": socket.gethostname()})  # the flight recorder's cause
         node, local_rank = divmod(rank, self.spec.procs_per_node)
         return ranks.failure_message(self.job, rank, f"rank {rank} (node {node}, local rank {local_rank})", code)
 

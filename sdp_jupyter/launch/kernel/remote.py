@@ -420,7 +420,8 @@ class RemoteRun(supervise.Run):
         self._mirror_files.append(self.job.dir / jobdir.METRICS / name, str(message.get("lines", "")))
 
     def _failure_message(self, rank: int, code: int) -> str:
-        self.job.update_status(first_failure={"rank": rank, "code": code})  # the flight recorder's cause
+        self.job.update_status(first_failure={"rank": rank, "code": code,  # the flight recorder's cause
+                                              "host": self.hosts[rank // self.spec.procs_per_node]})
         node, local_rank = divmod(rank, self.spec.procs_per_node)
         return ranks.failure_message(self.job, rank, f"rank {rank} (node {node} on host {self.hosts[node]}, "
                                      f"local rank {local_rank})", code)
