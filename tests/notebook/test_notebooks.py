@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -113,7 +114,13 @@ def check_ssh(nb, jobs: Path, ssh_hosts):
     assert json.loads((job / "status.json").read_text())["state"] == "succeeded"
     assert (job / "result.pkl").is_file() and any((job / "metrics").glob("rank-*.jsonl"))
     left = ssh_hosts.wait_clean(30)
-    pools = {i: ssh_hosts.processes(i, "sdp_jupyter.launch.host.warm") for i in ssh_hosts.nodes}
+    # the pools end when the kernel's ssh clients do, a fraction of a second after the kernel: wait for them
+    deadline = time.monotonic() + 15
+    while True:
+        pools = {i: ssh_hosts.processes(i, "sdp_jupyter.launch.host.warm") for i in ssh_hosts.nodes}
+        if not any(pools.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert left == {} and not any(pools.values()), f"outlived the notebook: ranks/agents {left}, pools {pools}"
 
 

@@ -15,9 +15,12 @@ launcher's heartbeats stop. See docs/ssh.md.
 """
 from __future__ import annotations
 
+import errno
+import os
 import queue
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -114,9 +117,30 @@ def ssh_command(host: str, spec: JobSpec, server: list[str] | None = None) -> li
     return argv + [host, f"echo {CONNECTED} >&2; exec {shlex.quote(python)} -m sdp_jupyter.launch.host.agent"]
 
 
-def _die_with_parent() -> None:
-    """In the ssh child: SIGTERM when the thread that started it ends (the notebook died)."""
-    process.arm_parent_death_signal(signal.SIGTERM, parent=0)
+# The parent-death signal is set by a small interpreter that then becomes the client (exec keeps the
+# signal), never by a preexec_fn: a preexec_fn makes Popen fork() this kernel instead of vfork(), and
+# fork() runs OpenBLAS's pthread_atfork handler, which shuts OpenBLAS's thread pool down under a numpy
+# call on the notebook's main thread: that call then spins forever (issue 40: notebook 09's `X @ w`
+# cell hung while the finished job's warm pools started their ssh clients). Without a preexec_fn the
+# kernel is never forked: no fork handler runs in it. argv: signal, the kernel's pid, the program, its args.
+_WITH_PARENT_DEATH_SIGNAL = (
+    "import ctypes, os, sys\n"
+    f"ctypes.CDLL(None).prctl({process.PR_SET_PDEATHSIG}, int(sys.argv[1]), 0, 0, 0)\n"
+    "if os.getppid() != int(sys.argv[2]):\n"  # the kernel died before the signal was armed
+    "    os._exit(1)\n"
+    "os.execv(sys.argv[3], sys.argv[3:])\n")
+
+
+def _dies_with_parent(argv: list[str]) -> list[str]:
+    """`argv` (its program resolved on PATH) run so that it gets SIGTERM when the thread that started
+    it ends (the notebook died). FileNotFoundError when the program is not installed."""
+    program = shutil.which(argv[0])
+    if program is None:
+        raise FileNotFoundError(errno.ENOENT, "No such file or directory", argv[0])
+    if not sys.platform.startswith("linux") or not sys.executable:  # no parent-death signal: atexit hooks still apply
+        return [program, *argv[1:]]
+    return [sys.executable, "-I", "-S", "-c", _WITH_PARENT_DEATH_SIGNAL, str(int(signal.SIGTERM)),
+            str(os.getpid()), program, *argv[1:]]
 
 
 _KEEPER: queue.Queue | None = None
@@ -136,9 +160,10 @@ def _start_ssh(argv: list[str]) -> subprocess.Popen:
                 while True:
                     argv, reply = inbox.get()
                     try:
-                        reply.put(subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                                   stderr=subprocess.PIPE, start_new_session=True,
-                                                   close_fds=True, preexec_fn=_die_with_parent))
+                        # no preexec_fn: see _WITH_PARENT_DEATH_SIGNAL
+                        reply.put(subprocess.Popen(_dies_with_parent(argv), stdin=subprocess.PIPE,
+                                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                                   start_new_session=True, close_fds=True))
                     except Exception as e:  # handed to the caller
                         reply.put(e)
 
