@@ -34,13 +34,15 @@ import sys
 import tempfile
 import time
 
+from sdp_jupyter._net import free_port
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 WORLD = 4
 
 
 # ---------------------------------------------------------------------------------------------- a rank
-def worker(seed: int, warmup: int, ready_path: str) -> int:
+def worker(seed: int, warmup: int, ready_path: str, ring: bool = True) -> int:
     import faulthandler
 
     import numpy as np
@@ -63,7 +65,7 @@ def worker(seed: int, warmup: int, ready_path: str) -> int:
     i = 0
     try:
         while True:
-            kind = rng.choice(("all_reduce", "all_reduce", "broadcast", "all_gather", "barrier", "ring"))
+            kind = rng.choice(("all_reduce", "all_reduce", "broadcast", "all_gather", "barrier") + (("ring",) if ring else ()))
             if kind == "all_reduce":
                 c.all_reduce(buf(4 << rng.randrange(0, 19)))  # 4 .. 2^20 float32: 16 B to 4 MiB
             elif kind == "broadcast":
@@ -103,7 +105,8 @@ def _names(err: str, victim: int, host: tuple | None) -> bool:
 def one_round(layout: str, n: int, args, cluster, tmp: str) -> dict:
     nodes, per_node = LAYOUTS[layout]
     seed = secrets.randbelow(1 << 30)
-    port = 20000 + secrets.randbelow(20000)
+    # a free port here; on the test hosts any port of the first host's own (empty) network namespace
+    port = 20000 + secrets.randbelow(10000) if cluster else free_port()
     secret = secrets.token_hex(16)
     ready = os.path.join(tmp, f"ready-{n}")
     flight_dir = os.path.join(tmp, f"flight-{n}")
@@ -119,6 +122,8 @@ def one_round(layout: str, n: int, args, cluster, tmp: str) -> dict:
         env.pop("SDP_JOB_DIR", None)
         log = open(os.path.join(tmp, f"round-{n}-rank-{r}.log"), "w+")
         argv = [sys.executable, __file__, "--worker", "--seed", str(seed), "--warmup", str(args.warmup), "--ready", ready]
+        if args.stop:
+            argv.append("--no-ring")
         if cluster:
             procs.append(cluster.popen(node, argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
         else:
@@ -230,12 +235,15 @@ def main(argv=None) -> int:
     ap.add_argument("--max-delay", type=float, default=0.5, help="the kill comes up to this many seconds after set-up")
     ap.add_argument("--hang-after", type=float, default=10.0, help="a survivor still running this long after the kill hangs")
     ap.add_argument("--deadline", type=float, default=60.0, help="SDP_TIMEOUT of the ranks (--stop: keep it short)")
-    ap.add_argument("--stop", action="store_true", help="freeze the victim with SIGSTOP instead of killing it")
+    ap.add_argument("--stop", action="store_true", help="freeze the victim with SIGSTOP instead of killing it (the mix "
+                    "then has no isend/irecv ring: messages are not in the flight recorder, and in a ring each "
+                    "receive times out at its own deadline naming the peer it waited for)")
+    ap.add_argument("--no-ring", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--keep", default="", help="keep the logs of bad rounds in this folder")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "kill_stress.json"))
     args = ap.parse_args(argv)
     if args.worker:
-        return worker(args.seed, args.warmup, args.ready)
+        return worker(args.seed, args.warmup, args.ready, ring=not args.no_ring)
     if args.stop and args.deadline > 30:
         args.deadline = 5.0
     layouts = args.layouts.split(",")

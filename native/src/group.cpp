@@ -37,6 +37,14 @@ std::string Topology::rank_name(int r) const {
   return s + ")";
 }
 
+std::string Topology::node_name(int n) const {
+  std::string s = "node " + std::to_string(n);
+  // as rank_name: the host's address when it says something (not loopback)
+  if (size_t(n) < node_addrs.size() && !node_addrs[n].empty() && node_addrs[n].rfind("127.", 0) != 0)
+    s += " at " + node_addrs[n];
+  return s;
+}
+
 std::string Topology::ranks_list(const std::vector<int>& ranks) {
   std::string s;
   for (size_t i = 0; i < ranks.size(); ++i) s += (i ? ", " : "") + std::to_string(ranks[i]);

@@ -265,7 +265,7 @@ void ShmNode::barrier(const std::function<bool()>* while_waiting) {
         continue;
       }
       op_.fail("timed out after " + fmt_seconds(op_.timeout_s) + " s in " + op_.desc() + " waiting for rank(s) " +
-               Topology::ranks_list(late) + " of node " + std::to_string(topo_.node) +
+               Topology::ranks_list(late) + " of " + topo_.node_name(topo_.node) +
                " (stalled or not calling this collective)");
     }
     futex_wait(&hdr_->wake, w, 2000);

@@ -122,7 +122,10 @@ class Work:
         peer = _RANK.search(message)
         engine = self._ch.engine
         try:
-            deadline = time.monotonic() + CAUSE_GRACE_S
+            # A peer that left may have left because of a third: wait for the engine's account. A
+            # deadline is different: in a chain of receives every rank's deadline passes at once, so
+            # nobody would hear of anybody in the grace; such a timeout names its own peer at once.
+            deadline = time.monotonic() + (CAUSE_GRACE_S if "connection" in message else 0.0)
             while True:
                 known = engine.broken_message()
                 if known:  # the engine's account, unless it only names the same peer (then ours says more)
