@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -52,6 +53,9 @@ def run_ranks(script: str, world: int, per_node: int, args: list[str], timeout: 
             failed.append(f"rank {r} exited {p.returncode}:\n{text[-2000:]}")
         else:
             results.append(json.loads(lines[-1]))
+    for _, out in procs:
+        out.close()
+    shutil.rmtree(tmp, ignore_errors=True)  # every run makes one: hundreds piled up in /tmp
     if failed:
         raise RuntimeError("\n".join(failed))
     return results

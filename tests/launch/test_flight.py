@@ -91,7 +91,7 @@ def test_a_hang_is_named_while_the_job_still_runs(jobs_dir):
     goes on (and then succeeds, when rank 3 comes)."""
     code = FAULTS.replace("time.sleep(120)", "time.sleep(float(os.environ['SLEEP']))")
     job = launch(code=code, nodes=2, procs_per_node=2, env={"SDP_TIMEOUT": "120", "SDP_HANG_WARN_S": "2",
-                                                        "FAULT": "skip", "SLEEP": "14"}, name="live-hang")
+                                                        "FAULT": "skip", "SLEEP": "20"}, name="live-hang")
     deadline = time.monotonic() + 60
     hang = None
     while time.monotonic() < deadline and not job.done:
@@ -200,8 +200,8 @@ def test_a_host_slowed_by_a_cpu_limit_is_named_as_the_straggler(ssh_hosts, tmp_p
     slow = 2  # h2: rank 1
     args = {"target": "ssh", "ssh": {"hosts": ssh_hosts.hosts, "config": str(ssh_hosts.config)},
             "jobs_dir": str(tmp_path), "code": STRAGGLE, "name": "ssh-straggler",
-            "env": {"STEPS": "200", "SDP_ARRIVALS_S": "2"}}
-    with cgroup.cpu_limited(lambda: ssh_hosts.cluster.pids(slow), 0.25):
+            "env": {"STEPS": "120", "SDP_ARRIVALS_S": "2"}}
+    with cgroup.cpu_limited(lambda: ssh_hosts.cluster.pids(slow), 0.1):
         out = next_line(drive(ssh_hosts.cluster, args), timeout=180)
     assert out["state"] == "succeeded", out
     straggler = next((ln for ln in out["summary"].splitlines() if ln.startswith("straggler: ")), None)
