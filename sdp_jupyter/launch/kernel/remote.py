@@ -27,7 +27,10 @@ from sdp_jupyter.launch.kernel.launcher import create_job
 from sdp_jupyter.launch.spec import JobSpec, SpecError
 
 CONNECT_TIMEOUT = 10       # seconds for a link to reach its node
-HELLO_TIMEOUT = 30         # seconds from opening a link to the agent's hello (connect + interpreter start)
+# seconds from opening a link to the agent's hello (connect + interpreter start; on Ray also the actor's
+# worker process): a full suite run on a slow 2-core day saw all 4 Ray test hosts miss 30 s while the
+# first --warm job started a pool and an agent actor on each (issue 40's final run)
+HELLO_TIMEOUT = 60
 HEARTBEAT_TIMEOUT = 10.0   # a node silent this long is lost (the agent pings every second)
 
 
