@@ -23,7 +23,7 @@ import json
 import os
 import sys
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,8 +31,6 @@ from sdp_jupyter import jobdir
 
 FIELDS = jobdir.FLIGHT_FIELDS
 DEFAULT_WARN_S = 20.0  # SDP_HANG_WARN_S's default (sdp_jupyter/_env.py), for readers that have no rank environment
-_REDUCING = {"all_reduce", "reduce_scatter"}
-_ROOTED = {"broadcast", "gather", "scatter"}
 
 
 @dataclass
@@ -62,12 +60,22 @@ class Op:
 
     def call(self) -> str:
         """"broadcast(root 0)", "all_reduce", "barrier"."""
-        if self.op in _ROOTED and self.arg is not None:
+        if self.rooted:
             return f"{self.op}(root {self.arg})"
         return self.op
 
     def name(self) -> str:
         return f"{self.op} #{self.seq}"
+
+    # `arg` says which kind of collective this is (comm/flight.py's entry()): a rooted one's root (an
+    # int), a reducing one's op (its name), else None
+    @property
+    def rooted(self) -> bool:
+        return isinstance(self.arg, int) and not isinstance(self.arg, bool)
+
+    @property
+    def reducing(self) -> bool:
+        return isinstance(self.arg, str)
 
     @property
     def open(self) -> bool:
@@ -107,42 +115,73 @@ class RankLog:
         return pos.started or pos.posted
 
 
+class FlightLog:
+    """Follows a job directory's flight files (or an SDP_FLIGHT_DIR folder) and, with `arrivals`, the
+    ranks' "arrivals" metrics lines, each through one jobdir.JsonLinesTail: every update() reads only
+    what was written since the last, so a live job's status can ask every second at the cost of its new
+    lines, not of every ring written so far. `groups`: {group: {rank: RankLog}}."""
+
+    def __init__(self, folder: str | os.PathLike, arrivals: bool = False, window: int = 600):
+        self.folder = Path(folder)
+        self.groups: dict[str, dict[int, RankLog]] = {}
+        self.arrivals: deque = deque(maxlen=window) if arrivals else deque(maxlen=0)
+        self.arrivals_seen = 0  # arrivals records taken so far (a reader knows whether to recompute)
+        self._tails: dict[str, jobdir.JsonLinesTail] = {}
+        self._want_arrivals = arrivals
+
+    def _paths(self) -> list[Path]:
+        if not (self.folder / jobdir.METRICS).is_dir():  # a bare SDP_FLIGHT_DIR folder
+            return sorted(self.folder.glob("flight-rank-*.jsonl"))
+        paths = jobdir.flight_paths(self.folder)
+        return paths + (jobdir.metrics_paths(self.folder, ranks_only=True) if self._want_arrivals else [])
+
+    def update(self, final: bool = False) -> dict[str, dict[int, RankLog]]:
+        for path in self._paths():
+            tail = self._tails.get(str(path))
+            if tail is None:
+                tail = self._tails[str(path)] = jobdir.JsonLinesTail(path)
+            for rec in tail.records(final):
+                self._take(rec)
+        return self.groups
+
+    def _take(self, rec: dict) -> None:
+        kind = rec.get("kind")
+        if kind == "arrivals":
+            self.arrivals.append(rec)
+            self.arrivals_seen += 1
+            return
+        if kind not in ("flight", "flight-live"):
+            return
+        try:
+            rank, t = int(rec["rank"]), float(rec.get("t") or 0)
+        except (KeyError, TypeError, ValueError):
+            return
+        group = str(rec.get("group") or "default")
+        log = self.groups.setdefault(group, {}).setdefault(rank, RankLog(rank, group))
+        log.host = str(rec.get("host") or log.host)
+        log.seen = max(log.seen, t)
+        try:
+            log.world = max(log.world, int(rec.get("world_size") or 0))
+            if rec.get("every"):
+                log.every = float(rec["every"])
+        except (TypeError, ValueError):
+            pass
+        fields = rec.get("fields") or ()
+        if kind == "flight":
+            if t >= log.ring_t:
+                ops = [Op.of(fields, row) for row in rec.get("entries") or ()]
+                log.ring = [o for o in ops if o is not None]
+                log.ring_t, log.ring_reason = t, str(rec.get("reason") or "")
+                if rec.get("error"):
+                    log.error = str(rec["error"])
+        elif t >= log.live_t:
+            log.live = rec
+            log.live_op = Op.of(fields, rec.get("last") or ())
+
+
 def load(folder: str | os.PathLike) -> dict[str, dict[int, RankLog]]:
     """{group: {rank: RankLog}} from a job directory (or a folder of flight-rank-*.jsonl files: SDP_FLIGHT_DIR)."""
-    folder = Path(folder)
-    paths = jobdir.flight_paths(folder) if (folder / jobdir.METRICS).is_dir() else sorted(folder.glob("flight-rank-*.jsonl"))
-    groups: dict[str, dict[int, RankLog]] = {}
-    for path in paths:
-        for rec in jobdir.JsonLinesTail(path).records(final=True):
-            kind = rec.get("kind")
-            if kind not in ("flight", "flight-live"):
-                continue
-            try:
-                rank, t = int(rec["rank"]), float(rec.get("t") or 0)
-            except (KeyError, TypeError, ValueError):
-                continue
-            group = str(rec.get("group") or "default")
-            log = groups.setdefault(group, {}).setdefault(rank, RankLog(rank, group))
-            log.host = str(rec.get("host") or log.host)
-            log.seen = max(log.seen, t)
-            try:
-                log.world = max(log.world, int(rec.get("world_size") or 0))
-                if rec.get("every"):
-                    log.every = float(rec["every"])
-            except (TypeError, ValueError):
-                pass
-            fields = rec.get("fields") or ()
-            if kind == "flight":
-                if t >= log.ring_t:
-                    ops = [Op.of(fields, row) for row in rec.get("entries") or ()]
-                    log.ring = [o for o in ops if o is not None]
-                    log.ring_t, log.ring_reason = t, str(rec.get("reason") or "")
-                    if rec.get("error"):
-                        log.error = str(rec["error"])
-            elif t >= log.live_t:
-                log.live = rec
-                log.live_op = Op.of(fields, rec.get("last") or ())
-    return groups
+    return FlightLog(folder).update(final=True)
 
 
 def _ranks(ranks) -> str:
@@ -256,13 +295,13 @@ def _mismatch(logs: dict[int, RankLog], group: str) -> Finding | None:
         if mine.op != others.op:
             what = f"called {mine.call()} while the others called {others.call()}"
         elif mine.count != others.count:
-            verb = "reduced" if mine.op in _REDUCING else "had"
+            verb = "reduced" if mine.reducing else "had"
             what = f"{verb} {mine.count} elements, the others {others.count}"
         elif mine.dtype != others.dtype:
             what = f"used {mine.dtype}, the others {others.dtype}"
         else:
-            what = f"called {mine.call()}" + (f" ({mine.arg})" if mine.op in _REDUCING else "") + \
-                f", the others {others.call()}" + (f" ({others.arg})" if others.op in _REDUCING else "")
+            what = f"called {mine.call()}" + (f" ({mine.arg})" if mine.reducing else "") + \
+                f", the others {others.call()}" + (f" ({others.arg})" if others.reducing else "")
         return Finding(f"at #{s}{_of(group)} {who} {what}", group, s, logs)
     return None
 
@@ -351,14 +390,16 @@ def _stalled(logs: dict[int, RankLog], group: str, now: float, warn_s: float, ex
     return Finding("; ".join(sentences), group, s, logs)
 
 
-def analyse(folder: str | os.PathLike, *, exits: list | dict | None = None, now: float | None = None,
+def analyse(folder: "str | os.PathLike | FlightLog", *, exits: list | dict | None = None, now: float | None = None,
             warn_s: float | None = None, live: bool = False, first_failure: dict | None = None) -> Finding:
-    """The one-sentence cause from a job directory's flight files (see the module's docstring).
+    """The one-sentence cause from a job directory's flight files, or from a FlightLog that follows them
+    (see the module's docstring).
     `exits`: {rank: exit code} of the rank(s) that ended on their own (negative: killed by that signal),
     not of those the launcher stopped after it; or `first_failure`, status.json's record of the first
     rank that ended ({"rank", "code", "host"}), which names the host of a rank that left no flight line.
     `live`: the job still runs, so a wait shorter than `warn_s` is no finding yet."""
-    groups = load(folder)
+    groups = folder.update(final=not live) if isinstance(folder, FlightLog) else load(folder)
+    groups = {g: dict(logs) for g, logs in groups.items()}  # what this analysis adds stays its own
     first = first_failure or {}
     if "rank" in first and "code" in first:
         try:
@@ -390,7 +431,7 @@ def analyse(folder: str | os.PathLike, *, exits: list | dict | None = None, now:
     return Finding(None, "default" if "default" in groups else order[0], None, groups[order[0]])
 
 
-def live_sentence(job_dir: str | os.PathLike, warn_s: float | None = None) -> str | None:
+def live_sentence(job_dir: "str | os.PathLike | FlightLog", warn_s: float | None = None) -> str | None:
     """While a job runs: who waits where and who has not arrived, once a wait has passed warn_s."""
     try:
         return analyse(job_dir, now=time.time(), warn_s=warn_s, live=True).sentence
@@ -481,10 +522,12 @@ def stragglers(records: list[dict], hosts: dict | None = None) -> Stragglers:
     return out
 
 
-def job_stragglers(job_dir: str | os.PathLike) -> Stragglers:
-    """stragglers() over a job directory's metrics."""
-    return stragglers([rec for path in jobdir.metrics_paths(job_dir, ranks_only=True)
-                       for rec in jobdir.JsonLinesTail(path).records(final=True)])
+def job_stragglers(job_dir: "str | os.PathLike | FlightLog", final: bool = True) -> Stragglers:
+    """stragglers() over a job directory's arrivals (a FlightLog made with arrivals=True: its new lines
+    only; `final`: the ranks have ended, so a last line without its newline counts)."""
+    log = job_dir if isinstance(job_dir, FlightLog) else FlightLog(job_dir, arrivals=True, window=100_000)
+    log.update(final)
+    return stragglers(list(log.arrivals))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,24 +26,22 @@ Topology::Topology(int r, std::vector<int> nodes) : rank(r), node_of_rank(std::m
   local = int(std::find(mine.begin(), mine.end(), rank) - mine.begin());
 }
 
-std::string Topology::rank_name(int r) const {
-  int n = node_of_rank[r];
-  std::string s = "rank " + std::to_string(r) + " (node " + std::to_string(n);
-  // Ranks are named with their host's address too: "the host is unreachable" is what a user needs
-  // to know when a link fails, and which host a dead rank was on when a job spans hosts (the
-  // ranks of this rank's own node on loopback are named without it: it says nothing there).
-  bool known = size_t(n) < node_addrs.size() && !node_addrs[n].empty();
-  if (known && (n != node || node_addrs[n].rfind("127.", 0) != 0)) s += " at " + node_addrs[n];
-  return s + ")";
-}
-
-std::string Topology::node_name(int n) const {
+// Nodes are named with their host's address: "the host is unreachable" is what a user needs to know
+// when a link fails, and which host a dead rank was on when a job spans hosts. A loopback address says
+// nothing about this rank's own node; another node's is kept (it tells a link from a local failure).
+static std::string node_label(const Topology& t, int n, bool loopback_too) {
   std::string s = "node " + std::to_string(n);
-  // as rank_name: the host's address when it says something (not loopback)
-  if (size_t(n) < node_addrs.size() && !node_addrs[n].empty() && node_addrs[n].rfind("127.", 0) != 0)
-    s += " at " + node_addrs[n];
+  bool known = size_t(n) < t.node_addrs.size() && !t.node_addrs[n].empty();
+  if (known && (loopback_too || t.node_addrs[n].rfind("127.", 0) != 0)) s += " at " + t.node_addrs[n];
   return s;
 }
+
+std::string Topology::rank_name(int r) const {
+  int n = node_of_rank[r];
+  return "rank " + std::to_string(r) + " (" + node_label(*this, n, n != node) + ")";
+}
+
+std::string Topology::node_name(int n) const { return node_label(*this, n, n != node); }
 
 std::string Topology::ranks_list(const std::vector<int>& ranks) {
   std::string s;

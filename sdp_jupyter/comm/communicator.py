@@ -100,7 +100,7 @@ class Communicator(Routes):
         usage.opened(self)
         flight.watch(self)
 
-    def _failed(self, message: str, in_message: bool) -> None:
+    def _failed(self, message: str) -> None:
         """Every failed collective or message: the flight recorder's ring goes into the job directory."""
         flight.failed(self, message)
 

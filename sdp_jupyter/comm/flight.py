@@ -33,7 +33,7 @@ import time
 import weakref
 
 from sdp_jupyter import _engine, jobdir
-from sdp_jupyter._env import env_float, env_int, env_str
+from sdp_jupyter._env import env_float, env_str
 
 FIELDS = jobdir.FLIGHT_FIELDS
 _COLL = {int(v): name for name, v in _engine.Coll.__members__.items()}
@@ -75,11 +75,11 @@ def folder() -> str | None:
     return env_str("SDP_FLIGHT_DIR") or None
 
 
+_process_rank: int | None = None  # this process's global rank, for its file's name (see watch)
+
+
 def _rank() -> int:
-    try:
-        return int(os.environ.get("RANK", "0"))
-    except ValueError:
-        return 0
+    return _process_rank or 0
 
 
 def _write(record: dict) -> None:
@@ -136,11 +136,20 @@ def dump_all(reason: str) -> None:
 
 def watch(c) -> None:
     """Start watching a new communicator (the watchdog starts with the first one)."""
-    global _thread
+    global _thread, _process_rank
     with _lock:
+        if _process_rank is None:
+            # RANK as launchers and torchrun set it; without it (mp.spawn passing rank= itself) the first
+            # group's rank, which is the default group's: torch makes that one first
+            env = (os.environ.get("RANK") or "").strip()
+            _process_rank = int(env) if env.isdigit() else int(c.rank)
         _groups[c] = {"warned": None, "live_at": 0.0, "reported": 0, "window_at": time.time()}
         if _thread is None or not _thread.is_alive():
-            _thread = threading.Thread(target=_watchdog, name="smddp-flight", daemon=True)
+            # read here, in the thread making the group: a bad value fails it, naming the variable,
+            # instead of ending the watchdog thread unseen
+            settings = (env_float("SDP_FLIGHT_POLL_S", 1.0, min=0.05), env_float("SDP_ARRIVALS_S", 5.0, min=0.1),
+                        env_float("SDP_HANG_WARN_S", 20.0, min=0.1))
+            _thread = threading.Thread(target=_watchdog, args=settings, name="smddp-flight", daemon=True)
             _thread.start()
             atexit.register(_at_exit)
 
@@ -238,9 +247,7 @@ def _arrivals(c, rec: dict, now: float) -> None:
     rec["window_at"] = now
 
 
-def _watchdog() -> None:
-    poll = env_float("SDP_FLIGHT_POLL_S", 1.0, min=0.05)
-    every = env_float("SDP_ARRIVALS_S", 5.0, min=0.1)
+def _watchdog(poll: float, every: float, warn_s: float) -> None:
     in_job = bool(env_str("SDP_JOB_DIR"))
     while True:
         time.sleep(poll)
@@ -248,7 +255,6 @@ def _watchdog() -> None:
             groups = list(_groups.items())
         if not groups:
             continue
-        warn_s = env_float("SDP_HANG_WARN_S", 20.0, min=0.1)
         if _requested():
             for c, _ in groups:
                 dump(c, "request")
@@ -261,7 +267,3 @@ def _watchdog() -> None:
             except Exception:  # noqa: BLE001 - the watchdog never takes the rank down
                 pass
 
-
-def capacity() -> int:
-    """SDP_FLIGHT_ENTRIES as the engine reads it (0: the recorder is off)."""
-    return env_int("SDP_FLIGHT_ENTRIES", 2048, min=0)

@@ -26,11 +26,11 @@ class Channels:
     __slots__ = ("engine", "mailbox", "error", "failed")
 
     def __init__(self, engine, mailbox, error: Callable[[str], BaseException] = SmddpError,
-                 failed: Callable[[str, bool], None] | None = None):
+                 failed: Callable[[str], None] | None = None):
         self.engine = engine
         self.mailbox = mailbox
         self.error = error
-        self.failed = failed  # told of every failure (its message, whether a message failed): the flight recorder
+        self.failed = failed  # told of every failure's message: the flight recorder
 
 
 class Work:
@@ -88,7 +88,7 @@ class Work:
             except EngineError as exc:
                 self._error = self._ch.error(str(exc))
                 if self._ch.failed is not None:
-                    self._ch.failed(str(exc), bool(self._messages))
+                    self._ch.failed(str(exc))
                 raise self._error from None
             finally:
                 self._done = True

@@ -241,6 +241,7 @@ class Metrics:
         self.has_samples = False
         self.cells: deque = deque(maxlen=window)
         self.arrivals: deque = deque(maxlen=window)
+        self._stragglers = None  # sdp_jupyter.flight.Stragglers of the arrivals above
 
     def update(self, events: Iterable[dict]) -> int:
         n = 0
@@ -265,6 +266,7 @@ class Metrics:
                 self.cells.append((t, ev.get("cell")))
             elif kind == "arrivals":  # when a rank came to its collectives (comm/flight.py): stragglers
                 self.arrivals.append(ev)
+                self._stragglers = None  # recomputed at the next frame, not at every frame
             else:
                 continue
             n += 1
@@ -352,10 +354,11 @@ class Metrics:
         self._system_frame(fr, t0)
         fr.cells = [(t - t0, n) for t, n in self.cells]
         fr.eta_s = self._eta(fr)
-        if self.arrivals:
+        if self.arrivals and self._stragglers is None:
             from sdp_jupyter.flight import stragglers
 
-            fr.stragglers = stragglers(list(self.arrivals))
+            self._stragglers = stragglers(list(self.arrivals))
+        fr.stragglers = self._stragglers
         return fr
 
     def _rates(self, ts: list, samples: list) -> tuple[list, list]:

@@ -138,3 +138,17 @@ def test_two_jobs_at_once_on_one_machine(tmp_path):
     _check(results["a"], 2)
     _check(results["b"], 2)
     _no_secret_left(tmp_path)
+
+
+def test_the_flight_recorder_writes_one_file_per_rank_without_a_launcher(tmp_path):
+    """mp.spawn passes the rank to init_process_group and sets no RANK: with SDP_FLIGHT_DIR each rank
+    still writes its own flight file, named by its rank (not every rank into rank 0's)."""
+    flight = tmp_path / "flight"
+    vals = _run(tmp_path, "spawn", 3, f"file://{tmp_path}/rendezvous",
+                _clean_env(tmp_path, SDP_FLIGHT_DIR=str(flight), SDP_FLIGHT_POLL_S="0.05", SDP_HANG_WARN_S="0.1"))
+    _check(vals, 3)
+    names = sorted(p.name for p in flight.glob("flight-rank-*.jsonl"))
+    assert names == ["flight-rank-0.jsonl", "flight-rank-1.jsonl", "flight-rank-2.jsonl"], names
+    for r in range(3):
+        ranks = {json.loads(line)["rank"] for line in (flight / f"flight-rank-{r}.jsonl").read_text().splitlines()}
+        assert ranks == {r}, (r, ranks)

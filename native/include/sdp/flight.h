@@ -2,8 +2,9 @@
 // FlightRecorder and Horovod's stall inspector are the models). Each entry says what the
 // collective was, where it got to (posted, started, finished, failed, skipped because the group
 // was already broken) and when. The engine writes it under the lock it already holds for its
-// queue, so recording costs a few stores and a clock read per collective (benchmarks/allreduce_ab.py
-// measures it against SDP_FLIGHT_ENTRIES=0). Python reads it to dump a rank's ring into the job
+// queue, so recording costs a few stores and three clock reads per collective (benchmarks/allreduce_ab.py
+// against the build before the recorder: no cost measurable, docs/benchmarks.md section 16; SDP_FLIGHT_ENTRIES=0
+// turns it off). Python reads it to dump a rank's ring into the job
 // directory after a failure or on request, and to say while a job looks hung who waits where
 // (sdp_jupyter/comm/flight.py); a torch-free analyser turns the ranks' rings into one sentence
 // (sdp_jupyter/flight.py).
@@ -31,7 +32,6 @@ struct FlightEntry {
 class FlightRing {
  public:
   explicit FlightRing(size_t capacity) : ring_(capacity) {}
-  bool on() const { return !ring_.empty(); }
   void posted(const Work& w);
   void started(uint64_t seq);
   void ended(uint64_t seq, FlightState how);

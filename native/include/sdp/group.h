@@ -26,7 +26,7 @@ struct Topology {
   int leader_of(int n) const { return ranks_of_node[n][0]; }
   // "rank 5 (node 2 at 10.0.0.3)"
   std::string rank_name(int r) const;
-  // "node 2", or "node 2 at 10.0.0.3" when its address is known and not loopback
+  // "node 2 at 10.0.0.3" (as in rank_name: the address when known, and not loopback for this node)
   std::string node_name(int n) const;
   static std::string ranks_list(const std::vector<int>& ranks);
 };

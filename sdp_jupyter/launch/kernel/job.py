@@ -48,6 +48,8 @@ class Job(Shown):
         self._done_callbacks: list[Callable[["Job"], None]] = []
         self._tails: dict[int, collections.deque] = {}
         self._done = threading.Event()
+        self._flight = None      # sdp_jupyter.flight.FlightLog, made when first asked (see hang)
+        self._hang_cache = None  # (monotonic time, sentence) of the last analysis
         if self._status.get("state") in jobdir.FINAL_STATES:
             self._done.set()
 
@@ -122,17 +124,21 @@ class Job(Shown):
         """True when this process owns the job's workers."""
         return self.supervisor is not None
 
-    @property
-    def status(self) -> dict:
-        """status.json as read now; while the job runs and a collective has waited longer than
-        SDP_HANG_WARN_S, "hang" says who waits where (see `hang`)."""
+    def _read_status(self) -> dict:
+        """status.json as read now: what state, error, exit codes and the rest read (cheap: no analysis)."""
         with self._lock:
             if self.supervisor is None and not self._done.is_set():
                 self._status = jobdir.seen_status(jobdir.read_json(self.dir / jobdir.STATUS, self._status) or {})
                 st = self._status
                 if st.get("state") in jobdir.FINAL_STATES:
                     self._done.set()
-            st = dict(self._status)
+            return dict(self._status)
+
+    @property
+    def status(self) -> dict:
+        """status.json as read now; while the job runs and a collective has waited longer than
+        SDP_HANG_WARN_S, "hang" says who waits where (see `hang`)."""
+        st = self._read_status()
         if st.get("state") == "running":
             hang = self.hang
             if hang:
@@ -141,7 +147,7 @@ class Job(Shown):
 
     @property
     def state(self) -> str:
-        return self.status.get("state", "pending")
+        return self._read_status().get("state", "pending")
 
     # ------------------------------------------------------------------ the flight recorder (docs/failures.md)
     def _warn_s(self) -> float | None:
@@ -157,20 +163,23 @@ class Job(Shown):
         """While the job runs: who has waited where longer than SDP_HANG_WARN_S (20 s) and who has not
         arrived, from the ranks' flight recorders ("rank 3 (host h2) never entered all_reduce #7 of the
         default group; ranks 0-2 waited 25 s in it"); None when nothing waits that long. The job goes on."""
-        with self._lock:
-            if self._status.get("state") != "running":
-                return None
-        now = time.monotonic()
-        with self._lock:
-            cached = getattr(self, "_hang_cache", None)
-            if cached is not None and now - cached[0] < 1.0:
-                return cached[1]
         from sdp_jupyter import flight
 
-        sentence = flight.live_sentence(self.dir, self._warn_s())
-        with self._lock:
-            self._hang_cache = (now, sentence)
-        return sentence
+        now = time.monotonic()
+        with self._lock:  # one analysis a second at most, of the lines written since the last one
+            if self._status.get("state") != "running":
+                return None
+            if self._hang_cache is None or now - self._hang_cache[0] >= 1.0:
+                self._hang_cache = (now, flight.live_sentence(self._flight_log(), self._warn_s()))
+            return self._hang_cache[1]
+
+    def _flight_log(self):
+        """The ranks' flight files and arrivals, followed (sdp_jupyter.flight.FlightLog; with the lock held)."""
+        if self._flight is None:
+            from sdp_jupyter import flight
+
+            self._flight = flight.FlightLog(self.dir, arrivals=True, window=100_000)
+        return self._flight
 
     @property
     def straggler(self) -> str | None:
@@ -181,7 +190,8 @@ class Job(Shown):
         from sdp_jupyter import flight
 
         try:
-            return flight.job_stragglers(self.dir).sentence
+            with self._lock:
+                return flight.job_stragglers(self._flight_log(), final=self.done).sentence
         except Exception:  # noqa: BLE001 - a summary must never fail on a half-written file
             return None
 
@@ -206,20 +216,20 @@ class Job(Shown):
                 if len(grown) >= self.world_size:
                     break
                 time.sleep(0.1)
-        return flight.analyse(self.dir, first_failure=self.status.get("first_failure"), warn_s=self._warn_s(),
+        return flight.analyse(self.dir, first_failure=self._read_status().get("first_failure"), warn_s=self._warn_s(),
                               now=time.time() if not self.done else None, live=not self.done)
 
     @property
     def error(self) -> str | None:
-        return self.status.get("error")
+        return self._read_status().get("error")
 
     @property
     def exit_codes(self) -> list:
-        return self.status.get("exit_codes") or []
+        return self._read_status().get("exit_codes") or []
 
     @property
     def restarts(self) -> int:
-        return int(self.status.get("restarts") or 0)
+        return int(self._read_status().get("restarts") or 0)
 
     @property
     def done(self) -> bool:
@@ -227,14 +237,14 @@ class Job(Shown):
 
     @property
     def world_size(self) -> int:
-        st = self.status
+        st = self._read_status()
         if st.get("world_size"):
             return int(st["world_size"])
         return self.spec.world_size
 
     @property
     def elapsed(self) -> float:
-        st = self.status
+        st = self._read_status()
         start = st.get("started") or st.get("created")
         if not start:
             return 0.0
@@ -415,7 +425,7 @@ class Job(Shown):
         """How the ranks started: "warm start" (forked from the warm pool), "cold start", or
         "cold start (warm start not possible: REASON)" when a warm start fell back; None until the
         ranks start, and for targets that do not say (docs/warm.md)."""
-        st = self.status
+        st = self._read_status()
         if st.get("start") not in ("warm", "cold"):
             return None
         label = f"{st['start']} start"
@@ -425,7 +435,7 @@ class Job(Shown):
     def where_label(self) -> str | None:
         """Where a remote job's ranks run: "ssh: gpu1, gpu2" (the hosts' own names, node by node), or
         "ray: ..."; None for local and SageMaker jobs (their hosts are this machine or algo-N)."""
-        st = self.status
+        st = self._read_status()
         target = st.get("target")
         if target in (None, "local", "sagemaker"):
             return None
@@ -441,7 +451,7 @@ class Job(Shown):
         """The backend as the ranks used it (status `backend_used`, written when the job ends;
         launch/rank/backend_check.py): the one asked for when they used it, "gloo (asked: smddp)" when
         their default group was another, "smddp (no process group)" when they made none."""
-        st, asked = self.status, self.spec.backend
+        st, asked = self._read_status(), self.spec.backend
         if "backend_used" not in st:
             return asked
         used = st["backend_used"]
@@ -453,10 +463,10 @@ class Job(Shown):
     def warnings(self) -> list[str]:
         """What the job did that was not what was asked (another backend; ranks that trained
         independently): status `warnings`, written when the job ends."""
-        return [str(w) for w in self.status.get("warnings") or []]
+        return [str(w) for w in self._read_status().get("warnings") or []]
 
     def summary(self) -> str:
-        st = self.status
+        st = self._read_status()
         start = f", {self.start_label}" if self.start_label else ""
         where = f" on {self.where_label}" if self.where_label else ""
         line = (f"Job {self.name}: {st.get('state', 'pending')} after {self.elapsed:.1f} s "
