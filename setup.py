@@ -3,7 +3,9 @@
 The engine never includes torch headers: it works on raw buffers, so it compiles in seconds
 and does not tie the wheel to one torch version.
 
-Build switches (environment variables at build time):
+Build switches (environment variables at build time; the on/off ones take 1/0, true/false, yes/no
+or on/off, unset or empty is off, and anything else stops the build with an error naming the
+variable: sdp_jupyter/_env.py, the package's own parser, read here by its path):
   SDP_PORTABLE=1   no intrinsics at all (no AVX2/F16C kernels, no pause instruction): the build for
                    any CPU, and the check that the portable kernels alone are right.
   SDP_BUILD_QUICK=1  -O0: builds in about a third of the time, runs slower; for checks that the engine
@@ -27,36 +29,37 @@ import sys
 from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext
 from setuptools import setup
 
-compile_args = ["-O3", "-pthread", "-fno-strict-aliasing"]
-link_args = ["-pthread", "-lrt", "-Wl,--version-script=native/exports.map", "-Wl,--exclude-libs,ALL"]
-macros = []
-if os.environ.get("SDP_PORTABLE", "") not in ("", "0"):
-    macros.append(("SDP_NO_INTRINSICS", "1"))
-if os.environ.get("SDP_BUILD_QUICK", "") not in ("", "0"):
-    compile_args = ["-O0", "-pthread", "-fno-strict-aliasing"]
-if os.environ.get("SDP_SANITIZE", "") not in ("", "0"):
-    san = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-fno-sanitize-recover=undefined"]
-    compile_args = ["-O1", "-g", "-pthread", "-fno-strict-aliasing"] + san
-    link_args = link_args + san
-
-ext = Pybind11Extension(
-    "sdp_jupyter._engine",
-    sorted(glob.glob("native/src/*.cpp")) + ["native/python/module.cpp"],
-    include_dirs=["native/include"],
-    cxx_std=17,
-    define_macros=macros,
-    extra_compile_args=compile_args,
-    extra_link_args=link_args,
-)
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-
-def _native_check():
-    spec = importlib.util.spec_from_file_location("_native_check", os.path.join("sdp_jupyter", "_native_check.py"))
+def _load(name):
+    """sdp_jupyter/<name>.py, loaded by its path: the package cannot be imported before it is built."""
+    spec = importlib.util.spec_from_file_location(f"_sdp_build{name}", os.path.join(HERE, "sdp_jupyter", f"{name}.py"))
     mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclass looks itself up there
+    sys.modules[spec.name] = mod  # a dataclass looks its module up there
     spec.loader.exec_module(mod)
     return mod
+
+
+_env = _load("_env")  # the package's one parser: 1/0, true/false, yes/no, on/off; empty = the default
+
+
+def build_options(environ=None):
+    """The build switches read from `environ` (default: os.environ) with the package's parser, as
+    {macros, compile_args, link_args, jobs}; a bad value raises ValueError naming the variable."""
+    compile_args = ["-O3", "-pthread", "-fno-strict-aliasing"]
+    link_args = ["-pthread", "-lrt", "-Wl,--version-script=native/exports.map", "-Wl,--exclude-libs,ALL"]
+    macros = []
+    if _env.env_bool("SDP_PORTABLE", False, environ=environ):
+        macros.append(("SDP_NO_INTRINSICS", "1"))
+    if _env.env_bool("SDP_BUILD_QUICK", False, environ=environ):
+        compile_args = ["-O0", "-pthread", "-fno-strict-aliasing"]
+    if _env.env_bool("SDP_SANITIZE", False, environ=environ):
+        san = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-fno-sanitize-recover=undefined"]
+        compile_args = ["-O1", "-g", "-pthread", "-fno-strict-aliasing"] + san
+        link_args = link_args + san
+    jobs = _env.env_int("SDP_BUILD_JOBS", 0, min=0, environ=environ)  # 0: one per CPU
+    return {"macros": macros, "compile_args": compile_args, "link_args": link_args, "jobs": jobs}
 
 
 class checked_build_ext(build_ext):
@@ -64,12 +67,30 @@ class checked_build_ext(build_ext):
 
     def build_extension(self, ext):
         super().build_extension(ext)
-        report = _native_check().inspect(self.get_ext_fullpath(ext.name))
+        report = _load("_native_check").inspect(self.get_ext_fullpath(ext.name))
         problem = report.problem()
         if problem:
             raise SystemExit("error: " + problem)
         print(f"[sdp_jupyter] engine built: {report.summary()}")
 
 
-ParallelCompile("SDP_BUILD_JOBS", default=0).install()
-setup(ext_modules=[ext], cmdclass={"build_ext": checked_build_ext})
+def main():
+    try:
+        opts = build_options()
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    ext = Pybind11Extension(
+        "sdp_jupyter._engine",
+        sorted(glob.glob("native/src/*.cpp")) + ["native/python/module.cpp"],
+        include_dirs=["native/include"],
+        cxx_std=17,
+        define_macros=opts["macros"],
+        extra_compile_args=opts["compile_args"],
+        extra_link_args=opts["link_args"],
+    )
+    ParallelCompile(default=opts["jobs"]).install()
+    setup(ext_modules=[ext], cmdclass={"build_ext": checked_build_ext})
+
+
+if __name__ == "__main__":  # pip's and setuptools' build backends run this file as __main__ too
+    main()

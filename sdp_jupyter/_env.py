@@ -4,6 +4,9 @@ Every numeric or boolean setting (SDP_TIMEOUT, SDP_CHUNK_BYTES, SDP_FAST_EXIT, .
 these functions (`environ=` reads another mapping, e.g. a worker's environment being built), so a bad value fails the same way everywhere: an error that names the variable,
 the value and what is allowed. Unset or empty means "use the default". Every SDP_* name is in
 VARIABLES (a read of one that is not raises KeyError), the table the reference page is made from.
+
+setup.py reads its build switches with these same functions, loading this file by its path before the
+package is built: keep it standard library only, with no import of the package.
 """
 from __future__ import annotations
 
@@ -200,6 +203,9 @@ VARIABLES: dict[str, Var] = {v.name: v for v in (
         "who provides the smddp backend in a SageMaker job: sdp_jupyter or smdistributed", internal=True),
     Var("SDP_SAGEMAKER_POLL_INTERVAL", "float (seconds, >= 0.01)", "10", "kernel",
         "how often a SageMaker job's status is polled"),
+    Var("SDP_SAGEMAKER_MOTO", "str (1 or 0)", "unset: the stand-in only where there are no AWS credentials", "kernel",
+        "notebooks/04_sagemaker.ipynb: 1 runs it against the local moto stand-in even where AWS credentials "
+        "exist, 0 sends it to AWS"),
     # --- the kernel
     Var("SDP_JOBS_DIR", "str (path)", "./sdp_jobs", "kernel", "root of job directories (--jobs-dir wins)"),
     Var("SDP_WARM", "bool", "unset", "kernel",
@@ -215,7 +221,7 @@ VARIABLES: dict[str, Var] = {v.name: v for v in (
     Var("SDP_PORTABLE", "bool", "0", "build",
         "1: no intrinsics at all (no AVX2/F16C kernels, no pause instruction): a build for any CPU"),
     Var("SDP_BUILD_QUICK", "bool", "0", "build", "1: -O0, about a third of the build time, slower code"),
-    Var("SDP_BUILD_JOBS", "int", "one per CPU", "build", "compile this many files at once"),
+    Var("SDP_BUILD_JOBS", "int (>= 0)", "one per CPU", "build", "compile this many files at once (0: one per CPU)"),
     Var("SDP_SANITIZE", "bool", "0", "build",
         "1: AddressSanitizer + UndefinedBehaviorSanitizer (-O1, frame pointers; wins over SDP_BUILD_QUICK)"),
     # --- tests

@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 from sdp_jupyter.doctor.report import FAIL, INFO, OK, WARN, Report
-from sdp_jupyter._env import FALSE, env_str
+from sdp_jupyter._env import env_bool
 
 SHM_WARN_BYTES = 1 << 30  # below this, /dev/shm is WARN (Docker's default is 64 MiB)
 _MIB = 1 << 20
@@ -43,8 +43,8 @@ def check_platform(r: Report) -> None:
 def check_python(r: Report) -> None:
     v = sys.version_info
     what = f"{platform.python_version()} ({sys.executable})"
-    if v < (3, 10):
-        r.add("python", FAIL, what, "sdp_jupyter needs Python 3.10 or newer", brief=f"python {v.major}.{v.minor}")
+    if v < (3, 11):
+        r.add("python", FAIL, what, "sdp_jupyter needs Python 3.11 or newer", brief=f"python {v.major}.{v.minor}")
     else:
         r.add("python", OK, what)
 
@@ -56,7 +56,7 @@ def check_torch(r: Report):
         import torch.distributed as dist
     except Exception as e:  # noqa: BLE001 - any import failure is the finding
         r.add("torch", FAIL, f"cannot import torch: {type(e).__name__}: {e}",
-              "pip install torch (2.4 or newer; the CPU build is enough for the engine)", brief="torch import")
+              "pip install torch (2.11 or newer; the CPU build is enough for the engine)", brief="torch import")
         return None
     cuda = torch.version.cuda
     built = f"CUDA {cuda}" if cuda else ("ROCm " + torch.version.hip if getattr(torch.version, "hip", None) else "CPU build")
@@ -64,8 +64,8 @@ def check_torch(r: Report):
     what = (f"{torch.__version__} ({built}), cuda available: {'yes' if avail else 'no'}, "
             f"devices: {torch.cuda.device_count() if avail else 0}")
     major_minor = tuple(int(x) for x in re.findall(r"\d+", torch.__version__)[:2])
-    if major_minor < (2, 4):
-        r.add("torch", FAIL, what, "sdp_jupyter needs torch 2.4 or newer: pip install -U torch", brief="torch < 2.4")
+    if major_minor < (2, 11):
+        r.add("torch", FAIL, what, "sdp_jupyter needs torch 2.11 or newer: pip install -U torch", brief="torch < 2.11")
         return None
     if not dist.is_available():
         r.add("torch", FAIL, what, "this torch build has no torch.distributed: install a build that has it "
@@ -169,7 +169,12 @@ def check_engine(r: Report) -> None:
     if problem is not None:
         r.add("engine", FAIL, what, problem, brief="engine exports std:: symbols")
         return
-    if isa == "portable" and "avx2" in _cpu_flags() and env_str("SDP_NO_SIMD", "").strip().lower() in FALSE | {""}:
+    try:
+        no_simd = env_bool("SDP_NO_SIMD", False)
+    except ValueError as e:  # the engine refuses it the same way when a process group starts
+        r.add("engine", FAIL, what, f"{e}; set it to 1 or 0, or unset it", brief="SDP_NO_SIMD not a boolean")
+        return
+    if isa == "portable" and "avx2" in _cpu_flags() and not no_simd:
         r.add("engine", WARN, what, "the CPU has AVX2 but the engine runs its portable kernels (slower reductions): "
               "it was built with SDP_PORTABLE=1; rebuild without it (pip install -e .)", brief="engine portable kernels")
         return

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import signal
 from pathlib import Path
-from sdp_jupyter._env import env_str
+from sdp_jupyter._env import env_int
 
 PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])  # the folder holding sdp_jupyter/
 COMPAT_DIR = str(Path(__file__).resolve().parents[1] / "_compat")  # the smdistributed stand-in
@@ -50,6 +50,6 @@ def arm_parent_death_signal(sig: int = signal.SIGKILL, parent: int | None = None
     except (OSError, AttributeError):  # not Linux: the launchers' atexit hooks still apply
         pass
     if parent is None:
-        parent = _expected_parent or int(env_str("SDP_LAUNCHER_PID") or 0)
+        parent = _expected_parent or env_int("SDP_LAUNCHER_PID", 0)
     if parent and os.getppid() != parent:
         os._exit(1)

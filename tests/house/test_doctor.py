@@ -116,6 +116,18 @@ def test_an_engine_that_cannot_be_imported_fails_with_how_to_build_it(monkeypatc
     assert "C++17 compiler" in engine.fix and "pip install -e ." in engine.fix
 
 
+def test_a_bad_sdp_no_simd_fails_naming_the_variable(monkeypatch):
+    monkeypatch.setenv("SDP_NO_SIMD", "maybe")  # the engine refuses it when a group starts: so does the doctor
+    r = Report()
+    doctor.check_engine(r)
+    (engine,) = r.checks
+    assert engine.status == FAIL and "SDP_NO_SIMD='maybe' is not a boolean" in engine.fix, engine
+    monkeypatch.setenv("SDP_NO_SIMD", "off")
+    r = Report()
+    doctor.check_engine(r)
+    assert r.checks[0].status != FAIL
+
+
 class _Statvfs:
     def __init__(self, total, free):
         self.f_frsize, self.f_blocks, self.f_bavail = 4096, total // 4096, free // 4096

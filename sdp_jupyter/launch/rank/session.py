@@ -28,7 +28,7 @@ import time
 import traceback
 
 from sdp_jupyter import jobdir
-from sdp_jupyter._env import env_str
+from sdp_jupyter._env import env_float, env_str
 
 SCRIPT = "from sdp_jupyter.launch.rank.session import serve as _sdp_serve\n_sdp_serve(globals())\n"
 INTERRUPT = signal.SIGUSR2
@@ -67,9 +67,10 @@ class RankSession:
     def connect(self) -> None:
         import torch.distributed as dist
 
+        # empty: the default; a bad number: an error naming the variable, before anything connects
+        timeout = env_float("SDP_SESSION_CONNECT_TIMEOUT", 300.0, min=0.001)
         if self.backend == "smddp":
             import sdp_jupyter.torch  # noqa: F401  registers the backend
-        timeout = float(env_str("SDP_SESSION_CONNECT_TIMEOUT", "300"))
         import datetime
 
         self._store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), self.world,
