@@ -148,7 +148,7 @@ def ray_hosts(cluster4, tmp_path_factory):
     """A Ray head on h0 and workers on h1..h3 of the shared cluster, for one test module (its 2 GB and
     its background CPU are given back when the module ends). Skipped without ray."""
     if not os.path.exists(RAY):
-        pytest.skip("ray is not installed (pip install 'sdp_jupyter[ray]')")
+        pytest.skip("ray is not installed (pip install ray: the `ray` extra)")
     hosts = RayHosts(cluster4, tmp_path_factory.mktemp("ray"))
     try:
         hosts.start()

@@ -1,6 +1,7 @@
 """The Slurm target on a real Slurm (slurmctld on h0, slurmd on h1..h3; sdp_jupyter.testing.slurm):
 jobs train like the local run, wait in the queue with Slurm's reason, stop, lose a node, hit the time
-limit, resume from a checkpoint in a new allocation, and are refused before anything is queued."""
+limit, resume from a checkpoint in a new allocation, and are refused before anything is queued; Slurm's
+own record of each allocation says how the job ended (COMPLETED, FAILED, CANCELLED)."""
 from __future__ import annotations
 
 import json
@@ -221,6 +222,51 @@ def test_a_failure_is_resubmitted_and_resumes_from_the_checkpoint(slurm_hosts, t
     start, restart, job_id = pickle.load(open(os.path.join(end["dir"], "result.pkl"), "rb"))
     assert (start, restart, job_id) == (3, "1", second)
     d.stdin.close()
+    assert slurm_hosts.wait_clean(30) == {}
+
+
+def _slurm_record(sh, job_id: str) -> tuple[str, str]:
+    """Slurm's own record of an allocation once it has ended: (state, exit code), as `squeue --states=all`
+    shows it (the test cluster keeps finished jobs for MinJobAge; it has no accounting storage for sacct)."""
+    deadline = time.monotonic() + 15
+    while True:
+        state = sh.run(["squeue", "--states=all", "-h", "-j", job_id, "-o", "%T"]).stdout.strip()
+        if state not in ("RUNNING", "COMPLETING", "PENDING") or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    fields = dict(w.split("=", 1) for w in sh.run(["scontrol", "-o", "show", "job", job_id]).stdout.split() if "=" in w)
+    return state, fields.get("ExitCode", "?")
+
+
+@pytest.mark.slow
+def test_slurms_record_of_the_allocation_says_how_the_job_ended(slurm_hosts, tmp_path):
+    """Succeeded: COMPLETED; failed: FAILED; stopped: CANCELLED; abandoned by its notebook: FAILED (exit 3)."""
+    ended = {}
+    for name, code in (("ok", "sum(range(4))"), ("bad", "raise SystemExit('fails on purpose')")):
+        d = _drive(slurm_hosts, tmp_path, code=code, name=f"record-{name}", nodes=1)
+        next_line(d, timeout=60)
+        ended[name] = _say(d, "wait", timeout=120)
+        d.stdin.close()
+    d = _drive(slurm_hosts, tmp_path, code="import time; time.sleep(600)", name="record-stopped", nodes=1)
+    next_line(d, timeout=60)
+    _until(d, lambda x: x["state"] == "running" and x["status"].get("host_names"))
+    assert _say(d, "stop")["state"] == "stopped"
+    ended["stopped"] = _say(d, "wait")
+    d.stdin.close()
+    assert (ended["ok"]["state"], ended["bad"]["state"]) == ("succeeded", "failed"), ended
+    records = {name: _slurm_record(slurm_hosts, end["status"]["slurm_job_id"]) for name, end in ended.items()}
+    assert records == {"ok": ("COMPLETED", "0:0"), "bad": ("FAILED", "1:0"), "stopped": ("CANCELLED", "0:15")}, records
+    assert {name: end["status"]["slurm_state"] for name, end in ended.items()} == \
+        {"ok": "COMPLETED", "bad": "FAILED", "stopped": "CANCELLED"}  # the job view says what Slurm says
+
+    # the holder's own safety: no agent ever came (the notebook went away) ends the allocation, FAILED
+    holder = slurm.HOLDER.replace(f"-ge {slurm.HOLD_FIRST}", "-ge 2")
+    assert holder != slurm.HOLDER
+    script = tmp_path / "holder.sh"
+    script.write_text(holder)
+    p = slurm_hosts.run(["sbatch", "--parsable", "--nodes=1", "--output=/dev/null", str(script)])
+    assert p.returncode == 0, p.stderr
+    assert _slurm_record(slurm_hosts, p.stdout.strip()) == ("FAILED", f"{slurm.ABANDONED}:0")
     assert slurm_hosts.wait_clean(30) == {}
 
 

@@ -216,7 +216,7 @@ def test_bad_hosts_are_named_and_nothing_is_launched(ssh_hosts, hosts, tmp_path)
     d = _drive(ssh_hosts, tmp_path, ssh={"hosts": ["h1", "h2"], "config": str(ssh_hosts.config),
                                          "python": "/usr/bin/python3"})
     err = next_line(d)["spec_error"]
-    assert "h1: sdp_jupyter is not installed for /usr/bin/python3 there. Fix: pip install sdp_jupyter==" in err
+    assert "h1: sdp_jupyter is not installed for /usr/bin/python3 there. Fix: install sdp_jupyter " in err
     d = _drive(ssh_hosts, tmp_path, ssh={"hosts": ["h1"], "config": str(ssh_hosts.config), "python": "/no/python"})
     assert "h1: /no/python does not run there" in next_line(d)["spec_error"]
     d = _drive(ssh_hosts, tmp_path, backend="nccl")

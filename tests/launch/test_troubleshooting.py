@@ -220,7 +220,7 @@ def test_a_host_with_another_sdp_jupyter_is_refused_before_anything_starts(ssh_h
     d = ssh_hosts.cluster.popen(0, [sys.executable, "-c", code, json.dumps(args)], env=_env(), text=True,
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     err = next_line(d)["spec_error"]
-    assert "this notebook 0.0.1. Fix: pip install sdp_jupyter==0.0.1 there" in err, err
+    assert "this notebook 0.0.1. Fix: install sdp_jupyter 0.0.1 there from a checkout" in err, err
     _has_all(err, "Different versions on different hosts", 0)
 
 

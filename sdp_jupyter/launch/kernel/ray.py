@@ -12,7 +12,7 @@ Warm starts (docs/warm.md): the notebook holds one PoolActor per Ray node (pinne
 reserved), whose child is that node's warm pool server; the job's agent there forks the ranks from it.
 The actor is owned by the notebook's Ray driver, so it and its pool end with the notebook.
 
-Ray is optional: `pip install sdp_jupyter[ray]` (the test extra includes it).
+Ray is optional: `pip install '.[ray]'` from a checkout (the test extra includes it).
 """
 from __future__ import annotations
 
@@ -48,8 +48,8 @@ def _import_ray():
     try:
         import ray
     except ImportError:
-        raise SpecError("--target", "ray is not installed here. Fix: pip install 'sdp_jupyter[ray]' "
-                                    "(or pip install ray), then run the cell again") from None
+        raise SpecError("--target", "ray is not installed here. Fix: pip install ray (what sdp_jupyter's "
+                                    "`ray` extra installs), then run the cell again") from None
     return ray
 
 
@@ -97,21 +97,29 @@ def connect(address: str, given: str | None = None):
                                              "Fix: drop --address to run there, or call ray.shutdown() first to "
                                              f"run on {given}")
         return ray
+    # where the address came from, when not from the job's --address: the kernel's RAY_ADDRESS
+    from_env = not given and address not in ("auto", "local") and os.environ.get("RAY_ADDRESS") == address
+    source = " (RAY_ADDRESS of this kernel; no --address given)" if from_env else ""
     if address not in ("auto", "local"):
         host, _, port = address.removeprefix("ray://").rpartition(":")
         try:
             socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT).close()
         except (OSError, ValueError) as e:
             raise SpecError("--address", f"cannot reach the Ray cluster at {address} within {CONNECT_TIMEOUT} s "
-                                         f"({e}). Fix: the head's address and port (`ray status` on the head "
-                                         "prints them), or start one: ray start --head") from None
+                                         f"({e}){source}. Fix: the head's address and port (`ray status` on the "
+                                         "head prints them), or start one: ray start --head") from None
     try:
         ray.init(address=address, log_to_driver=False, logging_level="ERROR", configure_logging=False)
     except Exception as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        fix = ("start one (ray start --head) or give --address HOST:PORT" if address == "auto"
-               else "check the address; a ray:// client needs the cluster's Ray and Python versions")
-        raise SpecError("--address", f"cannot join the Ray cluster at {address}: {first}. Fix: {fix}") from None
+        first = str(e).strip().splitlines()[0].rstrip(".") if str(e).strip() else type(e).__name__
+        if address == "auto":  # nothing named a cluster: Ray looked for a head on this machine
+            why = "" if given or os.environ.get("RAY_ADDRESS") else ": no --address given, RAY_ADDRESS not set"
+            raise SpecError("--address", f"this machine finds no Ray cluster to join (address auto{why}), and no "
+                                         f"Ray head runs here (Ray: {first}). "
+                                         "Fix: --address HOST:PORT of the cluster's head (`ray status` on the head "
+                                         "prints it), or start one here: ray start --head") from None
+        raise SpecError("--address", f"cannot join the Ray cluster at {address}{source}: {first}. Fix: check the "
+                                     "address; a ray:// client needs the cluster's Ray and Python versions") from None
     return ray
 
 
@@ -324,8 +332,8 @@ class RayLink(remote.Link):
     def diagnose(self, code, python: str) -> str:
         said = " ".join(line for line in self.stderr if line)[-400:]
         if "No module named" in said and "sdp_jupyter" in said:
-            return (f"sdp_jupyter is not importable by the Ray workers there. Fix: pip install "
-                    f"sdp_jupyter=={channel.version()} into the Python environment the Ray node on {self.host} runs")
+            return ("sdp_jupyter is not importable by the Ray workers there. Fix: " + remote.install_fix(
+                channel.version(), f"in the Python environment of the Ray node on {self.host}"))
         return super().diagnose(code, python)
 
     def send(self, message: dict) -> bool:

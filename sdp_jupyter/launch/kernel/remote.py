@@ -34,6 +34,13 @@ HELLO_TIMEOUT = 60
 HEARTBEAT_TIMEOUT = 10.0   # a node silent this long is lost (the agent pings every second)
 
 
+def install_fix(version: str, where: str) -> str:
+    """The fix for a host that lacks this sdp_jupyter: no package index serves it, so a checkout or a
+    wheel built from one (docs/install.md, "On SSH hosts, Ray nodes and Slurm nodes")."""
+    return (f"install sdp_jupyter {version} {where} from a checkout (pip install .) or a wheel built with "
+            "pip wheel (docs/install.md)")
+
+
 class Link:
     """One node's agent as the notebook side sees it. Frames go into `inbox` as (node, message); when
     the link ends, (node, {"type": "eof", "why", "code"}). `connected` is set once the node is reached
@@ -66,8 +73,8 @@ class Link:
         """What went wrong before the agent said hello, and the fix."""
         said = " ".join(line for line in self.stderr if line)[-400:]
         if "No module named" in said and "sdp_jupyter" in said:
-            return (f"sdp_jupyter is not installed for {python} there. Fix: pip install "
-                    f"sdp_jupyter=={channel.version()} on {self.host}")
+            return (f"sdp_jupyter is not installed for {python} there. Fix: "
+                    + install_fix(channel.version(), f"for that Python on {self.host}"))
         return f"the agent did not start (exit {code}: {said or 'no output'})"
 
 
@@ -152,7 +159,7 @@ class RemoteRun(supervise.Run):
                 continue
             if conn.hello.get("version") != ours:
                 problems[conn.node] = (f"it has sdp_jupyter {conn.hello.get('version')}, this notebook {ours}. "
-                                       f"Fix: pip install sdp_jupyter=={ours} there")
+                                       "Fix: " + install_fix(ours, "there"))
         ppn = spec.procs_per_node
         if ppn is None:  # GPUs per host, as locally; 1 on CPU-only hosts
             ppn = min((max(1, int(c.hello.get("gpus") or 0)) for c in self.conns if c.hello), default=1)

@@ -10,9 +10,13 @@ agents run in that allocation and nothing is submitted.
 Before anything is queued: `sbatch` on the PATH, and the request checked by `sbatch --test-only`
 (partition, node count, time limit, account, QOS), its answer turned into the option to fix. While
 the job waits in the queue the job view says so with Slurm's reason (Resources, Priority, ...).
-Stop cancels the allocation (`scancel`); the holder also ends it when no agent has run in it for
-HOLD_IDLE seconds, so a notebook killed outright leaves no allocation behind. A job Slurm ended
-(time limit, preemption, node failure) fails with that reason; --max-restarts submits again.
+When the job ends the holder script ends the allocation with the job's outcome, so Slurm's own record
+(`squeue --states=all`, `sacct`) tells the truth: a job that succeeded leaves COMPLETED, one that failed
+FAILED (the holder is told by a signal to its batch step: `scancel --batch --signal=USR1|USR2`, which
+cancels nothing). Stop cancels the allocation (`scancel`: CANCELLED); the holder also ends it when no
+agent has run in it for HOLD_IDLE seconds (FAILED, exit code 3), so a notebook killed outright leaves no
+allocation behind. A job Slurm ended (time limit, preemption, node failure) fails with that reason;
+--max-restarts submits again.
 See docs/slurm.md.
 """
 from __future__ import annotations
@@ -40,19 +44,27 @@ HOLD_IDLE = 20    # the holder ends the allocation after this many seconds witho
 HOLD_FIRST = 120  # ... or when no agent came this long after it started (the notebook went away)
 COMMAND_TIMEOUT = 30
 
-# The allocation's batch script: hold the nodes while the notebook's agents (srun steps) run in it.
+# The allocation's batch script: hold the nodes while the notebook's agents (srun steps) run in it, and
+# end with the job's outcome, which Slurm records as the allocation's state: SIGUSR1 from the notebook
+# (the job succeeded) exits 0 (COMPLETED), SIGUSR2 (it failed) exits 1 (FAILED). No agent for a while
+# (the notebook went away without a word) exits ABANDONED (FAILED). `sleep & wait` so a signal is
+# handled at once (a shell runs its traps only between commands, and `wait` is cut short by them).
+SUCCEEDED_SIGNAL, FAILED_SIGNAL = "USR1", "USR2"
+ABANDONED = 3
 HOLDER = f"""#!/bin/sh
 # sdp_jupyter --target slurm: holds this allocation while the notebook's agents run in it
+trap 'kill $! 2>/dev/null; exit 0' {SUCCEEDED_SIGNAL}
+trap 'kill $! 2>/dev/null; exit 1' {FAILED_SIGNAL}
 seen=0; idle=0
 while :; do
-  sleep 2
+  sleep 2 & wait $!
   if squeue -h -s -j "$SLURM_JOB_ID" -o %i 2>/dev/null | grep -q -v -e '\\.batch$' -e '\\.extern$'; then
     seen=1; idle=0
   else
     idle=$((idle + 2))
   fi
-  if [ $seen = 1 ] && [ $idle -ge {HOLD_IDLE} ]; then exit 0; fi
-  if [ $seen = 0 ] && [ $idle -ge {HOLD_FIRST} ]; then exit 0; fi
+  if [ $seen = 1 ] && [ $idle -ge {HOLD_IDLE} ]; then exit {ABANDONED}; fi
+  if [ $seen = 0 ] && [ $idle -ge {HOLD_FIRST} ]; then exit {ABANDONED}; fi
 done
 """
 
@@ -80,17 +92,68 @@ def gpus_asked(args: list[str]) -> int:
     return int(found.group(1)) if found else 0
 
 
+# What Slurm's commands say when this machine reaches no controller (lower case): no configuration at all
+# (no slurm.conf, and no DNS SRV record naming a controller for Slurm's "configless" lookup), a
+# configuration they cannot use, or a controller that does not answer.
+_NO_CONFIGURATION = ("could not establish a configuration source", "fetch_config", "resolve_ctls_from_dns_srv")
+_BAD_CONFIGURATION = ("unable to process configuration file", "s_p_parse_file", "parsing error at unrecognized key")
+_NO_ANSWER = ("unable to contact slurm controller", "unable to establish connection", "connection refused",
+              "socket timed out", "communication connection failure", "connection timed out")
+NO_CONTROLLER_FIX = ("Fix: run the notebook on the cluster's login node (where `sinfo` answers) or inside an "
+                     "allocation (salloc), or point SLURM_CONF at the cluster's slurm.conf (docs/slurm.md)")
+
+
+def _last_said(said: str) -> str:
+    """The last line a Slurm command wrote, without its `sbatch: error:` / `sbatch: fatal:` prefix."""
+    lines = [line.strip() for line in said.strip().splitlines() if line.strip()]
+    return re.sub(r"^\w+: (?:error|fatal): ", "", lines[-1]) if lines else ""
+
+
+def no_controller(said: str) -> str | None:
+    """Why this machine reaches no Slurm controller, read from what sbatch (or sinfo, squeue) wrote to
+    stderr; None when the words are not those (a controller answered: it refused the request itself)."""
+    low = said.lower()
+    last = _last_said(said)
+    if any(words in low for words in _NO_CONFIGURATION):
+        return ("no Slurm configuration here: no slurm.conf (SLURM_CONF, or the default /etc/slurm/slurm.conf), "
+                f"and no DNS SRV record names a controller; Slurm says: {last}")
+    if any(words in low for words in _BAD_CONFIGURATION):
+        where = os.environ.get("SLURM_CONF") or "/etc/slurm/slurm.conf"
+        return f"the Slurm configuration {where} cannot be used; Slurm says: {last}"
+    if any(words in low for words in _NO_ANSWER):
+        named = controllers()
+        return (f"the controller{' at ' + ', '.join(named) if named else ''} does not answer from here; "
+                f"Slurm says: {last}")
+    return None
+
+
+def controllers() -> list[str]:
+    """The controller host(s) the Slurm configuration here names (SlurmctldHost, or the older ControlMachine)."""
+    try:
+        text = open(os.environ.get("SLURM_CONF") or "/etc/slurm/slurm.conf").read()
+    except OSError:
+        return []
+    return re.findall(r"^\s*(?:SlurmctldHost|ControlMachine)\s*=\s*(\S+)", text, flags=re.M | re.I)
+
+
+def unreachable(why: str) -> SpecError:
+    """The error for a machine that reaches no Slurm controller: the target is named, not an option."""
+    return SpecError("--target", f"this machine reaches no Slurm controller ({why}). {NO_CONTROLLER_FIX}")
+
+
 def run(argv: list[str], timeout: float = COMMAND_TIMEOUT, stdin: str | None = None) -> subprocess.CompletedProcess:
-    """A Slurm command; SpecError naming the fix when Slurm's commands are not here."""
+    """A Slurm command; SpecError naming the fix when Slurm's commands are not here or reach no controller."""
     if shutil.which(argv[0]) is None:
         raise SpecError("--target", f"`{argv[0]}` is not on the PATH: this machine is not a Slurm login or "
                                     "compute node. Fix: run the notebook on a machine where `sbatch` works "
                                     "(docs/slurm.md)")
+    conf = os.environ.get("SLURM_CONF")
+    if conf and not os.path.isfile(conf):  # Slurm's commands would retry reading it for a minute
+        raise unreachable(f"SLURM_CONF={conf} names no file")
     try:
         return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, input=stdin)
     except subprocess.TimeoutExpired:
-        raise SpecError("--target", f"`{' '.join(argv[:2])}` did not answer within {timeout:g} s: is slurmctld "
-                                    "reachable? (`sinfo` should answer)") from None
+        raise unreachable(f"`{' '.join(argv[:2])}` did not answer within {timeout:g} s") from None
 
 
 def sbatch_argv(spec: JobSpec, name: str, test_only: bool = False) -> list[str]:
@@ -106,7 +169,10 @@ def sbatch_argv(spec: JobSpec, name: str, test_only: bool = False) -> list[str]:
 
 
 def explain_refusal(spec: JobSpec, said: str) -> SpecError:
-    """sbatch's refusal as the option to fix."""
+    """sbatch's refusal as the option to fix; a machine that reaches no controller is said to be one."""
+    why = no_controller(said)
+    if why:
+        return unreachable(why)
     options = slurm_options(spec)
     text = said.strip().replace("sbatch: error: ", "")
     low = text.lower()
@@ -122,7 +188,10 @@ def explain_refusal(spec: JobSpec, said: str) -> SpecError:
     if "account" in low:
         return SpecError("--account", f"Slurm refuses account {options.get('account')!r} ({text}). "
                                       "Fix: --account <one of yours> (`sacctmgr show assoc user=$USER`)")
-    return SpecError("--slurm-args", f"sbatch refuses the request: {text}")
+    if options.get("args"):
+        return SpecError("--slurm-args", f"sbatch refuses the request: {text}")
+    return SpecError("--target", f"Slurm refuses the job: {text}. Fix: what Slurm names, with --partition, "
+                                 "--account, --time or --slurm-args (`sbatch --test-only` shows the same answer)")
 
 
 def minutes(limit: str) -> float | None:
@@ -232,6 +301,7 @@ class SlurmRun(remote.RemoteRun):
             return "stopped", self._stop_reason, []
         if isinstance(hosts, str):
             return "failed", hosts, []
+        state = "failed"  # until the attempt says otherwise (an exception, a refused preflight)
         try:
             self.hosts = hosts[:self.spec.nodes]
             self.conns = []
@@ -246,7 +316,7 @@ class SlurmRun(remote.RemoteRun):
             state, error, codes = super()._attempt(attempt)
         finally:
             self.close_all()
-            ended = self._release()
+            ended = self._release(state)
         if state == "failed" and ended:
             error = f"Slurm ended allocation {self.slurm_id}: {ended}" + (f"\n{error}" if error else "")
         return state, error, codes
@@ -261,6 +331,9 @@ class SlurmRun(remote.RemoteRun):
             return hostnames(fields.get("NodeList") or os.environ.get("SLURM_JOB_NODELIST", ""))
         p = run(sbatch_argv(self.spec, job.name), stdin=HOLDER)
         if p.returncode != 0:
+            why = no_controller(p.stderr)
+            if why:
+                return f"this machine reaches no Slurm controller ({why}). {NO_CONTROLLER_FIX}"
             return f"sbatch refused the job: {p.stderr.strip()}"
         self.slurm_id = p.stdout.strip().split(";")[0]
         job.update_status(slurm_job_id=self.slurm_id, slurm_state="PENDING", state="pending",
@@ -278,9 +351,11 @@ class SlurmRun(remote.RemoteRun):
             self._stop.wait(POLL)
         return None
 
-    def _release(self) -> str | None:
-        """Cancel our allocation (never one we were started inside); what Slurm says ended it, if it
-        was not us (TIMEOUT, PREEMPTED, NODE_FAIL, ...)."""
+    def _release(self, outcome: str = "stopped") -> str | None:
+        """End our allocation (never one we were started inside) as Slurm should record it: the holder
+        exits 0 for a job that succeeded (COMPLETED) or 1 for one that failed (FAILED); anything else
+        (Stop, or a holder that does not answer) is cancelled (CANCELLED). Returns what Slurm says ended
+        the allocation, if it was not us (TIMEOUT, PREEMPTED, NODE_FAIL, ...)."""
         if self.slurm_id is None or self.inside:
             return None
         fields = job_state(self.slurm_id)
@@ -292,9 +367,33 @@ class SlurmRun(remote.RemoteRun):
         ended = None
         if state and state not in ("RUNNING", "PENDING", "CONFIGURING", "COMPLETING", "COMPLETED", "CANCELLED"):
             ended = f"{state} ({fields.get('Reason', 'None')})"
-        subprocess.run(["scancel", self.slurm_id], capture_output=True, timeout=COMMAND_TIMEOUT)
+        if state == "RUNNING" and outcome in ("succeeded", "failed"):
+            state = self._end_holder(SUCCEEDED_SIGNAL if outcome == "succeeded" else FAILED_SIGNAL)
+        if state in ("", "RUNNING", "PENDING", "CONFIGURING"):
+            subprocess.run(["scancel", self.slurm_id], capture_output=True, timeout=COMMAND_TIMEOUT)
+            state = state and "CANCELLED"
         self.job.update_status(slurm_state=state or "ENDED")
         return ended
+
+    def _end_holder(self, signal_name: str, wait: float = 5.0) -> str:
+        """Signal the holder (its batch step only: `--batch` cancels nothing) to exit with the job's
+        outcome; Slurm's state for the allocation once it has ended, or RUNNING if it did not end in
+        `wait` seconds (then the caller cancels it)."""
+        try:
+            p = subprocess.run(["scancel", "--batch", f"--signal={signal_name}", self.slurm_id],
+                               capture_output=True, timeout=COMMAND_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            return "RUNNING"
+        if p.returncode != 0:
+            return "RUNNING"
+        deadline = time.monotonic() + wait
+        state = "RUNNING"
+        while time.monotonic() < deadline:
+            state = job_state(self.slurm_id).get("JobState", "")
+            if state not in ("RUNNING", "COMPLETING"):
+                return state or "ENDED"
+            time.sleep(0.1)
+        return state
 
     def kill_now(self) -> None:
         super().kill_now()

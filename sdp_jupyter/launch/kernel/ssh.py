@@ -272,6 +272,8 @@ class SSHRun(remote.RemoteRun):
 
     def __init__(self, spec: JobSpec, hosts: list[str], launcher: "SSHLauncher"):
         super().__init__(spec, hosts, launcher)
+        if (spec.ssh or {}).get("hostfile"):
+            self.option = "--hostfile"  # an unreachable host is reported under the option that named it
         self.python = (spec.ssh or {}).get("python") or sys.executable
 
     def open_links(self) -> list[remote.Link]:
