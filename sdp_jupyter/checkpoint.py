@@ -74,4 +74,5 @@ def load(name: str = DEFAULT_NAME, default=None, map_location="cpu", *, weights_
 
 
 def exists(name: str = DEFAULT_NAME) -> bool:
+    """Whether a checkpoint `name` is in the checkpoint directory (so a restarted job can resume)."""
     return (checkpoint_dir() / name).is_file()

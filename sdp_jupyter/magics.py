@@ -226,11 +226,15 @@ class SdpMagics(Magics):
             print(f"sdp_jupyter: {message}")
 
     # ------------------------------------------------------------------ line magics
+    @magic_arguments.magic_arguments()
+    @magic_arguments.argument("root", nargs="?", default=None,
+                              help="the jobs directory to list (default: $SDP_JOBS_DIR, else ./sdp_jobs)")
     @line_magic
     def sdp_jobs(self, line: str = ""):
         """Table of this kernel's jobs and the jobs found under the jobs directory."""
+        args = parse_line(self.sdp_jobs, line)
         mine = {j.dir for j in launching.jobs()}
-        display(_JobTable(launching.list_jobs(line.strip() or None), mine))
+        display(_JobTable(launching.list_jobs(args.root), mine))
 
     @magic_arguments.magic_arguments()
     @magic_arguments.argument("name", nargs="?", help="job name (default: every running job of this kernel)")
@@ -309,7 +313,8 @@ class SdpMagics(Magics):
         their ranks from it instead of starting fresh interpreters (docs/warm.md). The pool imports torch,
         torch.optim, torch.distributed, torch.nn.parallel, torch._dynamo, sdp_jupyter.torch and the modules
         named here. Without it the pool starts after the kernel's first job. This is the local target's
-        pool; SSH hosts and Ray nodes get theirs from a job run with --warm (or after their first job)."""
+        pool; an SSH host gets its own from a job run with --warm or after the kernel's first job there, a
+        Ray node only from a job run with --warm."""
         args = parse_line(self.sdp_warm, line)
         modules = [m.strip() for arg in args.modules for m in arg.split(",") if m.strip()]
         try:

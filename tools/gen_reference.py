@@ -5,8 +5,10 @@
 
 magics.md comes from the magics' own argument parsers, cli.md from the command lines' parsers (their
 --help), environment.md from the registry in sdp_jupyter/_env.py, api.md from the public names'
-signatures and docstrings. tests/house/test_reference.py runs the check, so a new option, variable or
-public name without its entry fails, and so does a removed one.
+signatures and whole docstrings (constants: the `#:` comment above them). tests/house/test_reference.py
+runs the check, so a new option, variable or public name without its entry fails, and so does a removed
+one. An entry without a meaning (an option without help, a public name without a docstring) stops the
+generator, naming every such entry, so no page goes out with an empty one.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import io
 import os
 import re
 import sys
+import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,6 +67,109 @@ def code(text) -> str:
 def first_paragraph(doc: str | None) -> str:
     doc = inspect.cleandoc(doc or "")
     return " ".join(doc.split("\n\n")[0].split())
+
+
+CODE_SPAN = re.compile(r"(``.+?``|`[^`\n]+`)")
+ITEM = re.compile(r"^(?:[-*] |\d+\. )")
+DEFINITION = re.compile(r"^`?\*{0,2}[A-Za-z_][\w.]*\*{0,2}`?(?: \([^)]*\))?: ")
+
+
+def escape(text: str, table: bool = False) -> str:
+    """Prose as Markdown shows it literally: outside `code spans`, backslashes, * < > and __ are escaped
+    (| too in a table, where it would end the cell); a code span stays as written."""
+    out = []
+    for i, part in enumerate(CODE_SPAN.split(text)):
+        if i % 2 == 0:
+            part = (part.replace("\\", "\\\\").replace("*", "\\*").replace("<", "&lt;").replace(">", "&gt;")
+                    .replace("__", "\\_\\_"))
+        if table:
+            part = part.replace("|", "\\|")
+        out.append(part)
+    s = "".join(out)
+    return "\\" + s if s.startswith("#") else s
+
+
+def doc_blocks(doc: str | None) -> list[tuple[str, str]]:
+    """A whole docstring as ("p", paragraph), ("li", list item) and ("code", block) parts, in order.
+
+    Blank lines part paragraphs. A line that starts with "- ", "* " or "1. " starts an item, and so does
+    every "name: ..." line of a paragraph whose first line is one (a list of arguments). Indented lines
+    (4 spaces or more, or >>>) are code. The underline of an RST heading (---, ===) is dropped."""
+    parts: list[tuple[str, str]] = []
+    for block in re.split(r"\n\s*\n", inspect.cleandoc(doc or "")):
+        lines = [ln.rstrip() for ln in block.splitlines() if ln.strip()]
+        lines = [ln for ln in lines if not re.fullmatch(r"\s*[-=~]{3,}", ln)]
+        definitions = bool(lines) and bool(DEFINITION.match(lines[0]))
+        code: list[str] = []
+        open_part = False  # whether the next prose line continues the last part
+        for ln in lines + [None]:
+            if ln is not None and (ln.startswith("    ") or ln.lstrip().startswith(">>>")):
+                code.append(ln)
+                continue
+            if code:
+                parts.append(("code", textwrap.dedent("\n".join(code))))
+                code, open_part = [], False
+            if ln is None:
+                break
+            text = ln.strip()
+            if ITEM.match(text) or (definitions and DEFINITION.match(text)):
+                parts.append(("li", ITEM.sub("", text, count=1)))
+            elif open_part:
+                parts[-1] = (parts[-1][0], parts[-1][1] + " " + text)
+            else:
+                parts.append(("p", text))
+            open_part = True
+    return parts
+
+
+def doc_markdown(doc: str | None) -> str:
+    """A whole docstring as Markdown: paragraphs, lists and fenced code, the prose escaped."""
+    out, last = [], None
+    for kind, text in doc_blocks(doc):
+        if kind == "code":
+            try:
+                compile(text, "<doc>", "exec")
+                lang = "python"
+            except SyntaxError:
+                lang = "text"
+            out.append(f"```{lang}\n{text}\n```\n\n")
+        elif kind == "li":
+            if last != "li":
+                out.append("\n" if out and not out[-1].endswith("\n\n") else "")
+            out.append(f"- {escape(text)}\n")
+        else:
+            out.append(("\n" if last == "li" else "") + escape(text) + "\n\n")
+        last = kind
+    return "".join(out).strip() + ("\n\n" if out else "")
+
+
+def doc_cell(doc: str | None) -> str:
+    """A whole docstring in one table cell: its parts joined by <br>, code lines as code spans."""
+    parts = []
+    for kind, text in doc_blocks(doc):
+        if kind == "code":
+            parts += [code(ln) for ln in text.splitlines() if ln.strip()]
+        else:
+            parts.append(("- " if kind == "li" else "") + escape(" ".join(text.split()), table=True))
+    return "<br>".join(parts)
+
+
+class Meanings:
+    """Collects the entries of a page that have no meaning (an option without help, a public name without
+    a docstring); `check()` stops the generator naming them all, so no page goes out with an empty one."""
+
+    def __init__(self, page: str):
+        self.page, self.missing = page, []
+
+    def __call__(self, text: str, where: str) -> str:
+        if not re.sub(r"<br>|[\s`*_\\-]", "", str(text or "")):
+            self.missing.append(where)
+        return text
+
+    def check(self) -> None:
+        if self.missing:
+            raise SystemExit(f"{self.page}: no meaning for {', '.join(self.missing)}: give each its help= "
+                             "(an option) or its docstring (a public name; a constant: a `#:` comment above it)")
 
 
 def module_doc(name: str) -> str | None:
@@ -113,8 +219,10 @@ def option_groups() -> dict[str, str]:
     return groups
 
 
-def action_rows(parser: argparse.ArgumentParser, groups: dict[str, str] | None = None) -> dict[str, list[str]]:
-    """heading -> table rows, one per argument of `parser` (--help left out), in the parser's order."""
+def action_rows(parser: argparse.ArgumentParser, groups: dict[str, str] | None = None,
+                meanings: Meanings | None = None, where: str = "") -> dict[str, list[str]]:
+    """heading -> table rows, one per argument of `parser` (--help left out), in the parser's order.
+    A row's meaning is its help; an argument with choices lists them, in the value column."""
     out: dict[str, list[str]] = {}
     for a in parser._actions:  # argparse has no public list of a parser's arguments
         if isinstance(a, argparse._HelpAction):
@@ -122,6 +230,10 @@ def action_rows(parser: argparse.ArgumentParser, groups: dict[str, str] | None =
         name = ", ".join(a.option_strings) if a.option_strings else a.dest
         if a.choices:
             value = "{" + ",".join(map(str, a.choices)) + "}"
+            if len(value) > 60:  # a long list: spaces, so the column wraps
+                value = "{" + ", ".join(map(str, a.choices)) + "}"
+            if a.nargs == "?":
+                value = f"[{value}]"
         elif a.nargs == 0:
             value = ""
         else:
@@ -129,13 +241,18 @@ def action_rows(parser: argparse.ArgumentParser, groups: dict[str, str] | None =
             value = {"?": f"[{metavar}]", "*": f"[{metavar} ...]", "+": f"{metavar} [...]"}.get(a.nargs, metavar)
         if isinstance(a, argparse._AppendAction):
             value += " (repeatable)"
+        meaning = expanded_help(a, parser)
+        if meanings is not None:
+            meanings(meaning, f"{where} {name}".strip())
         heading = (groups or {}).get(name, "Options" if a.option_strings else "Arguments")
-        out.setdefault(heading, []).append(f"| {code(name)} | {cell(value)} | {cell(expanded_help(a, parser))} |")
+        out.setdefault(heading, []).append(f"| {code(name)} | {cell(value)} | {cell(meaning)} |")
     return out
 
 
 def expanded_help(action: argparse.Action, parser: argparse.ArgumentParser) -> str:
     """The help as --help prints it: argparse fills in %(default)s and friends, %% is a percent sign."""
+    if action.help is argparse.SUPPRESS:
+        return ""
     params = dict(vars(action), prog=parser.prog)
     return (action.help or "") % params
 
@@ -143,6 +260,7 @@ def expanded_help(action: argparse.Action, parser: argparse.ArgumentParser) -> s
 def magics_page(parsers=None) -> str:
     rows = magic_parsers() if parsers is None else parsers
     groups = option_groups()
+    meanings = Meanings("magics.md")
     lines = [BANNER, "# Magics\n\n",
              "`%load_ext sdp_jupyter` registers these. `%%name` is a cell magic (its line takes the options, "
              "the cell is the code), `%name` a line magic. `%name?` in a notebook prints the same help.\n\n"]
@@ -150,14 +268,15 @@ def magics_page(parsers=None) -> str:
     for spelling, func, parser in rows:
         lines.append(f"\n## {spelling}\n\n")
         doc = parser.description if parser is not None and parser.description else func.__doc__
-        lines.append(inspect.cleandoc(doc or "").strip() + "\n\n")
+        lines.append(meanings(inspect.cleandoc(doc or "").strip(), spelling) + "\n\n")
         if parser is None:
             continue
-        table = action_rows(parser, groups if spelling == "%%sdp_train" else None)
+        table = action_rows(parser, groups if spelling == "%%sdp_train" else None, meanings, spelling)
         for heading, table_rows in table.items():
             if len(table) > 1 or heading != "Options":
                 lines.append(f"**{heading}**\n\n")
             lines += ["| option | value | meaning |\n", "| --- | --- | --- |\n"] + [r + "\n" for r in table_rows] + ["\n"]
+    meanings.check()
     return "".join(lines).rstrip() + "\n"
 
 
@@ -179,12 +298,46 @@ def entry_point_modules() -> list[str]:
     return found
 
 
+def parser_meanings(parser: argparse.ArgumentParser, where: str, meanings: Meanings) -> None:
+    """Every argument of `parser` (and of its subcommands) goes through `meanings`: each needs its help."""
+    for a in parser._actions:
+        if isinstance(a, argparse._HelpAction) or a.help is argparse.SUPPRESS:
+            continue
+        if isinstance(a, argparse._SubParsersAction):
+            for choice in a._choices_actions:
+                meanings(choice.help, f"{where} {choice.dest}")
+            for name, sub in a.choices.items():
+                parser_meanings(sub, f"{where} {name}", meanings)
+            continue
+        meanings(expanded_help(a, parser), f"{where} {', '.join(a.option_strings) or a.dest}")
+
+
+def help_of(main) -> tuple[str, list[argparse.ArgumentParser]]:
+    """What `main(["--help"])` prints, and the parsers it parsed with."""
+    seen: list[argparse.ArgumentParser] = []
+    real = argparse.ArgumentParser.parse_known_args
+
+    def spy(self, *args, **kwargs):
+        seen.append(self)
+        return real(self, *args, **kwargs)
+
+    argparse.ArgumentParser.parse_known_args = spy
+    try:
+        return captured(lambda: main(["--help"])), seen
+    finally:
+        argparse.ArgumentParser.parse_known_args = real
+
+
 def cli_page() -> str:
     from sdp_jupyter import cli
 
+    meanings = Meanings("cli.md")
+    parser = cli.build_parser()
+    parser_meanings(parser, "sdp-train", meanings)
     lines = [BANNER, "# Command lines\n\n",
              "`sdp-train` is installed with the package; the others run as `python -m MODULE`.\n\n",
-             "## sdp-train\n\n", first_paragraph(cli.__doc__) + "\n\n", fence(cli.build_parser().format_help())]
+             "## sdp-train\n\n", meanings(first_paragraph(cli.__doc__), "sdp-train") + "\n\n",
+             fence(parser.format_help())]
     unknown = [m for m in entry_point_modules() if m not in ENTRY_POINTS and m != cli.__name__]
     if unknown:
         raise SystemExit(f"{', '.join(unknown)}: runs as `python -m` but is not in ENTRY_POINTS of "
@@ -201,15 +354,19 @@ def cli_page() -> str:
             if is_internal != internal:
                 continue
             doc = module_doc(name)
-            lines.append(f"{'###' if internal else '##'} python -m {name}\n\n{cell(first_paragraph(doc))}\n\n")
+            summary = meanings(cell(first_paragraph(doc)), f"python -m {name}")
+            lines.append(f"{'###' if internal else '##'} python -m {name}\n\n{summary}\n\n")
             if how == "help":
-                module = importlib.import_module(name)
-                lines.append(fence(captured(lambda: module.main(["--help"]))))
+                text, parsers = help_of(importlib.import_module(name).main)
+                for p in parsers[:1]:  # the one --help stopped in (none: a main that prints its own usage)
+                    parser_meanings(p, f"python -m {name}", meanings)
+                lines.append(fence(text))
             else:
                 usage = [ln.strip() for ln in (doc or "").splitlines() if ln.strip().startswith("python -m")]
                 if usage:
                     lines.append(fence("\n".join(usage)))
             lines.append("\n")
+    meanings.check()
     return "".join(lines).rstrip() + "\n"
 
 
@@ -217,6 +374,7 @@ def cli_page() -> str:
 def environment_page() -> str:
     from sdp_jupyter._env import FALSE, TRUE, VARIABLES, WHERE
 
+    meanings = Meanings("environment.md")
     lines = [BANNER, "# Environment variables\n\n",
              "Every `SDP_*` variable sdp_jupyter reads or sets, by where it takes effect. Unset or empty means "
              f"the default. A boolean is one of {', '.join(sorted(TRUE))} or {', '.join(sorted(FALSE))} (any case); "
@@ -229,8 +387,9 @@ def environment_page() -> str:
         lines.append(f"\n## {where.capitalize()}\n\nRead in {cell(title)}.\n\n")
         lines += ["| variable | type | default | meaning |\n", "| --- | --- | --- | --- |\n"]
         for v in sorted(rows, key=lambda v: (v.internal, v.name)):
-            meaning = cell(v.meaning) + (" *(set by the toolkit)*" if v.internal else "")
+            meaning = cell(meanings(v.meaning, v.name)) + (" *(set by the toolkit)*" if v.internal else "")
             lines.append(f"| {code(v.name)} | {cell(v.type)} | {cell(v.default)} | {meaning} |\n")
+    meanings.check()
     return "".join(lines).rstrip() + "\n"
 
 
@@ -254,33 +413,80 @@ def public_names(module) -> list[str]:
     return list(names)
 
 
-def describe(qualname: str, obj, level: str) -> list[str]:
+def own_doc(obj) -> str:
+    """`obj`'s docstring; "" for none, and for the one dataclass writes (its signature again)."""
+    doc = obj.__doc__ or ""
+    if inspect.isclass(obj) and doc.startswith(f"{obj.__name__}(") and hasattr(obj, "__dataclass_fields__"):
+        return ""
+    return doc
+
+
+def constant_doc(module, name: str, depth: int = 0) -> str:
+    """The `#:` comment lines just above `name = ...` (or after it on its line) where the module, or the
+    module it imports `name` from, assigns it; "" when there are none."""
+    try:
+        source = Path(inspect.getsourcefile(module)).read_text()
+    except (TypeError, OSError):
+        return ""
+    src_lines = source.splitlines()
+    for node in ast.parse(source).body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            assigned = {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+            if name in assigned:
+                above, i = [], node.lineno - 2
+                while i >= 0 and src_lines[i].strip().startswith("#:"):
+                    above.insert(0, src_lines[i].strip()[2:].strip())
+                    i -= 1
+                after = re.search(r"#:\s*(.+)$", src_lines[node.lineno - 1])
+                return " ".join(above) or (after.group(1) if after else "")
+        elif isinstance(node, ast.ImportFrom) and node.module and depth < 4:
+            if any((a.asname or a.name) == name for a in node.names):
+                return constant_doc(importlib.import_module(node.module), name, depth + 1)
+    return ""
+
+
+def describe(qualname: str, obj, level: str, meanings: Meanings, module=None) -> list[str]:
+    """A public name's entry: its signature and whole docstring (a class: its members too), or a
+    constant's value and its `#:` comment."""
+    if inspect.ismodule(obj) and callable(obj):  # a callable package (sdp_jupyter.launch): its __call__
+        call = type(obj).__call__
+        sig = inspect.signature(call)
+        sig = sig.replace(parameters=list(sig.parameters.values())[1:])  # without self
+        return [f"{level} {qualname}\n\n", f"```python\n{qualname}{sig}\n```\n\n",
+                doc_markdown(meanings(own_doc(call), qualname)) or "\n"]
     if inspect.ismodule(obj):
-        return [f"{level} {qualname}\n\nThe module: see [{obj.__name__}](#{anchor(obj.__name__)}).\n\n"]
+        if obj.__name__ not in API_MODULES:
+            raise SystemExit(f"{qualname}: a public module that is not in API_MODULES of tools/gen_reference.py")
+        return [f"{level} {qualname}\n\nThe module: see [{obj.__name__}](#{anchor(obj.__name__)}) below.\n\n"]
     if inspect.isclass(obj) or inspect.isfunction(obj) or inspect.isbuiltin(obj):
         kind = "class " if inspect.isclass(obj) else ""
         out = [f"{level} {qualname}\n\n", f"```python\n{kind}{qualname}{signature(obj)}\n```\n\n",
-               (cell(first_paragraph(obj.__doc__)) or "*(no docstring)*") + "\n\n"]
+               doc_markdown(meanings(own_doc(obj), qualname)) or "\n"]
         if inspect.isclass(obj):
-            out += members(qualname, obj)
+            out += members(qualname, obj, meanings)
         return out
     text = repr(obj)
     text = text if len(text) <= 100 else text[:97] + "..."
-    return [f"{level} {qualname}\n\n", f"```python\n{qualname} = {text}\n```\n\n"]
+    doc = meanings(constant_doc(module, qualname.rsplit(".", 1)[1]) if module else "", qualname)
+    return [f"{level} {qualname}\n\n", f"```python\n{qualname} = {text}\n```\n\n"] + \
+        ([escape(" ".join(doc.split())) + "\n\n"] if doc else [])
 
 
-def members(qualname: str, cls) -> list[str]:
+def members(qualname: str, cls, meanings: Meanings) -> list[str]:
     rows = []
     for name, raw in vars(cls).items():
         if name.startswith("_"):
             continue
         if isinstance(raw, property):
-            rows.append(f"| {code(name)} | property | {cell(first_paragraph(raw.__doc__))} |\n")
+            doc = meanings(raw.__doc__ or "", f"{qualname}.{name}")
+            rows.append(f"| {code(name)} | property | {doc_cell(doc)} |\n")
         elif isinstance(raw, (staticmethod, classmethod)) or inspect.isfunction(raw):
             fn = raw.__func__ if isinstance(raw, (staticmethod, classmethod)) else raw
             sig = signature(getattr(cls, name))
-            rows.append(f"| {code(name + sig)} | {'classmethod' if isinstance(raw, classmethod) else 'method'} "
-                        f"| {cell(first_paragraph(fn.__doc__))} |\n")
+            kind = {classmethod: "classmethod", staticmethod: "staticmethod"}.get(type(raw), "method")
+            doc = meanings(fn.__doc__ or "", f"{qualname}.{name}")
+            rows.append(f"| {code(name + sig)} | {kind} | {doc_cell(doc)} |\n")
     if not rows:
         return []
     return ["| member | kind | what it does |\n", "| --- | --- | --- |\n"] + rows + ["\n"]
@@ -289,18 +495,20 @@ def members(qualname: str, cls) -> list[str]:
 def api_page() -> str:
     import sdp_jupyter
 
+    meanings = Meanings("api.md")
     lines = [BANNER, "# Python API\n\n",
-             "Signatures and the first paragraph of each docstring; the docstrings say more (`help(name)`).\n\n",
+             "Signatures and docstrings (`help(name)` shows the same), for every public name.\n\n",
              "- [sdp_jupyter](#sdp_jupyter)\n"] + [f"- [{m}](#{anchor(m)})\n" for m in API_MODULES]
     lines.append("\n## sdp_jupyter\n\nImporting the package imports neither torch nor ipywidgets; each name "
                  "loads on first use.\n\n")
     for name in sdp_jupyter.__all__:
-        lines += describe(f"sdp_jupyter.{name}", getattr(sdp_jupyter, name), "###")
+        lines += describe(f"sdp_jupyter.{name}", getattr(sdp_jupyter, name), "###", meanings, sdp_jupyter)
     for module_name in API_MODULES:
         module = importlib.import_module(module_name)
-        lines.append(f"## {module_name}\n\n{cell(first_paragraph(module.__doc__))}\n\n")
+        lines.append(f"## {module_name}\n\n{escape(meanings(first_paragraph(module.__doc__), module_name))}\n\n")
         for name in public_names(module):
-            lines += describe(f"{module_name}.{name}", getattr(module, name), "###")
+            lines += describe(f"{module_name}.{name}", getattr(module, name), "###", meanings, module)
+    meanings.check()
     return "".join(lines).rstrip() + "\n"
 
 

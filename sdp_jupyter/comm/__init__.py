@@ -56,6 +56,8 @@ def init(*, timeout: float | None = None, chunk_bytes: int | None = None) -> Com
 
 
 def shutdown() -> None:
+    """Close the communicator `init()` made (its engine, mailbox and store), if any; the next `init()`
+    makes a new one."""
     global _default
     if _default is not None:
         _default.close()

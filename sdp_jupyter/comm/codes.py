@@ -11,22 +11,33 @@ import numpy as np
 from sdp_jupyter import _engine
 
 EngineError = _engine.EngineError
+EngineError.__doc__ = ("The native engine's own error (a RuntimeError raised by its C++ side); the communicator's "
+                       "calls raise SmddpError instead, with the same message.")
 
+#: the engine's dtype codes by name (the numpy dtypes of the same names, except bfloat16, work as arrays)
 DTYPES = {name: int(v) for name, v in _engine.DType.__members__.items()}
+#: the reduce operations by name, as `op=` takes them, and their engine codes
 OPS = {name: int(v) for name, v in _engine.ReduceOp.__members__.items()}
 COLLS = {name: int(v) for name, v in _engine.Coll.__members__.items()}
+#: engine codes of the collectives, as Communicator.submit takes them
 COLL_ALLREDUCE, COLL_BROADCAST, COLL_ALLGATHER, COLL_REDUCE_SCATTER = (
     COLLS["all_reduce"], COLLS["broadcast"], COLLS["all_gather"], COLLS["reduce_scatter"])
+#: engine codes of the collectives, as Communicator.submit takes them
 COLL_GATHER, COLL_SCATTER, COLL_ALLTOALL = COLLS["gather"], COLLS["scatter"], COLLS["all_to_all"]
+#: bytes per element, by dtype code
 DTYPE_SIZES = {code: _engine.dtype_size(code) for code in DTYPES.values()}
 NUMPY_DTYPES = {np.dtype(k): v for k, v in DTYPES.items() if k != "bfloat16"}
 
+#: the block size (bytes) up to which an engine call moves a block through the node's small slots
 SMALL_BYTES: int = _engine.SMALL_BYTES
+#: seconds a collective waits for its peers before failing, when neither timeout= nor SDP_TIMEOUT says
 DEFAULT_TIMEOUT: float = _engine.DEFAULT_TIMEOUT
+#: the engine chunk (bytes): the pipeline grain and each shared-memory slot, unless chunk_bytes= or SDP_CHUNK_BYTES says
 DEFAULT_CHUNK_BYTES: int = _engine.DEFAULT_CHUNK_BYTES
 
 # Collectives built on messages use this tag; messages between two ranks keep their order, so
 # successive collectives never take each other's pieces (nor a user's: a tag nobody picks).
+#: the message tag of the collectives built on messages (gather, scatter, all_to_all): a tag no user picks
 COLL_TAG = -(1 << 62)
 
 

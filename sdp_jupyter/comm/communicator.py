@@ -319,10 +319,15 @@ class Communicator(Routes):
         return None
 
     def all_reduce(self, arr, op: str = "sum", async_op: bool = False):
+        """Reduce `arr` over every rank, in place: `op` is a key of OPS (sum, avg, max, min, product).
+        `arr` is a C-contiguous, writable numpy array (or buffer) of a dtype in DTYPES. Returns None once
+        done, or with async_op the Work to wait on."""
         a, code = self._buffer(arr)
         return self._done(self.submit(COLL_ALLREDUCE, a.ctypes.data, a.size, code, self._op(op), 0, a), async_op)
 
     def broadcast(self, arr, root: int = 0, async_op: bool = False):
+        """Copy rank `root`'s `arr` into every rank's `arr`, in place. Returns None once done, or with
+        async_op the Work to wait on."""
         a, code = self._buffer(arr)
         self._check_root(root)
         return self._done(self.submit(COLL_BROADCAST, a.ctypes.data, a.size, code, 0, root, a), async_op)
@@ -398,11 +403,14 @@ class Communicator(Routes):
             raise ValueError(f"root {root} is not a rank of this group of {self.world_size}")
 
     def barrier(self, async_op: bool = False):
+        """Return once every rank has called it (a one-byte all_reduce); with async_op, the Work."""
         token = np.zeros(1, dtype=np.uint8)
         return self._done(self.submit(COLL_ALLREDUCE, token.ctypes.data, 1, DTYPES["uint8"], OPS["max"], 0, token),
                           async_op)
 
     def close(self) -> None:
+        """Shut this rank's engine and message mailbox down, and close the store when this communicator
+        owns it (comm.init's does). Leaving a `with Communicator(...)` block calls it."""
         usage.closing(self)
         flight.forget(self)
         self._engine.shutdown()

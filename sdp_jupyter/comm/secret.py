@@ -53,11 +53,17 @@ class SecretError(RuntimeError):
 
 @dataclass
 class JobSecret:
+    """A job secret and where it came from: `value` (the bytes), `source` (FROM_ENV,
+    FROM_FILE, FROM_CALLER or UNAUTHENTICATED, as error messages name it) and `release` (for the rank
+    that published a one-host secret file: removes the file)."""
+
     value: bytes
     source: str  # FROM_ENV, FROM_FILE, FROM_CALLER or UNAUTHENTICATED
     release: Callable[[], None] | None = None  # the publisher's: remove the file (idempotent)
 
     def released(self) -> None:
+        """Call `release`, if any (it removes a one-host secret file; idempotent): done once every rank has
+        connected, or when the attempt failed."""
         if self.release is not None:
             self.release()
 

@@ -64,6 +64,10 @@ class Work:
         self.source: int | None = None
 
     def wait(self, timeout: float | None = None) -> int | None:
+        """Block (the GIL released) until done, run the `finish` steps, and return a receive's sender
+        rank (None for other work). A failure raises, here and on every later call. `timeout` bounds
+        the wait for posted messages (None or 0: no bound of its own); a collective runs to its end or
+        to the group's deadline (the communicator's timeout, SDP_TIMEOUT)."""
         with self._lock:
             if self._done:
                 if self._error is not None:
@@ -156,6 +160,8 @@ class Work:
             raise
 
     def is_completed(self) -> bool:
+        """Whether the work is done, without waiting (it does not run the finish steps: wait() does);
+        a failed group raises."""
         if self._done:
             return True
         try:

@@ -41,7 +41,7 @@ _MODULE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
 
 OPTIONS: tuple[Option, ...] = (
-    Option("--nodes", "nodes", "number of nodes (default 1)", metavar="N"),
+    Option("--nodes", "nodes", f"number of nodes ({target_options.nodes_default()})", metavar="N"),
     Option("--procs-per-node", "procs_per_node",
            "processes per node (default: GPUs per node, or 1 on a CPU-only machine)", metavar="P"),
     Option("--backend", "backend", "torch.distributed backend: smddp (default), gloo or nccl"),
@@ -72,8 +72,11 @@ OPTIONS: tuple[Option, ...] = (
            metavar="0|all"),
     Option("--jobs-dir", "jobs_dir", "root of job directories (default: $SDP_JOBS_DIR or ./sdp_jobs)",
            metavar="DIR"),
-    Option("--warm", "start", "fork the ranks from this kernel's warm pool, which imported torch once "
-           "(default: warm after the kernel's first job or %sdp_warm; local, ssh and ray targets)", kind="flag", const="warm"),
+    Option("--warm", "start", "fork the ranks from a warm pool that imported torch once (local, ssh and ray "
+           "targets), starting the pool first where none is up. Default: warm where the kernel already holds a "
+           "pool: the local one starts after the kernel's first job or with %sdp_warm, an SSH host's after the "
+           "kernel's first job there, a Ray node's only in a job run with --warm. SDP_WARM=1/0 sets the default",
+           kind="flag", const="warm"),
     Option("--cold", "start", "start every rank as a fresh interpreter, even when a warm pool runs",
            kind="flag", const="cold"),
     Option("--preload", "preload", "modules the warm pool imports too, e.g. --preload numpy,sklearn",
@@ -294,13 +297,17 @@ class JobSpec:
 
     # ---------------------------------------------------------------- serialisation
     def to_dict(self) -> dict:
+        """Every field as a plain dict (nested dicts copied): what from_dict takes back."""
         return dataclasses.asdict(self)
 
     def to_json(self, **kw) -> str:
+        """to_dict() as JSON, indented by 2 unless `kw` (json.dumps's keywords) says otherwise."""
         return json.dumps(self.to_dict(), **({"indent": 2} | kw))
 
     @classmethod
     def from_dict(cls, data: dict) -> "JobSpec":
+        """A spec from a dict of its fields, checked as the constructor checks; an unknown field is a
+        SpecError that lists the known ones."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -309,9 +316,11 @@ class JobSpec:
 
     @classmethod
     def from_json(cls, text: str) -> "JobSpec":
+        """from_dict() of a JSON object, e.g. to_json()'s."""
         return cls.from_dict(json.loads(text))
 
     def replace(self, **changes) -> "JobSpec":
+        """A copy with `changes` (field=value) applied and checked again; this spec is unchanged."""
         return dataclasses.replace(self, **changes)
 
     @classmethod

@@ -66,3 +66,10 @@ def listed() -> str:
     that name them (--target, sdp-train --help): a new target is named there with no edit."""
     names = list(TARGETS)
     return f"{', '.join(names[:-1])} or {names[-1]}"
+
+
+def nodes_default() -> str:
+    """What --nodes left out means, as its help says it: 1, except on the targets whose nodes are their
+    hosts (nodes_from_hosts), where it is one node per host given."""
+    per_host = [f"--target {name}" for name, t in TARGETS.items() if t.nodes_from_hosts]
+    return "default 1" + (f"; with {' or '.join(per_host)}: one per host given" if per_host else "")

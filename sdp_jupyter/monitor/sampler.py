@@ -211,11 +211,13 @@ def run(job_dir: str, node: int, pids: list[int] | None = None, interval: float 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m sdp_jupyter.monitor.sampler", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--job-dir", required=True)
-    ap.add_argument("--node", type=int, default=0)
+    ap.add_argument("--job-dir", required=True,
+                    help="the job's directory: samples go to its metrics/system-node-N.jsonl, and the sampler "
+                         "stops when its status.json reaches a final state")
+    ap.add_argument("--node", type=int, default=0, help="this node's index in the job (default 0)")
     ap.add_argument("--pids", type=int, nargs="*", default=None,
                     help="worker pids on this node (default: found by their SDP_JOB_DIR and GROUP_RANK)")
-    ap.add_argument("--interval", type=float, default=1.0)
+    ap.add_argument("--interval", type=float, default=1.0, help="seconds between samples (default 1.0)")
     ap.add_argument("--cpu", action="store_true", help="skip NVML and sample CPU")
     args = ap.parse_args(argv)
     stop = threading.Event()

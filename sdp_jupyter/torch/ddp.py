@@ -63,7 +63,13 @@ class DistributedDataParallel(torch.nn.Module):
     broadcast_buffers: broadcast module buffers (BatchNorm statistics) from rank 0 every forward.
     find_unused_parameters: allow parameters that get no gradient in a step (one extra small
     all-reduce per step finds the globally unused ones, whose .grad then stays None).
+    process_group: the group to reduce over (default: the default group).
     batch_size: samples per step on this rank, for the automatic samples/s metric.
+    report_metrics: write a "step" metrics line per synced step (its timings, and samples with
+    batch_size) when running in a job (SDP_JOB_DIR set); False writes none.
+
+    Parameters must live on the CPU (ValueError otherwise): for a CUDA model use torch's own
+    DistributedDataParallel with the smddp backend.
     """
 
     def __init__(self, module: torch.nn.Module, process_group=None, fusion_threshold: int | None = None,
@@ -138,6 +144,8 @@ class DistributedDataParallel(torch.nn.Module):
 
     # ---- forward
     def forward(self, *args, **kwargs):
+        """The wrapped module's forward. Before it, with broadcast_buffers and outside `no_sync`, rank
+        0's buffers (BatchNorm statistics) are broadcast to every rank; the step's timer starts."""
         if self.broadcast_buffers and self._sync:
             bufs = list(self.module.buffers())
             if bufs:

@@ -17,6 +17,7 @@ from sdp_jupyter.torch.tensors import (Staging, block, dtype_code, moved, op_cod
 from sdp_jupyter.torch.work import FutureCompleter, SmddpWork, backend_error, unsupported
 from sdp_jupyter._env import env_str
 
+#: the name this backend registers with torch.distributed (init_process_group(backend="smddp"))
 BACKEND_NAME = "smddp"
 _TORCH_DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 _LIVE: "weakref.WeakSet[ProcessGroupSMDDP]" = weakref.WeakSet()  # this process's groups (reconnect_all)
@@ -64,12 +65,15 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
 
     # torch asks for these
     def getBackendName(self) -> str:
+        """"smddp" (BACKEND_NAME): the name torch.distributed knows this backend by."""
         return BACKEND_NAME
 
     def size(self) -> int:
+        """The number of ranks in the group."""
         return self._world
 
     def rank(self) -> int:
+        """This process's rank in the group."""
         return self._rank
 
     # ---- helpers
@@ -95,6 +99,8 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
 
     # ---- collectives
     def allreduce(self, tensors, opts=None):
+        """dist.all_reduce: reduce each tensor over the group in place (opts.reduceOp, default SUM). A
+        sparse tensor is all-gathered and summed as gloo does it (SUM only, done before returning)."""
         op = opts.reduceOp if opts is not None else ReduceOp.SUM
         if len(tensors) == 1 and not tensors[0].is_sparse:  # the common case, without the list plumbing
             return SmddpWork(self._completer, self._allreduce_tensor(tensors[0], op), tensors)
@@ -103,6 +109,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         return self._joined([self._allreduce_tensor(t, op) for t in tensors], tensors)
 
     def allreduce_coalesced(self, tensors, opts=None):
+        """dist.all_reduce_coalesced: `allreduce` of several tensors, one work for all."""
         return self.allreduce(tensors, opts)
 
     def _sparse_allreduce(self, tensors, op):
@@ -133,10 +140,13 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         return self._work(self.comm.done(), tensors)
 
     def broadcast(self, tensors, opts=None):
+        """dist.broadcast: copy rank opts.rootRank's tensors (default 0) into every rank's, in place."""
         root = opts.rootRank if opts is not None else 0
         return self._joined([self._staged_submit(COLL_BROADCAST, t, 0, root) for t in tensors], tensors)
 
     def reduce(self, tensors, opts=None):
+        """dist.reduce: the reduction reaches the root's tensors only; other ranks' tensors are left
+        unchanged."""
         root = opts.rootRank if opts is not None else 0
         op = opts.reduceOp if opts is not None else ReduceOp.SUM
         works = []
@@ -156,6 +166,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         return self.comm.submit(COLL_ALLGATHER, flat.data_ptr(), n, dtype_code(inp), 0, 0, flat, finish)
 
     def allgather(self, output_tensors, input_tensors, opts=None):
+        """dist.all_gather: output_tensors[0][r] receives rank r's input tensor."""
         outs, inp = output_tensors[0], input_tensors[0]
         flat = torch.empty((self._world,) + tuple(inp.shape), dtype=inp.dtype)
 
@@ -165,17 +176,23 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         return self._work(self._gather_flat(flat, inp.detach().cpu(), scatter_back), output_tensors)
 
     def all_gather_single(self, output_tensor, input_tensor, opts=None):
+        """dist.all_gather_into_tensor: output_tensor (world size x the input's elements) receives every
+        rank's input, in rank order."""
         buf, finish = staged(output_tensor)
         return self._work(self._gather_flat(buf, input_tensor.detach().cpu(), finish), [output_tensor])
 
     _allgather_base = all_gather_single
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        """`all_gather_single` for each (output, input) pair, one work for all (also
+        all_gather_single_coalesced)."""
         return self._joined([self.all_gather_single(o, i, opts).comm_work for o, i in zip(outputs, inputs)], outputs)
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
     def allgather_coalesced(self, output_lists, input_tensors, opts=None):
+        """dist.all_gather_coalesced: every rank's input tensors, gathered in one flat all-gather and cut
+        into output_lists[r] per rank."""
         # one flat all-gather of the concatenated inputs, then cut per rank and per tensor
         inputs = [i.detach().reshape(-1).cpu() for i in input_tensors]
         cat = torch.cat(inputs) if inputs else torch.empty(0)
@@ -188,12 +205,16 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         return self._work(self._gather_flat(flat, cat, cut), output_lists)
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        """dist.reduce_scatter: output_tensors[0] receives this rank's piece of the reduction of
+        input_tensors[0] (one tensor per rank)."""
         op = opts.reduceOp if opts is not None else ReduceOp.SUM
         out, ins = output_tensors[0], input_tensors[0]
         flat = torch.cat([i.detach().reshape(-1).cpu() for i in ins])
         return self._reduce_scatter_flat(out, flat, op, output_tensors)
 
     def reduce_scatter_single(self, output_tensor, input_tensor, opts=None):
+        """dist.reduce_scatter_tensor: input_tensor holds world size x output_tensor's elements;
+        output_tensor receives this rank's block of their reduction."""
         op = opts.reduceOp if opts is not None else ReduceOp.SUM
         flat = input_tensor.detach().reshape(-1).to("cpu", copy=True).contiguous()
         return self._reduce_scatter_flat(output_tensor, flat, op, [output_tensor])
@@ -212,6 +233,8 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
                                            op_code(op, flat.dtype), 0, flat, take), result)
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        """`reduce_scatter_single` for each (output, input) pair, one work for all (also
+        reduce_scatter_single_coalesced)."""
         return self._joined([self.reduce_scatter_single(o, i, opts).comm_work for o, i in zip(outputs, inputs)],
                             outputs)
 
@@ -219,15 +242,19 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
 
     # ---- point-to-point messages (the mailbox)
     def send(self, tensors, dst, tag=0):
+        """dist.send: send tensors[0] to rank dst with `tag` (matched by that rank's recv with this rank or
+        any, and the tag)."""
         buf = send_buffer(tensors[0])
         return self._work(self.comm.messages_work([self.comm.post_send(dst, tag, *block(buf))], buf), tensors)
 
     def recv(self, tensors, src, tag=0):
+        """dist.recv: receive into tensors[0] from rank src (-1: any rank) with `tag`."""
         buf, finish = staged(tensors[0])
         return self._work(self.comm.messages_work([self.comm.post_recv(src, tag, *block(buf))], buf,
                                                   () if finish is None else (finish,)), tensors)
 
     def recv_anysource(self, tensors, tag=0):
+        """dist.recv without a source: `recv` from any rank."""
         return self.recv(tensors, -1, tag)
 
     # ---- gather, scatter, all_to_all: routed by the communicator (shared memory within a node,
@@ -241,6 +268,8 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
                                  f"(got {t.numel()} of {t.dtype})")
 
     def gather(self, output_lists, input_tensors, opts=None):
+        """dist.gather: the root (opts.rootRank, default 0) receives every rank's input_tensors[0] into
+        output_lists[0], one tensor per rank."""
         root = opts.rootRank if opts is not None else 0
         src = send_buffer(input_tensors[0])
         outs, finish = [], ()
@@ -252,6 +281,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
                                                    (src, outs), finish), output_lists)
 
     def scatter(self, output_tensors, input_lists, opts=None):
+        """dist.scatter: every rank receives into output_tensors[0] its tensor of the root's input_lists[0]."""
         root = opts.rootRank if opts is not None else 0
         out = output_tensors[0]
         pieces = []
@@ -265,6 +295,8 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
                           output_tensors)
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        """dist.all_to_all_single (also all_to_all_single): piece r of `input` (rows of dim 0, equal or as
+        the split sizes say) goes to rank r, and piece r of `output` comes from rank r."""
         # every rank sends piece r of its input to rank r and receives piece r of its output from
         # rank r; the pieces are rows of dim 0, even or as the split sizes say
         w = self._world
@@ -300,6 +332,8 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
     all_to_all_single = alltoall_base
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
+        """dist.all_to_all: input_tensors[r] goes to rank r, output_tensors[r] comes from rank r (one tensor
+        per rank each)."""
         w = self._world
         if len(output_tensors) != w or len(input_tensors) != w:
             raise ValueError(f"all_to_all needs {w} input and {w} output tensors")
@@ -309,15 +343,20 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
                                                       finish), output_tensors)
 
     def monitored_barrier(self, opts=None, wait_all_ranks=False):
+        """Not supported (torch reserves it for gloo): raises SmddpUnsupportedError, which says to use
+        dist.barrier(), whose deadline (SDP_TIMEOUT) names the ranks that did not arrive."""
         unsupported("monitored_barrier (torch reserves it for gloo)", "use dist.barrier(), which has a "
                     "deadline (SDP_TIMEOUT) and names the ranks that did not arrive")
 
     def barrier(self, opts=None):
+        """dist.barrier: done once every rank has reached it (a one-byte all_reduce)."""
         token = torch.zeros(1, dtype=torch.uint8)
         return self._work(self.comm.submit(COLL_ALLREDUCE, token.data_ptr(), 1, DTYPES["uint8"], OPS["max"], 0, token),
                           [token])
 
     def shutdown(self) -> None:
+        """Close the group: stop completing its futures and close its communicator (the engine's
+        connections)."""
         self._completer.close()
         self.comm.close()
 

@@ -156,6 +156,9 @@ class SmddpWork(dist._Work):
         self._completer = completer
 
     def wait(self, timeout=None) -> bool:
+        """Block (the GIL released) until the engine is done and return True; a failure raises. A
+        `timeout` (seconds or a timedelta) bounds messages only: a collective runs to its end or to
+        the group's deadline (SDP_TIMEOUT)."""
         if timeout is None:  # what torch passes for a blocking call: the short way (small calls are us)
             self.comm_work.wait()
             return True
@@ -166,12 +169,16 @@ class SmddpWork(dist._Work):
         return True
 
     def is_completed(self) -> bool:
+        """Whether the engine is done, without waiting; a failed group raises."""
         return self.comm_work.is_completed()
 
     def is_success(self) -> bool:
+        """True once the work has been waited for and succeeded; False before, and after a failure."""
         return self.comm_work.succeeded
 
     def get_future(self) -> torch.futures.Future:
+        """A torch Future (the same one on every call) completed with `result()` once the engine is
+        done, or set to the error; what DDP's comm hooks chain on."""
         with _future_lock:
             if self._future is not None:
                 return self._future
@@ -222,6 +229,7 @@ class SmddpWork(dist._Work):
             pass
 
     def result(self):
+        """What torch gets back: the list of tensors the operation was given (filled in once it is done)."""
         return self._result
 
     def _source_rank(self) -> int:

@@ -86,23 +86,28 @@ class AdvisorView:
 
     @classmethod
     def from_reference(cls, name: str) -> "AdvisorView":
+        """The view preset with one of the advisor's reference jobs, by name (sdp_jupyter.advisor.REFERENCES,
+        e.g. "GPT-2 60B"); StopIteration for a name that is not there."""
         r = next(r for r in A.REFERENCES if r.name == name)
         return cls(r.workload, r.cluster(), r.config)
 
     # -- the model behind the view
     @property
     def workload(self) -> A.Workload:
+        """The model, sequence length, batch, precision and optimizer as the knobs stand (an advisor Workload)."""
         model = A.ModelShape(layers=self.layers.value, hidden=self.hidden.value, heads=self.heads.value,
                              vocab=self.vocab.value, name=self.preset.value if self.preset.value != _CUSTOM else "")
         return A.Workload(model, self.seq_len.value, self.batch.value, self.precision.value, self.optimizer.value)
 
     @property
     def cluster(self) -> A.Cluster:
+        """GPUs per node, GPU memory, nodes and instance type as the knobs stand (an advisor Cluster)."""
         itype = None if self.instance.value == _CUSTOM else self.instance.value
         return A.Cluster(self.gpus.value, float(self.gpu_mem.value), self.nodes.value, itype)
 
     @property
     def config(self) -> A.ParallelConfig:
+        """The parallelism knobs as they stand (an advisor ParallelConfig: tp, pp, microbatches, sharding, ...)."""
         return A.ParallelConfig(
             tp=self.tp.value, pp=self.pp.value, microbatches=self.microbatches.value,
             active_microbatches=self.active.value or None, sharding=self.sharding.value,
@@ -112,6 +117,8 @@ class AdvisorView:
 
     @property
     def estimate(self) -> A.Estimate:
+        """sdp_jupyter.advisor.estimate of the knobs: per-GPU memory of every pipeline stage and the findings;
+        ValueError for a shape the formula cannot take."""
         return A.estimate(self.workload, self.cluster, self.config)
 
     # -- events
@@ -171,6 +178,8 @@ class AdvisorView:
         self.refresh()
 
     def recommend(self) -> A.Recommendation:
+        """What the Recommend button does: sdp_jupyter.advisor.recommend from the knobs as they are; sets
+        the knobs it chose (when it found a configuration that fits), shows its reasoning and returns it."""
         rec = A.recommend(self.workload, self.cluster, self.config,
                           allow_instance_change=self.allow_instance.value)
         if rec.estimate is not None:
@@ -180,6 +189,8 @@ class AdvisorView:
         return rec
 
     def explain(self) -> list[A.KnobReason]:
+        """What the Explain button does: for every knob that is on, why (needed to fit, or what it buys);
+        shows the list and returns it."""
         reasons = A.explain(self.workload, self.cluster, self.config)
         rows = "".join(f"<li><b>{html.escape(r.knob)}</b>: {html.escape(r.message)}</li>" for r in reasons)
         self.notes.value = "<b>Why each knob</b><ul>" + (rows or "<li>no knob is on</li>") + "</ul>"
@@ -187,6 +198,8 @@ class AdvisorView:
 
     # -- drawing
     def refresh(self) -> None:
+        """Redraw the estimate (verdict, memory per term, the %%sdp_train line) from the knobs; every knob
+        change calls it."""
         try:
             e = self.estimate
         except ValueError as exc:  # a shape the formula cannot take (e.g. hidden % heads)

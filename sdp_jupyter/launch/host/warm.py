@@ -464,8 +464,12 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     p = argparse.ArgumentParser(prog="python -m sdp_jupyter.launch.host.warm")
-    p.add_argument("--socket", required=True)
-    p.add_argument("--preload", default="")
+    p.add_argument("--socket", required=True,
+                   help="the unix socket path to listen on; auto: a socket in a fresh 0700 folder, named in "
+                        "the ready line and removed when the pool ends")
+    p.add_argument("--preload", default="",
+                   help="comma-separated modules to import too, after torch and sdp_jupyter.torch "
+                        "(e.g. numpy,sklearn)")
     a = p.parse_args(argv)
     return serve(a.socket, [m for m in a.preload.split(",") if m.strip()])
 

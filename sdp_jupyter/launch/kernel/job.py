@@ -147,6 +147,8 @@ class Job(Shown):
 
     @property
     def state(self) -> str:
+        """Where the job is, from status.json: pending, running, succeeded, failed or stopped
+        (jobdir.STATES; the last three are final)."""
         return self._read_status().get("state", "pending")
 
     # ------------------------------------------------------------------ the flight recorder (docs/failures.md)
@@ -221,22 +223,28 @@ class Job(Shown):
 
     @property
     def error(self) -> str | None:
+        """Why the job failed or was stopped, as status.json says (ending with the flight recorder's
+        sentence when it found a cause); None when there is no error."""
         return self._read_status().get("error")
 
     @property
     def exit_codes(self) -> list:
+        """The ranks' exit codes of the last attempt once the job has ended (by rank); [] before."""
         return self._read_status().get("exit_codes") or []
 
     @property
     def restarts(self) -> int:
+        """How many times the whole job was restarted after a rank failed (at most --max-restarts)."""
         return int(self._read_status().get("restarts") or 0)
 
     @property
     def done(self) -> bool:
+        """True once the state is final: succeeded, failed or stopped."""
         return self.state in jobdir.FINAL_STATES
 
     @property
     def world_size(self) -> int:
+        """Ranks in the job: what the launcher recorded once it resolved the spec, else the spec's count."""
         st = self._read_status()
         if st.get("world_size"):
             return int(st["world_size"])
@@ -244,6 +252,8 @@ class Job(Shown):
 
     @property
     def elapsed(self) -> float:
+        """Seconds since the job started (since it was created while pending), up to its end once it has
+        ended; 0.0 when status.json has no time yet."""
         st = self._read_status()
         start = st.get("started") or st.get("created")
         if not start:
@@ -300,6 +310,8 @@ class Job(Shown):
         return self.state
 
     def raise_for_state(self) -> None:
+        """Raise JobError (with the error, naming the job) if the job failed or was stopped; return None
+        otherwise, whether or not it has ended."""
         state = self.state
         if state == "failed":
             raise JobError(f"job {self.name} failed: {self.error or 'see its logs'}", self)
@@ -373,6 +385,7 @@ class Job(Shown):
             return snapshot
 
     def unsubscribe(self, listener) -> None:
+        """Stop calling a listener given to `subscribe` (nothing happens if it was not subscribed)."""
         with self._lock:
             if listener in self._listeners:
                 self._listeners.remove(listener)
@@ -387,6 +400,8 @@ class Job(Shown):
 
     # ------------------------------------------------------------------ used by runs
     def emit_output(self, rank: int, text: str) -> None:
+        """Used by the launchers: record one output line of `rank` and pass it to every listener (a
+        listener that raises is skipped)."""
         with self._lock:
             self._tails.setdefault(rank, collections.deque(maxlen=TAIL_LINES)).append(text)
             listeners = list(self._listeners)
@@ -397,6 +412,8 @@ class Job(Shown):
                 pass
 
     def update_status(self, **fields) -> None:
+        """Used by the launchers: merge `fields` into status.json (written atomically). A failed state's
+        error gets the flight recorder's sentence on the cause appended."""
         if fields.get("state") == "failed" and fields.get("error"):
             # every target ends a failed job here: its error ends with the flight recorder's sentence
             from sdp_jupyter import flight
@@ -466,6 +483,8 @@ class Job(Shown):
         return [str(w) for w in self._read_status().get("warnings") or []]
 
     def summary(self) -> str:
+        """The job in a few lines: name, state, elapsed time, nodes x processes, where, backend, how the
+        ranks started, restarts and directory; then any warnings, a hang or straggler, and the error."""
         st = self._read_status()
         start = f", {self.start_label}" if self.start_label else ""
         where = f" on {self.where_label}" if self.where_label else ""

@@ -45,7 +45,9 @@ SAGEMAKER_OPTIONS: tuple[Option, ...] = (
     Option("--image-uri", "sagemaker.image_uri", "training image (default: the PyTorch training image)",
            metavar="URI"),
     Option("--framework-version", "sagemaker.framework_version",
-           "PyTorch version of the default image (default: 2.3.0 for smddp, else the newest the SDK knows)",
+           f"PyTorch version of the default image (default: {SMDDP_FRAMEWORK_VERSION} when SageMaker's smddp "
+           "library serves --backend smddp: --engine aws, or auto on a type it runs on; otherwise, --engine sdp "
+           "included, the newest the SDK knows)",
            metavar="VERSION"),
     Option("--input", "sagemaker.inputs", "input channel NAME=s3://... (repeatable); the script finds it "
            "at $SM_CHANNEL_<NAME>", kind="append", metavar="NAME=S3_URI"),
