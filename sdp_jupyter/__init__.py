@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import importlib
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the only place the version is written: pyproject.toml reads it; CHANGELOG.md
 
 # public name -> "module:attribute" ("module:" for the module itself)
 _LAZY = {
@@ -46,6 +46,7 @@ def load_ipython_extension(ipython):
 
 
 def unload_ipython_extension(ipython):
+    """`%unload_ext sdp_jupyter`: nothing to undo (the magics stay registered, jobs keep running)."""
     from sdp_jupyter.magics import unload_ipython_extension as _unload
 
     _unload(ipython)

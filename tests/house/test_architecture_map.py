@@ -53,7 +53,7 @@ def test_the_map_check_can_fail(tmp_path):
     assert named("see sdp_jupyter/launch/ and sdp_jupyter/jobdir.py.") == {"sdp_jupyter/launch/", "sdp_jupyter/jobdir.py"}
 
 
-# Every repository path README.md and docs/*.md cite (a file, a folder or a glob) exists: a page that
+# Every repository path README.md, CONTRIBUTING.md and docs/*.md cite (a file, a folder or a glob) exists: a page that
 # sends the reader to a moved test or module fails here. What a run writes (ignored by git) is exempt.
 DOC_PATH_RE = re.compile(r"(?<![\w/.-])((?:sdp_jupyter|tests|docs|native|benchmarks|tools|notebooks)/[\w./*-]*[\w/*])")
 WRITTEN_BY_A_RUN = ("notebooks/executed/",)
@@ -71,7 +71,7 @@ def stale_doc_paths(text: str) -> list[str]:
 
 
 def test_the_docs_cite_only_paths_that_exist():
-    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    pages = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
     stale = {page.relative_to(ROOT).as_posix(): s for page in pages if (s := stale_doc_paths(page.read_text()))}
     assert not stale, f"paths cited that do not exist (moved or gone; fix the page): {stale}"
 

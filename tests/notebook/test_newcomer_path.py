@@ -1,4 +1,4 @@
-"""A newcomer's path, step by step: README -> install -> a first job (01_quickstart) -> their own
+"""A newcomer's path, step by step: README's first job, run as shown -> install (or the migration guide) -> a first job (01_quickstart) -> their own
 machines over SSH (09_ssh) -> SageMaker, rehearsed first (04_sagemaker).
 
 Each step reads what the pages tell the reader (links, shell commands, `%%sdp_train` lines) and checks
@@ -123,12 +123,59 @@ def test_check_command_can_fail():
         check_magic("%%sdp_train --nodes zero")
 
 
+def readme_first_job() -> tuple[list[str], list[str]]:
+    """README's "A first job": its python cells and the text blocks that show what they print, in order."""
+    text = README.read_text()
+    section = text[text.index("## A first job"):]
+    section = section[:section.index("\n## ", 3)]
+    blocks = FENCE.findall(section)
+    return [b for lang, b in blocks if lang == "python"], [b for lang, b in blocks if lang == "text"]
+
+
+def printed_shape(text: str) -> str:
+    """What a job's line says with its timing and folder taken out."""
+    text = re.sub(r"\d+(\.\d+)? s\b", "N s", text.strip())
+    return re.sub(r" in \S*/sdp_jobs/", " in .../sdp_jobs/", text)
+
+
+def test_printed_shape_can_fail():
+    line = "Job first-job: succeeded after 17.3 s (4 node(s) x 1 proc(s), backend smddp) in /x/sdp_jobs/first-job"
+    assert printed_shape(line) == printed_shape(line.replace("17.3", "9.0").replace("/x/", "/home/y/"))
+    assert printed_shape(line) != printed_shape(line.replace("succeeded", "failed"))
+    assert printed_shape(line) != printed_shape(line.replace("4 node(s)", "2 node(s)"))
+
+
+@pytest.mark.slow
+def test_step0_the_readme_first_job_prints_what_the_readme_shows(tmp_path, monkeypatch):
+    """The README's cells, run as they are in a fresh kernel from a folder of its own, print what the
+    README says they print: the job's line (timing and folder aside) and the trained weights exactly."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    from conftest import wait_no_processes
+    from tools.main_job import kernel_env
+
+    cells, shown = readme_first_job()
+    assert len(cells) == 3 and len(shown) == 2, "README's first job: load, train, show weights; two outputs"
+    assert cells[1].startswith("%%sdp_train --nodes 4 ") and check_magic(cells[1].splitlines()[0]).nodes == 4
+    monkeypatch.setenv("SDP_JOBS_DIR", str(tmp_path / "sdp_jobs"))
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c.rstrip("\n")) for c in cells])
+    NotebookClient(nb, timeout=300, kernel_name="python3",
+                   resources={"metadata": {"path": str(tmp_path)}}).execute(env=kernel_env(), cleanup_kc=True)
+    printed = "".join(o.get("text", "") for o in nb.cells[1].outputs if o.get("output_type") == "stream")
+    assert printed_shape(printed) == printed_shape(shown[0]), printed
+    result = [o["data"]["text/plain"] for o in nb.cells[2].outputs if o.get("output_type") == "execute_result"]
+    assert result == [shown[1].strip()], result
+    assert wait_no_processes(tmp_path / "sdp_jobs") == []
+
+
 def test_step1_readme_and_install_page_give_commands_that_exist():
     broken = [p for p in links(README) if not p.exists()]
     assert not broken, f"README links to pages that do not exist: {broken}"
     pages = [README]
     install = [p for p in links(README) if p.name == "install.md"]
     pages += install  # the install page, where the README sends the reader; else the README's own commands
+    pages.append(follow(README, "docs/migration.md"))  # the reader who comes with a torchrun or SMDDP script
     commands = [(page.name, c) for page in pages for c in shell_commands(page)]
     assert any(c.startswith(("./dev.sh main", "pip install")) for _, c in commands), \
         f"no install command on {[p.name for p in pages]}: {commands}"

@@ -57,7 +57,7 @@ def build_sdist(dest_dir: Path) -> Path:
     root = source_tree()
     if root is None:
         raise no_sources_error()
-    version = getattr(sdp_jupyter, "__version__", None) or "0.1.0"
+    version = sdp_jupyter.__version__
     base = f"sdp_jupyter-{version}"
     target = Path(dest_dir) / f"{base}.tar.gz"
     files = [(root / name, name) for name in _SDIST_TOP if (root / name).is_file()]
