@@ -2,6 +2,8 @@
 # One entry point for a fresh machine.
 #   ./dev.sh main   install what the main job needs, then run it
 #   ./dev.sh test   install everything (test extras, browser, test hosts' tools), then run the whole test suite
+#   ./dev.sh notebooks [NAME.ipynb ...]   run the notebooks that need no root and store their executed
+#                   copies, outputs included, in notebooks/outputs/ (what GitHub and the docs site show)
 # Everything goes into ./.venv. torch is installed first, and only when the venv has none, so that
 # the `torch>=2.11` requirement never pulls a multi-GB CUDA build onto a CPU machine: 2.13.0, the
 # version CI tests. On this project's machines pip finds its CPU build on local disk; on a plain
@@ -85,8 +87,13 @@ case "${1:-}" in
         shift
         exec "$VENV/bin/python" -m pytest -ra "$@"
         ;;
+    notebooks)
+        bootstrap test  # 04 runs on the moto stand-in and the SageMaker SDK, 06 on Ray: the test extra has them
+        shift
+        exec "$VENV/bin/python" tools/executed.py refresh "$@"
+        ;;
     *)
-        echo "usage: ./dev.sh main | ./dev.sh test [pytest args]" >&2
+        echo "usage: ./dev.sh main | ./dev.sh test [pytest args] | ./dev.sh notebooks [NAME.ipynb ...]" >&2
         exit 2
         ;;
 esac

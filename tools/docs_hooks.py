@@ -1,9 +1,12 @@
 """MkDocs hooks for the docs site (mkdocs.yml `hooks:`): the notebooks become pages, and links that
 point out of docs/ work in the site as they do on GitHub.
 
-- Every `notebooks/<name>.ipynb` becomes the page `notebooks/<name>.md`, rendered from the executed
-  copy `notebooks/executed/<name>.ipynb` when a run left one (its outputs included), else from the
-  stored notebook with a note that outputs are not included. Nothing is executed at build time.
+- Every `notebooks/<name>.ipynb` becomes the page `notebooks/<name>.md` with its outputs, rendered from
+  the executed copy stored in the repository, `notebooks/outputs/<name>.ipynb` (kept current by
+  `python tools/executed.py refresh`; a test fails when one is older than its notebook), else from the
+  executed copy a local run left in `notebooks/executed/<name>.ipynb` (the notebook tests leave one for
+  every notebook, 07_slurm and 09_ssh included, which need root to run), else from the stored notebook
+  with a note that outputs are not included. Nothing is executed at build time.
 - In every page (docs and notebooks alike), a relative link is resolved from where the page lives in
   the repository: to a notebook, it becomes a link to the notebook's page; to a page under docs/, a
   link to that page; to any other file of the repository (code, benchmarks, README), the path as a
@@ -21,7 +24,8 @@ import nbformat
 from mkdocs.structure.files import File
 
 NOTEBOOKS = "notebooks"
-EXECUTED = "executed"
+OUTPUTS = "outputs"    # executed copies stored in the repository (tools/executed.py refresh)
+EXECUTED = "executed"  # executed copies a local run left (ignored by git)
 # [text](target) or [text](target "title"), not an image; the target has no spaces
 LINK_RE = re.compile(r"(?<!!)\[(?P<text>[^\]\n]*)\]\((?P<target>[^)\s]+)(?P<title>\s+\"[^\"]*\")?\)")
 ANSI_RE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
@@ -37,10 +41,12 @@ def _docs(config) -> Path:
 
 
 def notebook_source(repo: Path, name: str) -> tuple[Path, bool]:
-    """The file the page of notebook `name` is rendered from, and whether it carries outputs."""
-    executed = repo / NOTEBOOKS / EXECUTED / f"{name}.ipynb"
-    if executed.is_file():
-        return executed, True
+    """The file the page of notebook `name` is rendered from, and whether it carries outputs: the stored
+    executed copy, else a local run's, else the notebook itself."""
+    for folder in (OUTPUTS, EXECUTED):
+        executed = repo / NOTEBOOKS / folder / f"{name}.ipynb"
+        if executed.is_file():
+            return executed, True
     return repo / NOTEBOOKS / f"{name}.ipynb", False
 
 
@@ -124,6 +130,8 @@ def notebook_markdown(nb, executed: bool) -> str:
             parts.extend(filter(None, (output_markdown(o) for o in cell.get("outputs", []))))
         if i == 0 and not executed:
             parts.append('!!! note "Outputs are not included"\n    This page shows the notebook as stored, '
-                         "without outputs: no executed copy was found when the site was built. Run it "
+                         "without outputs: no executed copy was found when the site was built (the "
+                         "notebooks that start test hosts need root to run, so the repository stores "
+                         "none of theirs). Run it "
                          "yourself in JupyterLab to see them.")
     return "\n\n".join(parts) + "\n"

@@ -2,7 +2,8 @@
 
 test_notebooks.py checks every notebook; test_newcomer_path.py walks 01 -> 09 -> 04 as a newcomer
 would. Whichever asks first runs the notebook; the other reads the same run. Each run writes its
-scrubbed executed copy to notebooks/executed/<name>.ipynb (tools/executed.py), where the docs show it.
+scrubbed executed copy to notebooks/executed/<name>.ipynb (tools/executed.py), which the docs show for a
+notebook whose executed copy is not stored in notebooks/outputs/ (07_slurm, 09_ssh: they need root).
 
 The kernel's environment lacks PYTEST_CURRENT_TEST (with it, ipykernel stops capturing subprocess
 output) and points SDP_JOBS_DIR at a private folder, so the jobs a notebook starts are checked for

@@ -1,8 +1,10 @@
 """The docs site (mkdocs.yml) builds in strict mode: a broken link or anchor, a page missing from the
 nav or a nav entry without its page fails here, with MkDocs' warnings in the message.
 
-It runs last in the session (the `last` marker, tests/conftest.py), so the notebook pages show the
-executed copies the suite's notebook tests left in notebooks/executed/."""
+The notebook pages show the executed copies stored in notebooks/outputs/ (tools/executed.py), and for
+the notebooks that have none (07_slurm, 09_ssh: they need root) the copies a run left in
+notebooks/executed/; the test runs last in the session (the `last` marker, tests/conftest.py), so
+those are the ones the suite's notebook tests just made."""
 from __future__ import annotations
 
 import shutil
@@ -57,7 +59,8 @@ def test_a_broken_link_fails_the_build(tmp_path):
 
 
 def test_notebook_pages_show_outputs_only_from_an_executed_copy(tmp_path):
-    """The hook renders an executed copy with its outputs; without one, the stored notebook and a note."""
+    """The hook renders the stored copy (notebooks/outputs/) with its outputs, else a local run's
+    (notebooks/executed/); without either, the notebook as stored and a note."""
     sys.path.insert(0, str(ROOT / "tools"))
     try:
         import docs_hooks
@@ -65,11 +68,16 @@ def test_notebook_pages_show_outputs_only_from_an_executed_copy(tmp_path):
         sys.path.remove(str(ROOT / "tools"))
     import nbformat
 
-    nb = nbformat.v4.new_notebook(cells=[
-        nbformat.v4.new_markdown_cell("# Title\n\nSee [setup](02_job_setup.ipynb) and [the engine](../docs/engine.md)."),
-        nbformat.v4.new_code_cell("print('hi')", outputs=[nbformat.v4.new_output("stream", text="hi\n")]),
-    ])
+    def notebook(said: str):
+        return nbformat.v4.new_notebook(cells=[
+            nbformat.v4.new_markdown_cell("# Title\n\nSee [setup](02_job_setup.ipynb) and "
+                                          "[the engine](../docs/engine.md)."),
+            nbformat.v4.new_code_cell("print('hi')", outputs=[nbformat.v4.new_output("stream", text=said)]),
+        ])
+
+    nb = notebook("hi\n")
     (tmp_path / "notebooks" / "executed").mkdir(parents=True)
+    (tmp_path / "notebooks" / "outputs").mkdir(parents=True)
     nbformat.write(nb, tmp_path / "notebooks" / "x.ipynb")
     source, executed = docs_hooks.notebook_source(tmp_path, "x")
     assert (source.name, executed) == ("x.ipynb", False)
@@ -81,6 +89,12 @@ def test_notebook_pages_show_outputs_only_from_an_executed_copy(tmp_path):
     assert source.parent.name == "executed" and executed
     shown = docs_hooks.notebook_markdown(nbformat.read(source, as_version=4), executed)
     assert "Outputs are not included" not in shown and "```text\nhi\n```" in shown
+
+    nbformat.write(notebook("hi from the stored copy\n"), tmp_path / "notebooks" / "outputs" / "x.ipynb")
+    source, executed = docs_hooks.notebook_source(tmp_path, "x")
+    assert source.parent.name == "outputs" and executed, "the stored copy comes before a local run's"
+    shown = docs_hooks.notebook_markdown(nbformat.read(source, as_version=4), executed)
+    assert "```text\nhi from the stored copy\n```" in shown
 
     (tmp_path / "notebooks" / "02_job_setup.ipynb").write_text("{}")
     (tmp_path / "docs").mkdir()

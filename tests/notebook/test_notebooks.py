@@ -1,5 +1,8 @@
 """Every notebook in notebooks/ runs top to bottom in a real kernel (nbclient), and its executed copy,
-scrubbed, is kept as notebooks/executed/<name>.ipynb.
+scrubbed, is kept as notebooks/executed/<name>.ipynb. The executed copies stored in the repository
+(notebooks/outputs/, made by `python tools/executed.py refresh`) are checked here too: each is made from
+its notebook's current cells by the current sdp_jupyter version, and names nothing of the machine that
+made it.
 
 The runs themselves (the kernel's environment, the test hosts 07_slurm and 09_ssh run on, the check for
 leftover processes) are helpers.notebooks.notebook_run: a notebook that test_newcomer_path.py already
@@ -133,6 +136,47 @@ def check_rehearsal(nb):
     assert shows_widget(rehearse), "the rehearsal's job view was not displayed"
 
 
+def test_stored_outputs_are_current():
+    """notebooks/outputs/ holds a copy of every notebook of tools/executed.py's PUBLISHED, each made from
+    the notebook's current cells by the current sdp_jupyter version, and nothing else."""
+    stale = executed.stale()
+    assert stale == {}, ("stored executed copies to refresh (.venv/bin/python tools/executed.py refresh "
+                         f"{' '.join(n for n in stale if n in executed.PUBLISHED)}):\n"
+                         + "\n".join(f"  {name}: {why}" for name, why in stale.items()))
+
+
+def test_stored_outputs_name_nothing_of_this_machine():
+    for path in sorted(executed.OUTPUTS.glob("*.ipynb")):
+        text = path.read_text()
+        assert json.loads(text)["cells"], path.name
+        assert executed.leaks(text) == [], f"notebooks/outputs/{path.name} holds {executed.leaks(text)[:5]}"
+
+
+def test_a_stored_copy_of_other_cells_or_another_version_is_stale(tmp_path, monkeypatch):
+    import nbformat
+    from nbformat.v4 import new_code_cell, new_notebook
+
+    name = executed.PUBLISHED[0]
+    monkeypatch.setattr(executed, "NOTEBOOKS", tmp_path)
+    monkeypatch.setattr(executed, "OUTPUTS", tmp_path / "outputs")
+    monkeypatch.setattr(executed, "PUBLISHED", (name,))
+    monkeypatch.setattr(executed, "REPO", tmp_path)
+    nb = new_notebook(cells=[new_code_cell("print(1)")])
+    nbformat.write(nb, tmp_path / name)
+    assert executed.stale() == {name: f"no stored copy outputs/{name}"}
+    stored = new_notebook(cells=[new_code_cell("print(1)")], metadata={executed.STAMP: executed.stamp(tmp_path / name)})
+    (tmp_path / "outputs").mkdir()
+    nbformat.write(stored, tmp_path / "outputs" / name)
+    assert executed.stale() == {}
+    nbformat.write(new_notebook(cells=[new_code_cell("print(2)")]), tmp_path / name)
+    assert executed.stale() == {name: "the notebook's cells changed since its copy was made"}
+    nbformat.write(nb, tmp_path / name)
+    monkeypatch.setattr(executed, "version", lambda: "9.9.9")
+    assert "made by sdp_jupyter" in executed.stale()[name]
+    nbformat.write(nb, tmp_path / "outputs" / "gone.ipynb")
+    assert executed.stale()["gone.ipynb"] == "not a PUBLISHED notebook: delete it"
+
+
 def test_scrub_takes_out_planted_secrets_paths_and_colour_codes(tmp_path, monkeypatch):
     import nbformat
     from nbformat.v4 import new_code_cell, new_notebook, new_output
@@ -140,9 +184,19 @@ def test_scrub_takes_out_planted_secrets_paths_and_colour_codes(tmp_path, monkey
     job_secret = "ab12" * 16  # the shape of a job secret: secrets.token_hex(32)
     monkeypatch.setenv("SDP_TEST_SESSION_TOKEN", "kept-in-the-environment-42")
     home = str(Path.home())
+    host = "planted-host-name"
+    monkeypatch.setattr(executed.socket, "gethostname", lambda: host)
+    import psutil
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(psutil, "net_if_addrs", lambda: {"eth9": [
+        SimpleNamespace(family=executed.socket.AF_INET, address="10.11.12.13"),
+        SimpleNamespace(family=executed.socket.AF_INET, address="127.0.0.1")]})
     said = (f"SDP_JOB_SECRET={job_secret}\naws_secret_access_key='testing' AKIAIOSFODNN7EXAMPLE\n"
             f"token leaked: kept-in-the-environment-42\nlogs in {REPO}/notebooks/sdp_jobs/quickstart and "
-            f"/tmp/pytest-of-root/pytest-7/test_x0/jobs/a, config {home}/.ssh/config\n")
+            f"/tmp/pytest-of-root/pytest-7/test_x0/jobs/a, config {home}/.ssh/config\n"
+            f"data in /tmp/sm-train-x1y2/part-0.txt, kept in /var/tmp/sm-cache; ranks on {host}, {host}\n"
+            "head at 10.11.12.13:6379, not 10.11.12.134 nor 127.0.0.1\n")
     cell = new_code_cell("print(1)", outputs=[
         new_output("stream", name="stdout", text=said),
         new_output("error", ename="ValueError", evalue="bad", traceback=[
@@ -153,11 +207,13 @@ def test_scrub_takes_out_planted_secrets_paths_and_colour_codes(tmp_path, monkey
     path = executed.write(nb, tmp_path / "out" / "n.ipynb")
     text = path.read_text()
     for leak in (job_secret, "testing", "AKIAIOSFODNN7EXAMPLE", "kept-in-the-environment-42", str(REPO),
-                 "/tmp/pytest-of-root", home + "/", "\\u001b", '"big"'):
+                 "/tmp/pytest-of-root", "/tmp/sm-train", home + "/", host, "10.11.12.13:", "\\u001b", '"big"'):
         assert leak not in text, f"{leak!r} survived the scrub"
     out = nbformat.read(path, as_version=4).cells[0].outputs
     assert out[0].text == ("SDP_JOB_SECRET=<secret>\naws_secret_access_key='<secret>' <secret>\ntoken leaked: <secret>\n"
-                           "logs in <checkout>/notebooks/sdp_jobs/quickstart and <tmp>/jobs/a, config ~/.ssh/config\n")
+                           "logs in <checkout>/notebooks/sdp_jobs/quickstart and <tmp>/jobs/a, config ~/.ssh/config\n"
+                           "data in <tmp>/part-0.txt, kept in /var/tmp/sm-cache; ranks on <host>, <host>\n"
+                           "head at <address>:6379, not 10.11.12.134 nor 127.0.0.1\n")
     assert out[1].traceback == ["ValueError in <checkout>/sdp_jupyter/launch/__init__.py"]
     assert out[2].data["application/vnd.jupyter.widget-view+json"]["model_id"] == "a" * 32  # views still find their model
     assert nb.cells[0].outputs[0].text == said, "the notebook given was changed"
