@@ -101,7 +101,8 @@ def test_an_unregistered_sdp_name_is_refused_where_it_is_read(monkeypatch):
     assert _env.env_int("WORLD_SIZE", 1, environ={"WORLD_SIZE": "4"}) == 4  # other names are not its business
 
 
-def test_an_undocumented_magic_option_makes_the_pages_stale(monkeypatch, pages):
+def plant_stop_option(monkeypatch, **help) -> None:
+    """%sdp_stop gains a --planted-option (with `help=` when given) in what the generator reads."""
     real = gen.magic_parsers()
 
     def planted():
@@ -109,11 +110,15 @@ def test_an_undocumented_magic_option_makes_the_pages_stale(monkeypatch, pages):
         for spelling, func, parser in real:
             if spelling == "%sdp_stop":
                 parser = copy.deepcopy(parser)
-                parser.add_argument("--planted-option", help="an option no page lists")
+                parser.add_argument("--planted-option", **help)
             rows.append((spelling, func, parser))
         return rows
 
     monkeypatch.setattr(gen, "magic_parsers", planted)
+
+
+def test_an_undocumented_magic_option_makes_the_pages_stale(monkeypatch, pages):
+    plant_stop_option(monkeypatch, help="an option no page lists")
     diff = gen.stale(dict(pages, **{"magics.md": gen.magics_page()}))
     assert "+| `--planted-option` |" in diff
 
@@ -135,18 +140,7 @@ def test_a_command_line_missing_from_the_generator_stops_it(monkeypatch):
 
 # ----------------------------------------------------------------------------- every entry has a meaning
 def test_an_option_without_a_meaning_stops_the_generator(monkeypatch):
-    real = gen.magic_parsers()
-
-    def planted():
-        rows = []
-        for spelling, func, parser in real:
-            if spelling == "%sdp_stop":
-                parser = copy.deepcopy(parser)
-                parser.add_argument("--planted-option")  # no help=
-            rows.append((spelling, func, parser))
-        return rows
-
-    monkeypatch.setattr(gen, "magic_parsers", planted)
+    plant_stop_option(monkeypatch)  # no help=
     with pytest.raises(SystemExit, match=r"magics.md: no meaning for %sdp_stop --planted-option"):
         gen.magics_page()
 
