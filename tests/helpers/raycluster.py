@@ -8,6 +8,7 @@ The test's driver runs on h0 too, with the same token. Everything is stopped by 
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -35,11 +36,12 @@ class RayHosts:
         self.last_error = ""
 
     def start(self) -> None:
+        # One node at a time: a starting node's raylet waits at most 15 s (Ray's own limit) for its
+        # dashboard agent, a Python process that imports much of Ray. Three worker nodes starting at
+        # once on a 2-core machine (about a dozen such processes) took 20 s, and every raylet crashed.
         for i in range(self.cluster.n):
             self._start_node(i)
-            if i == 0:
-                self._wait_nodes(1)
-        self._wait_nodes(self.cluster.n)
+            self._wait_nodes(i + 1)
 
     def _start_node(self, i: int, env: dict | None = None) -> None:
         head = ["--head", "--port", "6379", "--include-dashboard=false"] if i == 0 else ["--address", self.address]
@@ -76,7 +78,9 @@ class RayHosts:
         if p.returncode != 0:
             self.last_error = p.stderr[-2000:]
             return None
-        return [tuple(line.split()) for line in p.stdout.splitlines() if len(line.split()) == 2]
+        # only the printed (address, node id) lines: a driver also prints what a crashing raylet logged
+        return [tuple(line.split()) for line in p.stdout.splitlines()
+                if len(line.split()) == 2 and re.fullmatch(r"\d+\.\d+\.\d+\.\d+", line.split()[0])]
 
     def _wait_nodes(self, n: int, gone: set = frozenset(), timeout: float = 120.0) -> None:
         """Until the first `n` hosts each have an alive node, none of whose ids is in `gone`."""
