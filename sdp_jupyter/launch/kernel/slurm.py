@@ -136,9 +136,14 @@ def controllers() -> list[str]:
     return re.findall(r"^\s*(?:SlurmctldHost|ControlMachine)\s*=\s*(\S+)", text, flags=re.M | re.I)
 
 
+def no_controller_sentence(why: str) -> str:
+    """What a machine that reaches no Slurm controller is told, with the fix."""
+    return f"this machine reaches no Slurm controller ({why}). {NO_CONTROLLER_FIX}"
+
+
 def unreachable(why: str) -> SpecError:
     """The error for a machine that reaches no Slurm controller: the target is named, not an option."""
-    return SpecError("--target", f"this machine reaches no Slurm controller ({why}). {NO_CONTROLLER_FIX}")
+    return SpecError("--target", no_controller_sentence(why))
 
 
 def run(argv: list[str], timeout: float = COMMAND_TIMEOUT, stdin: str | None = None) -> subprocess.CompletedProcess:
@@ -333,7 +338,7 @@ class SlurmRun(remote.RemoteRun):
         if p.returncode != 0:
             why = no_controller(p.stderr)
             if why:
-                return f"this machine reaches no Slurm controller ({why}). {NO_CONTROLLER_FIX}"
+                return no_controller_sentence(why)
             return f"sbatch refused the job: {p.stderr.strip()}"
         self.slurm_id = p.stdout.strip().split(";")[0]
         job.update_status(slurm_job_id=self.slurm_id, slurm_state="PENDING", state="pending",
