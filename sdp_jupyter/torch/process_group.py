@@ -46,8 +46,8 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
 
     def _communicator(self, store) -> Communicator:
         try:
-            comm = Communicator(self._rank, self._world, StoreAdapter(store), timeout=self._seconds,
-                                 error=backend_error)
+            comm = Communicator(self._rank, self._world, StoreAdapter(store), prefix=rendezvous_prefix(),
+                                 timeout=self._seconds, error=backend_error)
         except SmddpError as exc:
             raise backend_error(exc) from None
         # the flight recorder's name for it: torch makes the default group first, then the others in order
@@ -365,6 +365,17 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
             self.comm.close()
         except Exception:  # noqa: BLE001
             pass
+
+
+def rendezvous_prefix() -> str:
+    """Where this group's rendezvous keys go in its store: "sdp", or under torchrun's elastic agent
+    (TORCHELASTIC_USE_AGENT_STORE=True) "sdp/attempt-<restart count>-<world size>". That agent hands
+    every attempt the same store, so an earlier attempt's keys (signed with an earlier one-host secret,
+    or naming ports of dead ranks) are still there. A failure bumps the restart count; between
+    failures only nodes joining re-form the group, and they grow the world: the pair names one attempt."""
+    if env_str("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return "sdp"
+    return f"sdp/attempt-{env_str('TORCHELASTIC_RESTART_COUNT') or '0'}-{env_str('WORLD_SIZE') or '0'}"
 
 
 def reconnect_all(make_store) -> None:

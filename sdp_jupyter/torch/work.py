@@ -222,7 +222,8 @@ class SmddpWork(dist._Work):
         fut.queued_in = fut.work = None  # no cycle left between the work and its future
         try:
             if error is not None:
-                fut.set_exception(error)
+                torch._C.Future._set_unwrap_func(fut, _raise_failed)  # what set_exception does, with our value
+                fut.set_result(_Failed(error))
             else:
                 fut.set_result(self._result)
         except Exception:  # noqa: BLE001 - a completer thread lives on (a callback's own error is its future's)
@@ -237,6 +238,25 @@ class SmddpWork(dist._Work):
         self.comm_work.wait()
         src = self.comm_work.source
         return -1 if src is None else src
+
+
+class _Failed:
+    """What a failed work's future holds. torch's `Future.set_exception` stores the exception as the
+    future's value and only Python's wait() raises it: C++ readers see a value. DDP's reducer takes the
+    first tensor it can extract from that value, found none and crashed the rank (SIGSEGV, no message:
+    a peer killed mid-backward under torchrun). Extracting tensors pickles the value; this one refuses
+    with the error, so the reducer raises it ("Cannot extract tensors from value: SmddpBackendError: ...")
+    and Python's wait() raises the error itself."""
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+    def __reduce__(self):
+        raise self.error
+
+
+def _raise_failed(value: _Failed):
+    raise value.error
 
 
 # get_future is called once per DDP bucket, never on the all_reduce fast path: one lock for all

@@ -1,0 +1,119 @@
+"""smddp under torchrun's elastic agent, and a DDP rank whose peer dies.
+
+torchrun's c10d rendezvous hands every attempt of the worker group the same store: the first
+attempt's rendezvous keys (signed with its one-host secret) were read by the second attempt, which
+failed in init_process_group with "wrong signature" (issue 42 item 4). And when a peer died during
+backward, DDP's reducer read the failed future's value (torch keeps a Python exception as a value)
+and crashed the surviving rank with SIGSEGV and no message."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from sdp_jupyter._net import free_port
+
+pytestmark = pytest.mark.slow
+
+_JOB_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
+                  "MASTER_PORT", "SDP_JOB_SECRET", "SDP_BACKEND", "PYTEST_CURRENT_TEST")
+
+# Rank 0 saves a checkpoint at step 20; on the first attempt rank 1 then fails (when asked to). The
+# restarted group resumes from the checkpoint: the weights of a run that never failed.
+RESTART = r'''
+import os, sys, torch, torch.distributed as dist
+backend, ck, fail = sys.argv[1], sys.argv[2], sys.argv[3] == "fail"
+dist.init_process_group(backend)
+rank, attempt = dist.get_rank(), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+torch.manual_seed(0)
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+start = 0
+if os.path.exists(ck):
+    state = torch.load(ck)
+    model.module.load_state_dict(state["model"]); opt.load_state_dict(state["opt"]); start = state["step"]
+g = torch.Generator().manual_seed(1 + rank)
+X = torch.randn(64, 4, generator=g); y = X @ torch.tensor([2., -1., .5, 3.]) + 1
+for step in range(start, 40):
+    opt.zero_grad(); ((model(X).squeeze(1) - y) ** 2).mean().backward(); opt.step()
+    if step == 19:
+        dist.barrier()
+        if rank == 0:
+            torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(), "step": 20}, ck)
+        dist.barrier()
+        if fail and attempt == 0 and rank == 1:
+            raise SystemExit("rank 1 fails on the first attempt")
+if rank == 0:
+    print("WEIGHTS", attempt, " ".join(f"{v:.6f}" for v in model.module.weight.flatten().tolist()), flush=True)
+dist.destroy_process_group()
+'''
+
+# Rank 1 leaves (os._exit) in the middle of training; rank 0 reports what its backward raised.
+PEER_DIES = r'''
+import os, sys, torch, torch.distributed as dist
+dist.init_process_group("smddp")
+rank = dist.get_rank()
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+X = torch.randn(32, 4)
+for step in range(200):
+    if rank == 1 and step == 5:
+        os._exit(0)
+    try:
+        model(X).pow(2).mean().backward()
+    except Exception as exc:
+        print("RAISED", type(exc).__name__, exc, flush=True)
+        os._exit(3)
+'''
+
+
+def _env(tmp_path, **extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in _JOB_VARIABLES}
+    env.update({"TMPDIR": str(tmp_path), "XDG_RUNTIME_DIR": "", "OMP_NUM_THREADS": "1"})
+    env.update(extra)
+    return env
+
+
+def _weights(tmp_path, backend: str, fail: bool) -> tuple[str, str]:
+    script = tmp_path / "restart.py"
+    script.write_text(RESTART)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+           f"127.0.0.1:{free_port()}", "--nnodes", "1", "--max-restarts", "1", "--nproc-per-node", "2",
+           str(script), backend, str(tmp_path / f"{backend}.pt"), "fail" if fail else "-"]
+    p = subprocess.run(cmd, env=_env(tmp_path), capture_output=True, text=True, timeout=180, cwd=str(tmp_path))
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, f"{backend} under torchrun --max-restarts 1: exit {p.returncode}\n{out[-4000:]}"
+    lines = [ln.split(None, 2) for ln in p.stdout.splitlines() if ln.startswith("WEIGHTS")]
+    assert len(lines) == 1, out[-4000:]
+    _, attempt, weights = lines[0]
+    return attempt, weights
+
+
+def test_smddp_resumes_after_torchrun_restarts_the_worker_group(tmp_path):
+    """gloo is the reference without a failure: under this rendezvous gloo itself reads the first
+    attempt's addresses now and then ("Gloo connectFullMesh failed ... Connection refused")."""
+    gloo = _weights(tmp_path, "gloo", fail=False)
+    smddp = _weights(tmp_path, "smddp", fail=True)
+    assert (gloo[0], smddp[0]) == ("0", "1"), (gloo, smddp)  # smddp finished in the second attempt
+    assert smddp[1] == gloo[1], (smddp, gloo)
+    assert not list(tmp_path.glob("sdp-*/secret-*")), list(tmp_path.glob("sdp-*/*"))
+
+
+def test_a_ddp_rank_whose_peer_dies_mid_backward_raises_naming_the_peer(tmp_path):
+    script = tmp_path / "peer_dies.py"
+    script.write_text(PEER_DIES)
+    env = _env(tmp_path, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2",
+               LOCAL_WORLD_SIZE="2", SDP_TIMEOUT="60")
+    procs = [subprocess.Popen([sys.executable, str(script)], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    try:
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert procs[1].returncode == 0, outs[1]
+    assert procs[0].returncode == 3, f"rank 0 exited {procs[0].returncode} (-11 is the old SIGSEGV)\n{outs[0][-3000:]}"
+    raised = [ln for ln in outs[0].splitlines() if ln.startswith("RAISED")]
+    assert raised and "SmddpBackendError: rank 1 " in raised[0] and "exited or closed its connection" in raised[0], \
+        outs[0][-3000:]
