@@ -26,7 +26,7 @@ from dataclasses import fields as dc_fields
 from pathlib import Path
 from typing import Callable
 
-from sdp_jupyter import instances, scaling
+from sdp_jupyter import backends, instances, scaling
 from sdp_jupyter._display import Shown
 from sdp_jupyter.launch.target_options import SLURM_OPTIONS
 
@@ -419,7 +419,7 @@ FIELD_HELP = {
 }
 
 #: Plan fields with a fixed set of values: the lists Plan itself checks against
-FIELD_CHOICES = {"target": scaling.TARGETS, "backend": scaling.BACKENDS, "mode": scaling.MODES,
+FIELD_CHOICES = {"target": scaling.TARGETS, "backend": backends.BACKENDS, "mode": scaling.MODES,
                  "rule": scaling.RULES, "optimizer": scaling.OPTIMIZERS, "engine": instances.ENGINES}
 
 

@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass, field
 
 from sdp_jupyter import instances
 from sdp_jupyter.launch import target_options
+from sdp_jupyter.backends import BACKENDS
 
 RULES = ("none", "linear", "sqrt")
 MODES = ("keep_per_gpu", "keep_global")
@@ -47,7 +48,6 @@ OPTIMIZERS = ("sgd", "adam", "adamw", "lars", "lamb")
 LAYERWISE_OPTIMIZERS = ("lars", "lamb")
 #: every target the launcher knows (launch/target_options.py); only SageMaker's nodes are catalogue types
 TARGETS = tuple(target_options.TARGETS)
-BACKENDS = ("smddp", "gloo", "nccl")
 
 #: per-GPU batch below which BatchNorm statistics degrade (Wu & He 2018, Fig. 1)
 BN_MIN_PER_GPU_BATCH = 16
@@ -348,9 +348,16 @@ def _input_errors(plan: Plan) -> list[ScalingWarning]:
     return out
 
 
+def _catalogue(target: str) -> bool:
+    """Whether `target`'s nodes are catalogue instance types (SageMaker's); False for an unknown one,
+    which the plan's checks name."""
+    record = target_options.TARGETS.get(target)
+    return bool(record and record.catalogue)
+
+
 def evaluate(plan: Plan) -> Outcome:
     """Everything the setup form shows for ``plan``: batch sizes, LR, warm-up, estimate, warnings."""
-    if plan.target != "sagemaker":  # this machine, your SSH hosts, Ray or Slurm cluster: no catalogue entry to price
+    if not _catalogue(plan.target):  # this machine, your own hosts: no catalogue entry to price
         inst = instances.get(instances.LOCAL)
     else:
         inst = instances.get(plan.instance_type)  # KeyError names the known types
@@ -360,7 +367,7 @@ def evaluate(plan: Plan) -> Outcome:
     if errors:
         return Outcome(plan, inst, warnings=tuple(errors))
 
-    gpn = inst.gpus if plan.target == "sagemaker" else plan.gpus_per_node
+    gpn = inst.gpus if _catalogue(plan.target) else plan.gpus_per_node
     world = plan.nodes * gpn
     found: list[ScalingWarning] = []
 

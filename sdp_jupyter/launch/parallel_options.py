@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from sdp_jupyter._env import FALSE, TRUE
+from sdp_jupyter.launch import target_options
 from sdp_jupyter.launch.options import Option, SpecError, parse_whole
 from sdp_jupyter.parallel_config import CHECKPOINTING, ENV_NAMES, SCHEDULES, SHARDING, ParallelConfig
 
@@ -143,11 +144,11 @@ def check(spec) -> dict:
     if clash:
         raise SpecError("--env", f"{', '.join(clash)} is set by the hybrid-parallel options (--tp, --pp, ...); "
                                  "remove it from --env and use the option instead (e.g. --tp 2 for SDP_TP=2)")
-    if spec.target not in ("local", "sagemaker"):
-        # the SageMaker target adds the workers' variables to the job's Environment (as locally)
+    reach = target_options.having("hybrid")  # local adds the workers' variables; SageMaker to the job's Environment
+    if spec.target not in reach:
         env = " ".join(f"--env {k}={v}" for k, v in worker_env(kept).items())
-        raise SpecError(FLAGS[next(iter(kept))], f"the hybrid-parallel options reach local and SageMaker jobs, not "
-                                                 f"--target {spec.target}. Fix: --target local, or give "
+        raise SpecError(FLAGS[next(iter(kept))], f"the hybrid-parallel options reach --target {' or '.join(reach)}, "
+                                                 f"not --target {spec.target}. Fix: --target {reach[0]}, or give "
                                                  f"the workers' variables instead: {env}")
     nodes = spec.nodes or 1  # local and SageMaker jobs: 1 node unless --nodes says
     if spec.procs_per_node is not None:

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sdp_jupyter.launch import target_options
+from sdp_jupyter.backends import BACKENDS
 from sdp_jupyter.launch.options import Option, SpecError, parse_whole  # noqa: F401  (their home; re-exported)
 
-BACKENDS = ("smddp", "gloo", "nccl")
 TARGETS = tuple(target_options.TARGETS)  # one record per target: launch/target_options.py
 RANKS_OUTPUT = ("0", "all")
 STARTS = ("auto", "warm", "cold")  # how ranks start: docs/warm.md

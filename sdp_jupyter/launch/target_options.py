@@ -14,11 +14,21 @@ from sdp_jupyter.launch.options import Option
 
 @dataclass(frozen=True)
 class Target:
+    """One target, everything the rest of the package asks of it; every list of targets (the magic's and
+    the CLI's --target, the setup form, the session check, the reference pages) is derived from TARGETS.
+    Its launcher is named in launch/kernel/targets.py (LAUNCHERS, under the same name): the launchers import
+    the spec, which reads these records, so naming them here would close an import cycle."""
+
     field: str | None = None      # the JobSpec dict field its own options fill ("ssh" -> JobSpec.ssh)
     options: str | None = None    # "module:ATTRIBUTE", a tuple of Option rows, loaded when the table is built
     warm: bool = False            # --warm/--preload apply (ranks forked from a warm pool)
     exclusive: bool = False       # its options are refused with another --target
     nodes_from_hosts: bool = False  # --nodes left out: one node per host given (else 1 node)
+    sessions: bool = False        # %sdp_session runs on it: ranks stay up between cells, a channel reaches them
+    hybrid: bool = False          # the hybrid-parallel options (--tp, --pp, ...) reach its workers' environment
+    own_hosts: bool = False       # its nodes are hosts you have (no instance type to pick); the job view names them
+    catalogue: bool = False       # its nodes are instance types of the catalogue (sdp_jupyter.instances), priced
+
 
 SSH_OPTIONS = (
     Option("--hosts", "ssh.hosts", "--target ssh: host names, as `ssh HOST` reaches them (user@host works)",
@@ -52,13 +62,29 @@ SLURM_KEYS = {"partition", "account", "time", "args"}
 
 
 TARGETS: dict[str, Target] = {
-    "local": Target(warm=True),
-    "ssh": Target("ssh", "sdp_jupyter.launch.target_options:SSH_OPTIONS", warm=True, exclusive=True,
-                  nodes_from_hosts=True),
-    "ray": Target("ray", "sdp_jupyter.launch.target_options:RAY_OPTIONS", warm=True, exclusive=True),
-    "slurm": Target("slurm", "sdp_jupyter.launch.target_options:SLURM_OPTIONS", exclusive=True),
-    "sagemaker": Target("sagemaker", "sdp_jupyter.launch.kernel.sagemaker.options:SAGEMAKER_OPTIONS"),
+    "local": Target(warm=True, sessions=True, hybrid=True),
+    "ssh": Target("ssh", "sdp_jupyter.launch.target_options:SSH_OPTIONS",
+                  warm=True, exclusive=True, nodes_from_hosts=True, sessions=True, own_hosts=True),
+    "ray": Target("ray", "sdp_jupyter.launch.target_options:RAY_OPTIONS",
+                  warm=True, exclusive=True, sessions=True, own_hosts=True),
+    "slurm": Target("slurm",
+                    "sdp_jupyter.launch.target_options:SLURM_OPTIONS", exclusive=True, sessions=True, own_hosts=True),
+    "sagemaker": Target("sagemaker",
+                        "sdp_jupyter.launch.kernel.sagemaker.options:SAGEMAKER_OPTIONS", hybrid=True, catalogue=True),
 }
+
+
+def register(name: str, target: Target) -> None:
+    """Add a target (before the spec, the magics or the CLI are imported: they build their tables from
+    TARGETS once). The test suite registers a throwaway one to show every list follows."""
+    if name in TARGETS:
+        raise ValueError(f"a target named {name!r} is registered already")
+    TARGETS[name] = target
+
+
+def having(flag: str) -> tuple[str, ...]:
+    """The targets whose record sets `flag` ("sessions", "hybrid", "warm", ...), in registry order."""
+    return tuple(name for name, t in TARGETS.items() if getattr(t, flag))
 
 
 def listed() -> str:

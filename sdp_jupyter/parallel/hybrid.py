@@ -14,7 +14,7 @@ from sdp_jupyter.parallel.data import average_gradients
 from sdp_jupyter.parallel.memory import Offloaded, OffloadStats, apply_checkpointing
 from sdp_jupyter.parallel.pipeline import split_for_pipeline
 from sdp_jupyter.parallel.tensor import apply_tensor_parallel
-from sdp_jupyter._env import env_str
+from sdp_jupyter.backends import job_backend
 
 
 def build_mesh(config: ParallelConfig, world_size: int, device_type: str = "cpu", dp_backend: str | None = None):
@@ -241,7 +241,7 @@ def setup(config: ParallelConfig | None = None, backend: str | None = None) -> H
     that backend and only the data-parallel dimension goes to the engine."""
     config = config or ParallelConfig.from_env()
     cuda = torch.cuda.is_available()
-    wanted = backend or env_str("SDP_BACKEND") or ("nccl" if cuda else "gloo")
+    wanted = backend or job_backend(None) or ("nccl" if cuda else "gloo")
     if wanted == "smddp":
         import sdp_jupyter.torch  # noqa: F401  registers the "smddp" backend
     if not dist.is_initialized():

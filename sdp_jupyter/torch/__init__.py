@@ -24,7 +24,7 @@ import torch.distributed as dist
 from sdp_jupyter.comm import SmddpError
 from sdp_jupyter.torch.process_group import BACKEND_NAME, ProcessGroupSMDDP
 from sdp_jupyter.torch.work import SmddpBackendError, SmddpUnsupportedError, SmddpWork
-from sdp_jupyter._env import env_str
+from sdp_jupyter.backends import job_backend
 
 
 def create_process_group(store, rank, world_size, timeout):
@@ -45,7 +45,7 @@ register()
 
 def init(backend: str | None = None, **kwargs) -> None:
     """`dist.init_process_group` with the job's backend (SDP_BACKEND, default smddp) and env://."""
-    backend = backend or env_str("SDP_BACKEND", BACKEND_NAME)
+    backend = backend or job_backend()
     if not dist.is_initialized():
         missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
         if missing and "init_method" not in kwargs:

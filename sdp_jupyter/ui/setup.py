@@ -14,7 +14,8 @@ import html
 
 import ipywidgets as W
 
-from sdp_jupyter import instances, scaling
+from sdp_jupyter import backends, instances, scaling
+from sdp_jupyter.launch import target_options
 from sdp_jupyter.jobsetup import TEXT_NUMBERS, JobSetup
 
 _MODE_LABELS = {"keep per-GPU batch": "keep_per_gpu", "keep global batch": "keep_global"}
@@ -72,7 +73,7 @@ class JobSetupView(W.VBox):
                               layout=W.Layout()).add_class("sdp-slurm")  # its own layout: hidden off slurm
         self.w_nodes = num(W.BoundedIntText, "nodes", v["nodes"], min=1, max=4096).add_class("sdp-nodes")
         self.w_gpus = num(W.BoundedIntText, "GPUs (processes) / node", v["gpus_per_node"], min=1, max=64)
-        self.w_backend = W.Dropdown(options=list(scaling.BACKENDS), value=v["backend"], description="backend",
+        self.w_backend = W.Dropdown(options=list(backends.BACKENDS), value=v["backend"], description="backend",
                                     style=_STYLE, layout=_LAYOUT)
         mode_label = {m: label for label, m in _MODE_LABELS.items()}[v["mode"]]
         self.w_mode = W.ToggleButtons(options=list(_MODE_LABELS), value=mode_label, description="when scaling",
@@ -144,7 +145,7 @@ class JobSetupView(W.VBox):
 
     @staticmethod
     def _instance_options(target: str) -> list[str]:
-        return list(instances.catalogue()) if target == "sagemaker" else [instances.LOCAL]
+        return list(instances.catalogue()) if target_options.TARGETS[target].catalogue else [instances.LOCAL]
 
     # ------------------------------------------------------------------ form -> model
     def _edited(self, change) -> None:
@@ -195,7 +196,7 @@ class JobSetupView(W.VBox):
         self.w_hosts.layout.display = None if v["target"] == "ssh" else "none"
         self.w_address.layout.display = None if v["target"] == "ray" else "none"
         self.w_slurm.layout.display = None if v["target"] == "slurm" else "none"
-        self.w_instance.layout.display = "none" if v["target"] in ("ssh", "ray", "slurm") else None
+        self.w_instance.layout.display = "none" if target_options.TARGETS[v["target"]].own_hosts else None
         self.w_instance_info.layout.display = self.w_instance.layout.display
         self.w_gpus.disabled = sagemaker
         if not sagemaker:  # your own machines: no catalogue price

@@ -213,7 +213,7 @@ def test_compat_path_only_without_the_real_library(tmp_path, monkeypatch):
 
 def test_bad_input_launches_nothing(tmp_path):
     root = tmp_path / "jobs"
-    with pytest.raises(SpecError, match="nccl needs a GPU"):
+    with pytest.raises(SpecError, match="nccl needs a GPU per process"):
         launch(code="x", backend="nccl", jobs_dir=str(root))
     with pytest.raises(SpecError, match="not defined"):
         LocalLauncher().start(JobSpec(code="x", push=["b"], jobs_dir=str(root)), push={})

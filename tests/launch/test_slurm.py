@@ -106,7 +106,7 @@ def test_slurm_options_need_the_slurm_target_and_gpus_come_from_the_request():
         [30, 5.5, 90, 2880, 2190, None]
     with pytest.raises(SpecError, match="not a Slurm time"):
         slurm.minutes("soon")
-    with pytest.raises(SpecError, match="nccl needs GPUs"):
+    with pytest.raises(SpecError, match="nccl needs a GPU per process"):
         slurm.SlurmLauncher().resolve(JobSpec(code="pass", target="slurm", backend="nccl"))
 
 
@@ -287,7 +287,7 @@ def test_inside_an_allocation_the_job_runs_there(slurm_hosts, tmp_path):
     ({"slurm": {"partition": "nosuch"}}, "--partition", "no partition 'nosuch'"),
     ({"slurm": {"partition": "short"}, "nodes": 2}, "--nodes", "2 nodes cannot be allocated"),
     ({"slurm": {"partition": "short", "time": "5"}}, "--time", "over partition short's limit of 1 minute"),
-    ({"backend": "nccl"}, "--backend", "nccl needs GPUs"),
+    ({"backend": "nccl"}, "--backend", "nccl needs a GPU per process"),
 ])
 def test_what_slurm_would_refuse_is_refused_before_anything_is_queued(slurm_hosts, tmp_path, args, option, said):
     d = _drive(slurm_hosts, tmp_path, **args)

@@ -221,7 +221,7 @@ def test_bad_hosts_are_named_and_nothing_is_launched(ssh_hosts, hosts, tmp_path)
     assert "h1: /no/python does not run there" in next_line(d)["spec_error"]
     d = _drive(ssh_hosts, tmp_path, backend="nccl")
     err = next_line(d)["spec_error"]
-    assert "has 0 GPU(s) and nccl needs one per process" in err and "--backend smddp" in err
+    assert "nccl needs a GPU per process and it has none" in err and "--backend smddp" in err
     assert ssh_hosts.wait_clean(5) == {}
 
 

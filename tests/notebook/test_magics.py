@@ -51,7 +51,7 @@ def test_help_lists_every_option(ip):
     ("%%sdp_train --procs-per-node 1.5\nx = 1", "--procs-per-node: must be a whole number"),
     ("%%sdp_train --frobnicate\nx = 1", "unrecognized arguments: --frobnicate"),
     ("%%sdp_train --backend mpi\nx = 1", "--backend: 'mpi' is not one of smddp, gloo, nccl"),
-    ("%%sdp_train --backend nccl\nx = 1", "nccl needs a GPU and this machine has none"),
+    ("%%sdp_train --backend nccl\nx = 1", "nccl needs a GPU per process and this machine has none"),
     ("%%sdp_train --push undefined_var\nx = 1", "'undefined_var' is not defined in the notebook"),
     ("%%sdp_train --push lk\nx = 1", "'lk' (lock) cannot be pickled"),
     ("%%sdp_train\n   \n", "the cell is empty"),

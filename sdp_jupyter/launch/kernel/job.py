@@ -17,6 +17,7 @@ from typing import Callable
 
 from sdp_jupyter._display import Shown
 from sdp_jupyter import jobdir
+from sdp_jupyter.launch import target_options
 from sdp_jupyter.launch.spec import JobSpec
 
 TAIL_LINES = 2000  # lines per rank kept in memory for views opened late; the log file has them all
@@ -454,7 +455,8 @@ class Job(Shown):
         "ray: ..."; None for local and SageMaker jobs (their hosts are this machine or algo-N)."""
         st = self._read_status()
         target = st.get("target")
-        if target in (None, "local", "sagemaker"):
+        record = target_options.TARGETS.get(str(target))
+        if record is None or not record.own_hosts:
             return None
         names = st.get("host_names") or st.get("hosts") or []
         if st.get("slurm_job_id"):  # the Slurm target: its job id, and while it waits, Slurm's reason

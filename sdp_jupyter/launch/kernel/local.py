@@ -26,6 +26,7 @@ from sdp_jupyter.launch.kernel import warm_pool
 from sdp_jupyter.launch.kernel.job import Job
 from sdp_jupyter.launch.kernel.launcher import create_job, prepared
 from sdp_jupyter.launch.kernel.push import pickle_push
+from sdp_jupyter import backends
 from sdp_jupyter.launch.spec import JobSpec, SpecError
 from sdp_jupyter.launch.host.ranks import gpu_count
 from sdp_jupyter._net import free_port
@@ -49,13 +50,10 @@ class LocalLauncher:
     def resolve(self, spec: JobSpec) -> JobSpec:
         """Fill in what depends on this machine (name, processes per node) and check it can run here."""
         gpus = gpu_count()
-        if spec.backend == "nccl" and gpus == 0:
-            raise SpecError("--backend", "nccl needs a GPU and this machine has none. "
-                                         "Fix: --backend smddp (or gloo)")
         ppn = spec.procs_per_node or max(gpus, 1)
-        if gpus and spec.backend == "nccl" and ppn > gpus:
-            raise SpecError("--procs-per-node", f"{ppn} processes but only {gpus} GPU(s) for nccl. "
-                                                f"Fix: --procs-per-node {gpus}")
+        short = backends.gpu_shortfall(spec.backend, ppn, gpus, "this machine", "--backend smddp (or gloo)")
+        if short:
+            raise SpecError(*short)
         return prepared(spec, procs_per_node=ppn)
 
     def start(self, spec: JobSpec, push: dict | None = None) -> Job:

@@ -29,6 +29,7 @@ from sdp_jupyter.launch.kernel.job import Job
 from sdp_jupyter.launch.kernel.launcher import prepared
 from sdp_jupyter.launch.kernel.push import pickle_push
 from sdp_jupyter.launch.kernel.remote import CONNECT_TIMEOUT
+from sdp_jupyter import backends
 from sdp_jupyter.launch.spec import JobSpec, SpecError
 
 RAY_OPTIONS, KEYS = target_options.RAY_OPTIONS, target_options.RAY_KEYS
@@ -380,7 +381,7 @@ class RayRun(remote.RemoteRun):
 
         spec = self.spec
         alive = [n for n in ray.nodes() if n.get("Alive")]
-        gpus = spec.backend == "nccl"
+        gpus = backends.needs_gpus(spec.backend)
         ppn = spec.procs_per_node or (max(1, int(min(n["Resources"].get("GPU", 0) for n in alive))) if gpus else 1)
         bundle = {"CPU": float(ppn)} | ({"GPU": float(ppn)} if gpus else {})
         fit = [n for n in alive if all(n["Resources"].get(k, 0) >= v for k, v in bundle.items())]

@@ -24,6 +24,7 @@ from sdp_jupyter.launch.host.node import ViewCut
 from sdp_jupyter.launch.kernel import supervise
 from sdp_jupyter.launch.kernel.job import Job
 from sdp_jupyter.launch.kernel.launcher import create_job
+from sdp_jupyter import backends
 from sdp_jupyter.launch.spec import JobSpec, SpecError
 
 CONNECT_TIMEOUT = 10       # seconds for a link to reach its node
@@ -163,12 +164,11 @@ class RemoteRun(supervise.Run):
         ppn = spec.procs_per_node
         if ppn is None:  # GPUs per host, as locally; 1 on CPU-only hosts
             ppn = min((max(1, int(c.hello.get("gpus") or 0)) for c in self.conns if c.hello), default=1)
-        if spec.backend == "nccl":
-            for conn in self.conns:
-                if conn.hello and conn.node not in problems and int(conn.hello.get("gpus") or 0) < ppn:
-                    problems[conn.node] = (f"it has {conn.hello.get('gpus') or 0} GPU(s) and nccl needs one per "
-                                           f"process ({ppn}). Fix: --procs-per-node {conn.hello.get('gpus') or 0} "
-                                           "or --backend smddp")
+        for conn in self.conns:
+            short = conn.hello and backends.gpu_shortfall(spec.backend, ppn, int(conn.hello.get("gpus") or 0), "it",
+                                                          "--backend smddp")
+            if short and conn.node not in problems:
+                problems[conn.node] = short[1]
         if problems:
             lines = "\n".join(f"  {self.hosts[n]}: {problems[n]}" for n in sorted(problems))
             raise SpecError(self.option, f"{len(problems)} of {len(self.hosts)} host(s) cannot run the job; "

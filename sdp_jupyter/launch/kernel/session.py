@@ -19,11 +19,12 @@ from dataclasses import dataclass, field
 from sdp_jupyter import jobdir
 from sdp_jupyter.launch.kernel.job import Job, JobError
 from sdp_jupyter.launch.kernel.push import pickle_push
+from sdp_jupyter.launch import target_options
 from sdp_jupyter.launch.options import SpecError
 from sdp_jupyter.launch.rank.session import SCRIPT
 from sdp_jupyter.launch.spec import JobSpec
 
-TARGETS = ("local", "ssh", "ray", "slurm")  # where this kernel or an agent starts the ranks
+TARGETS = target_options.having("sessions")  # where this kernel or an agent starts the ranks
 FAILED_GRACE = 1.0     # seconds the other ranks get to finish a cell one rank failed, before they are interrupted
 INTERRUPT_GRACE = 0.5  # seconds interrupted ranks get to answer; still missing: inside a collective (reconnected)
 POLL = 0.001

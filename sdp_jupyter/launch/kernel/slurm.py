@@ -36,6 +36,7 @@ from sdp_jupyter.launch.kernel.job import Job
 from sdp_jupyter.launch.kernel.launcher import create_job, prepared
 from sdp_jupyter.launch.kernel.push import pickle_push
 from sdp_jupyter.launch.kernel.ssh import CONNECTED, SSHLink
+from sdp_jupyter import backends
 from sdp_jupyter.launch.spec import JobSpec, SpecError
 
 KEYS = target_options.SLURM_KEYS
@@ -420,9 +421,10 @@ class SlurmLauncher:
         options = slurm_options(spec)
         args = extra_args(options)
         gpus = gpus_asked(args)
-        if spec.backend == "nccl" and not gpus:
-            raise SpecError("--backend", "nccl needs GPUs and the request asks Slurm for none. "
-                                         "Fix: --slurm-args=\"--gpus-per-node=N\" (or --backend smddp)")
+        short = backends.gpu_shortfall(spec.backend, spec.procs_per_node or gpus or 1, gpus, "the request to Slurm",
+                                       '--slurm-args="--gpus-per-node=N" (or --backend smddp)')
+        if short:
+            raise SpecError(*short)
         spec = prepared(spec, nodes=1, procs_per_node=spec.procs_per_node or gpus or 1)
         if os.environ.get("SLURM_JOB_ID"):
             return spec  # inside an allocation: nothing is submitted

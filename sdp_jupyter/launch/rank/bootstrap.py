@@ -13,7 +13,7 @@ import os
 import pickle
 import sys
 import types
-from sdp_jupyter._env import env_str
+from sdp_jupyter import backends
 
 
 def arm_crash_report() -> None:
@@ -46,8 +46,8 @@ def load_push(path: str, checked: bool = True) -> dict:
 
 def job_backend(spec: dict) -> str:
     """The backend this rank's job asked for: $SDP_BACKEND (the launcher sets it from --backend; a
-    SageMaker request carries it), else the spec's, else smddp. The one place a rank reads it."""
-    return env_str("SDP_BACKEND") or spec.get("backend") or "smddp"
+    SageMaker request carries it), else the spec's, else smddp."""
+    return backends.job_backend(None) or spec.get("backend") or backends.DEFAULT
 
 
 def watch_backend(spec: dict, backend: str) -> int:

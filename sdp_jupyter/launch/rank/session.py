@@ -28,7 +28,8 @@ import time
 import traceback
 
 from sdp_jupyter import jobdir
-from sdp_jupyter._env import env_float, env_str
+from sdp_jupyter import backends
+from sdp_jupyter._env import env_float
 
 SCRIPT = "from sdp_jupyter.launch.rank.session import serve as _sdp_serve\n_sdp_serve(globals())\n"
 INTERRUPT = signal.SIGUSR2
@@ -58,7 +59,7 @@ class RankSession:
         self.folder = jobdir.session_dir(job_dir)
         self.rank = int(os.environ.get("RANK", "0"))
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
-        self.backend = env_str("SDP_BACKEND") or "smddp"
+        self.backend = backends.job_backend()
         self.generation = 0
         self._store = None
         self._groups: dict[tuple, object] = {}

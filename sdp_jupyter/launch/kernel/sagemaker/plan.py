@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from sdp_jupyter import jobdir
+from sdp_jupyter import backends
 from sdp_jupyter.launch.options import SpecError
 from sdp_jupyter.instances import host_counts
 from sdp_jupyter.launch.kernel.sagemaker.engine import choose_engine
@@ -123,11 +124,12 @@ def make_plan(spec: JobSpec) -> Plan:
         raise no_sources_error()
     counts = host_counts(instance_type, opts.region)
     gpus = counts.get("gpus") or 0
-    if spec.backend == "nccl" and "gpus" in counts and not gpus:
-        raise SpecError("--backend", f"nccl needs GPUs and {instance_type} has none. Fix: --instance-type "
-                                     "ml.g5.2xlarge, or --backend gloo")
     procs = spec.procs_per_node or gpus or 1
-    if spec.backend in ("nccl", "smddp") and gpus and procs > gpus:
+    short = "gpus" in counts and backends.gpu_shortfall(spec.backend, procs, gpus, instance_type,
+                                                         "--instance-type ml.g5.2xlarge, or --backend gloo")
+    if short:
+        raise SpecError(*short)
+    if spec.backend == backends.SMDDP and gpus and procs > gpus:
         raise SpecError("--procs-per-node", f"{procs} processes but {instance_type} has {gpus} GPU(s). "
                                             f"Fix: --procs-per-node {gpus}")
     framework_version = None

@@ -21,6 +21,7 @@ import re
 from pathlib import Path
 
 from sdp_jupyter import jobdir
+from sdp_jupyter import backends
 from sdp_jupyter.launch.options import SpecError
 
 REHEARSAL_DIR = jobdir.REHEARSAL  # in the job directory: the hosts' /opt/ml trees and the image's packages
@@ -109,13 +110,14 @@ def check(plan) -> dict[str, str]:
     except SyntaxError as e:
         raise SpecError("script", f"does not compile ({e.msg}, line {e.lineno}); every host would fail "
                                   "at its first line") from None
-    if plan.spec.backend == "nccl":
+    if backends.needs_gpus(plan.spec.backend):
         from sdp_jupyter.launch.host.ranks import gpu_count  # the kernel never imports torch
 
-        if gpu_count() == 0:
-            raise SpecError("--backend", "nccl needs GPUs and a rehearsal runs the hosts on this machine, which "
-                                         "has none. Fix: rehearse with --backend gloo (the request is the same "
-                                         "apart from SDP_BACKEND)")
+        short = backends.gpu_shortfall(plan.spec.backend, 1, gpu_count(), "this machine (a rehearsal runs the "
+                                       "hosts here)", "rehearse with --backend gloo (the request is the same apart "
+                                       "from SDP_BACKEND)")
+        if short:
+            raise SpecError(*short)
     return served
 
 

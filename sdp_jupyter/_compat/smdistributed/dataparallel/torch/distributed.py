@@ -12,7 +12,7 @@ from torch.distributed import (  # noqa: F401  re-exported API
     ReduceOp, all_gather, all_reduce, barrier, broadcast, gather, get_rank, get_world_size,
     is_initialized, new_group, reduce, scatter,
 )
-from sdp_jupyter._env import env_str
+from sdp_jupyter.backends import job_backend
 
 
 def is_available() -> bool:
@@ -20,7 +20,7 @@ def is_available() -> bool:
 
 
 def init_process_group(*args, **kwargs) -> None:
-    backend = kwargs.pop("backend", None) or env_str("SDP_BACKEND", "smddp")
+    backend = kwargs.pop("backend", None) or job_backend()
     if backend == "smddp":
         import sdp_jupyter.torch  # noqa: F401  registers the backend
     if not _dist.is_initialized():
