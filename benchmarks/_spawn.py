@@ -22,6 +22,18 @@ def bench_parser(doc: str):
     return ap
 
 
+def rank_env(rank: int, world: int, per_node: int, port: int, secret: str, addr: str = "127.0.0.1",
+             extra: dict | None = None) -> dict:
+    """Rank `rank`'s environment: this process's, torchrun's variables (the ranks of a node next to
+    each other, `per_node` per node, rank 0's node at `addr`), the job secret, then `extra`."""
+    env = dict(os.environ)
+    env.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank % per_node),
+                "LOCAL_WORLD_SIZE": str(per_node), "GROUP_RANK": str(rank // per_node),
+                "MASTER_ADDR": addr, "MASTER_PORT": str(port), "SDP_JOB_SECRET": secret})
+    env.update(extra or {})
+    return env
+
+
 def run_ranks(script: str, world: int, per_node: int, args: list[str], timeout: float = 1800,
               extra_env: dict | None = None) -> list[dict]:
     """Run `python script --worker ARGS` as `world` ranks; each prints one JSON line at the end."""
@@ -29,12 +41,7 @@ def run_ranks(script: str, world: int, per_node: int, args: list[str], timeout: 
     procs = []
     tmp = tempfile.mkdtemp(prefix="sdp-bench-")
     for r in range(world):
-        env = dict(os.environ)
-        env.update({"RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r % per_node),
-                    "LOCAL_WORLD_SIZE": str(per_node), "GROUP_RANK": str(r // per_node),
-                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "SDP_JOB_SECRET": secret,
-                    "OMP_NUM_THREADS": "1"})
-        env.update(extra_env or {})
+        env = rank_env(r, world, per_node, port, secret, extra={"OMP_NUM_THREADS": "1", **(extra_env or {})})
         out = open(os.path.join(tmp, f"{r}.out"), "w+")
         procs.append((subprocess.Popen([sys.executable, script, "--worker", *args], stdout=out,
                                        stderr=subprocess.STDOUT, env=env, start_new_session=True), out))
@@ -120,6 +127,22 @@ def call_times(fn, budget: float, agree) -> tuple[float, float]:
     total = time.perf_counter() - start
     times.sort()
     return times[len(times) // 2], total / iters
+
+
+def timed(fn, reps: int, warmup: int = 1):
+    """(median seconds of one call of fn over `reps` timed calls, what the last call returned), after
+    `warmup` untimed calls (first touch, connections). One process: no agreement between ranks."""
+    import time
+
+    for _ in range(warmup):
+        fn()
+    times, last = [], None
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        last = fn()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return times[len(times) // 2], last
 
 
 def median_time(fn, budget: float, agree) -> float:

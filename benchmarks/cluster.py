@@ -33,7 +33,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from _spawn import agree, agreed_iterations  # noqa: E402
+from _spawn import agree, agreed_iterations, rank_env as _rank_env  # noqa: E402
 
 RATES = {"1gbit": 1e9 / 8, "2gbit": 2e9 / 8}
 
@@ -135,15 +135,10 @@ def worker(out: str, sizes: list[int], dtypes: list[str], budget: float) -> None
 
 def rank_env(c, rank: int, world: int, per_host: int, port: int, secret: str, extra: dict) -> dict:
     """The environment of rank `rank` on cluster `c` (ranks of a host next to each other), torchrun's
-    variables plus the job secret, gloo on the hosts' eth0, and `extra`."""
-    h, local = divmod(rank, per_host)
-    env = dict(os.environ)
-    env.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local),
-                "LOCAL_WORLD_SIZE": str(per_host), "GROUP_RANK": str(h), "MASTER_ADDR": c.addresses[0],
-                "MASTER_PORT": str(port), "SDP_JOB_SECRET": secret, "GLOO_SOCKET_IFNAME": "eth0",
-                "TORCH_CPP_LOG_LEVEL": "ERROR",
-                "PYTHONPATH": os.pathsep.join(filter(None, [REPO, env.get("PYTHONPATH")])), **extra})
-    return env
+    variables plus the job secret (_spawn.rank_env), gloo on the hosts' eth0, and `extra`."""
+    return _rank_env(rank, world, per_host, port, secret, addr=c.addresses[0], extra={
+        "GLOO_SOCKET_IFNAME": "eth0", "TORCH_CPP_LOG_LEVEL": "ERROR",
+        "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])), **extra})
 
 
 def run_layout(c, hosts: int, per_host: int, backend: str, sizes, dtypes, budget, nice_others: int = 0) -> list[dict]:

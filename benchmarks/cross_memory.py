@@ -13,25 +13,17 @@ import argparse
 import ctypes
 import json
 import os
-import time
+import sys
 
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from _spawn import timed  # noqa: E402
 
 
 class _IOVec(ctypes.Structure):
     _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
-
-
-def _median(fn, reps: int) -> float:
-    fn()  # touch every page first
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return sorted(ts)[reps // 2]
 
 
 def measure(size: int, reps: int) -> dict:
@@ -48,7 +40,8 @@ def measure(size: int, reps: int) -> dict:
             got = libc.process_vm_readv(child, ctypes.byref(mine), 1, ctypes.byref(theirs), 1, 0)
             if got != size:
                 raise OSError(ctypes.get_errno(), f"process_vm_readv read {got} of {size} bytes")
-        return {"bytes": size, "memcpy_s": _median(lambda: np.copyto(dst, src), reps), "cma_s": _median(cma, reps)}
+        # one untimed call first touches every page
+        return {"bytes": size, "memcpy_s": timed(lambda: np.copyto(dst, src), reps)[0], "cma_s": timed(cma, reps)[0]}
     finally:
         os.write(w, b"x")
         os.waitpid(child, 0)

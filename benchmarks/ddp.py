@@ -81,7 +81,7 @@ def main() -> None:
     if a.worker:
         worker(a.model, a.mode, a.steps, a.warmup, a.fusion or None)
         return
-    from _spawn import machine_info, run_ranks
+    from _spawn import machine_info, run_ranks, write_results
 
     per_node = max(1, a.ranks // a.nodes)
     info = machine_info()
@@ -118,11 +118,7 @@ def main() -> None:
                 print(f"{model:12s} {mode:11s} {row['steps_per_s']:7.2f} steps/s  x{row['ratio_vs_ddp_gloo']:.2f} vs DDP+gloo{extra}",
                       flush=True)
         out_path = a.out or os.path.join(HERE, "results", "ddp.json")
-    os.makedirs(os.path.dirname(out_path), exist_ok=True)
-    with open(out_path, "w") as f:
-        json.dump({"machine": info, "command": " ".join(sys.argv), "ranks": a.ranks, "nodes": a.nodes, "rows": rows},
-                  f, indent=1)
-    print(f"results: {out_path}")
+    write_results(out_path, info, rows, ranks=a.ranks, nodes=a.nodes)
 
 
 if __name__ == "__main__":

@@ -10,12 +10,11 @@ machine: wall time there mostly measures the scheduler. Prints one line; no JSON
 """
 import json
 import os
-import socket
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.environ.get("SDP_PKG", os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))  # _spawn, after the checkout measured
 
 
 def worker(size: int, dtype: str, iters: int) -> None:
@@ -41,26 +40,20 @@ def worker(size: int, dtype: str, iters: int) -> None:
 
 
 def main() -> None:
-    if len(sys.argv) < 4:
+    args = sys.argv[1:]
+    is_worker = args[:1] == ["--worker"]  # a rank, started by run_ranks below
+    args = args[1:] if is_worker else args
+    if len(args) < 3:
         sys.exit(__doc__)
-    world, per_node, size = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-    dtype = sys.argv[4] if len(sys.argv) > 4 else "float32"
-    iters = int(sys.argv[5]) if len(sys.argv) > 5 else 20
-    if os.environ.get("SDP_ENGINE_CPU_WORKER"):
+    world, per_node, size = int(args[0]), int(args[1]), int(args[2])
+    dtype = args[3] if len(args) > 3 else "float32"
+    iters = int(args[4]) if len(args) > 4 else 20
+    if is_worker:
         worker(size, dtype, iters)
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for r in range(world):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), GROUP_RANK=str(r // per_node),
-                   LOCAL_RANK=str(r % per_node), LOCAL_WORLD_SIZE=str(per_node), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), SDP_JOB_SECRET="engine-cpu-benchmark-secret", SDP_ENGINE_CPU_WORKER="1",
-                   OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, __file__] + sys.argv[1:], env=env, stdout=subprocess.PIPE,
-                                      text=True))
-    outs = [json.loads(p.communicate()[0].strip().splitlines()[-1]) for p in procs]
+    from _spawn import run_ranks
+
+    outs = run_ranks(os.path.abspath(__file__), world, per_node, args, extra_env={"OPENBLAS_NUM_THREADS": "1"})
     med = max(o["median_s"] for o in outs)
     busbw = size / med * 2 * (world - 1) / world / 1e9
     print(f"{world} ranks, {per_node} per node, {size} B {dtype}: median {med * 1e6:.0f} us, busbw {busbw:.2f} GB/s, "

@@ -34,10 +34,10 @@ import sys
 import tempfile
 import time
 
-from sdp_jupyter._net import free_port
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+from _spawn import free_port, rank_env  # noqa: E402
 WORLD = 4
 
 
@@ -113,12 +113,9 @@ def one_round(layout: str, n: int, args, cluster, tmp: str) -> dict:
     procs, logs = [], []
     for r in range(WORLD):
         node = r // per_node
-        env = dict(os.environ)
-        env.update({"RANK": str(r), "WORLD_SIZE": str(WORLD), "LOCAL_RANK": str(r % per_node),
-                    "LOCAL_WORLD_SIZE": str(per_node), "GROUP_RANK": str(node), "MASTER_PORT": str(port),
-                    "MASTER_ADDR": cluster.addresses[0] if cluster else "127.0.0.1", "SDP_JOB_SECRET": secret,
-                    "SDP_TIMEOUT": str(args.deadline), "SDP_FLIGHT_DIR": flight_dir, "SDP_HANG_WARN_S": "1",
-                    "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [REPO, env.get("PYTHONPATH")]))})
+        env = rank_env(r, WORLD, per_node, port, secret, addr=cluster.addresses[0] if cluster else "127.0.0.1", extra={
+            "SDP_TIMEOUT": str(args.deadline), "SDP_FLIGHT_DIR": flight_dir, "SDP_HANG_WARN_S": "1",
+            "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))})
         env.pop("SDP_JOB_DIR", None)
         log = open(os.path.join(tmp, f"round-{n}-rank-{r}.log"), "w+")
         argv = [sys.executable, __file__, "--worker", "--seed", str(seed), "--warmup", str(args.warmup), "--ready", ready]

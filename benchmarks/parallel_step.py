@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -28,16 +27,10 @@ sys.path.insert(0, HERE)
 
 def _timed_steps(step, warmup: int, steps: int) -> tuple[float, float]:
     """(median seconds per step, the last step's loss); `step()` returns a loss or None."""
-    loss = None
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        loss = step()
-        times.append(time.perf_counter() - t0)
-    times.sort()
-    return times[len(times) // 2], (float(loss) if loss is not None else float("nan"))
+    from _spawn import timed
+
+    median, loss = timed(step, steps, warmup)
+    return median, (float(loss) if loss is not None else float("nan"))
 
 
 def fsdp2_worker(backend: str, hidden: int, layers: int, warmup: int, steps: int) -> dict:

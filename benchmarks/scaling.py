@@ -89,7 +89,7 @@ def main() -> None:
     if a.worker:
         worker(a.mode, int(a.params), a.layers, fwd_ms / 1e3, a.bwd_ms / 1e3, a.steps, a.warmup)
         return
-    from _spawn import machine_info, run_ranks
+    from _spawn import machine_info, run_ranks, write_results
 
     info = machine_info()
     ranks = [int(r) for r in a.ranks.split(",")]
@@ -117,11 +117,7 @@ def main() -> None:
             print(f"{world} ranks {mode:11s} {row['layout']:12s} {sps:6.3f} steps/s per rank  efficiency "
                   f"{100 * row['efficiency']:5.1f}%" + (f"  exposed comm {1e3 * row['exposed_comm_s']:.0f} ms"
                                                        if "exposed_comm_s" in row else ""), flush=True)
-    os.makedirs(os.path.dirname(a.out), exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump({"machine": info, "command": " ".join(sys.argv), "params": a.params, "layers": a.layers,
-                   "bwd_ms": a.bwd_ms, "fwd_ms": fwd_ms, "rows": rows}, f, indent=1)
-    print(f"results: {a.out}")
+    write_results(a.out, info, rows, params=a.params, layers=a.layers, bwd_ms=a.bwd_ms, fwd_ms=fwd_ms)
 
 
 if __name__ == "__main__":

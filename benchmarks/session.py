@@ -27,6 +27,7 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)  # _spawn, also when run with runpy
 # (label, code, seconds idle before each cell: 0 for cells back to back)
 CASES = [("empty cell (x = 1)", "x = 1", 0.0), ("all_reduce 4 KiB", "dist.all_reduce(t)", 0.0),
          ("x = 1 after 1.5 s idle", "x = 1", 1.5)]

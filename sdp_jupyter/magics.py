@@ -56,6 +56,16 @@ def _usage(message: str) -> UsageError:
     return UsageError(f"{message}\nNothing was launched. See %%sdp_train? for the options.")
 
 
+def syntax_error_message(e: SyntaxError) -> str:
+    """The one message for a syntax error in a cell magic's code (%%sdp_train, %%sdp_cell, %%sdp_px):
+    the line is numbered as the notebook shows the cell, whose line 1 is the %%magic line (so the
+    code's line N is the cell's line N + 1), then the line itself and the fix."""
+    line = (e.lineno or 1) + 1
+    where = f"\n    {e.text.rstrip()}" if e.text else ""
+    return (f"syntax error on line {line} of the cell: {e.msg}{where}\n"
+            "Fix that line (the ranks run plain Python: no %magics or !commands)")
+
+
 def check_cell(cell: str) -> None:
     """Reject an empty cell or a syntax error (reported with the cell's own line number)."""
     if not cell.strip():
@@ -63,10 +73,7 @@ def check_cell(cell: str) -> None:
     try:
         compile(cell, "<sdp_train cell>", "exec")
     except SyntaxError as e:
-        line = (e.lineno or 1) + 1  # line 1 of the cell is the %%sdp_train line
-        where = f"\n    {e.text.rstrip()}" if e.text else ""
-        raise _usage(f"syntax error on line {line} of the cell: {e.msg}{where}\n"
-                     "Fix that line (the workers run plain Python: no %magics or !commands)") from None
+        raise _usage(syntax_error_message(e)) from None
 
 
 class _JobTable:
@@ -374,7 +381,7 @@ class SdpMagics(Magics):
         except ValueError as e:
             raise UsageError(str(e)) from None
         except SyntaxError as e:
-            raise UsageError(f"syntax error on line {(e.lineno or 1) + 1} of the cell: {e.msg}") from None
+            raise UsageError(syntax_error_message(e)) from None
 
     # ------------------------------------------------------------------ interactive sessions
     @magic_arguments.magic_arguments()
@@ -442,7 +449,7 @@ class SdpMagics(Magics):
         try:
             compile(cell, "<sdp_px cell>", "exec")
         except SyntaxError as e:
-            raise UsageError(f"syntax error on line {(e.lineno or 1) + 1} of the cell: {e.msg}") from None
+            raise UsageError(syntax_error_message(e)) from None
         live = sessions.current()
         if live is None:
             raise UsageError("no session is running in this kernel. Fix: %sdp_session start --nodes 4 "

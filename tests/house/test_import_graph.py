@@ -5,9 +5,10 @@ kernel's code, the host agent neither, the kernel never imports torch).
 Every import is an edge, at module level or inside a function (a function-level import is a
 dependency too, only a later one), and so is a string naming one of our modules ("pkg.mod" or the
 registries' "pkg.mod:attribute", importlib.import_module("...")): a registry imports what it names,
-only later; except the one back-edge DESIGN allows: a model's lazy
-view()/dashboard() import of its widget (dask's _widget idiom), listed in LAZY_VIEWS. The allow-lists below are empty; the test also fails when an allow-listed item
-disappears, so the lists cannot go stale."""
+only later; except the one back-edge docs/architecture.md ("Dependencies") allows: a model's lazy
+view()/dashboard() import of its widget (dask's _widget idiom), listed in LAZY_VIEWS. The allow-lists
+below are empty; the test also fails when an allow-listed item disappears, so the lists cannot go
+stale. tests/house/test_architecture_map.py checks the page's edge list against this graph."""
 from __future__ import annotations
 
 import ast
@@ -25,7 +26,7 @@ KNOWN_CYCLES: list[list[str]] = []
 KNOWN_PRIVATE: set[str] = set()
 
 
-# The allowed lazy back-edges (DESIGN.md): module -> functions whose imports are not edges.
+# The allowed lazy back-edges (docs/architecture.md, "Dependencies"): module -> functions whose imports are not edges.
 LAZY_VIEWS: dict[str, tuple[str, ...]] = {
     "sdp_jupyter.launch.kernel.job": ("view", "dashboard"),
     "sdp_jupyter.launch.kernel.sagemaker.job": ("view",),
@@ -60,10 +61,12 @@ REGISTRY = re.compile(r"^sdp_jupyter(\.[a-z_0-9]+)+(:[A-Za-z_][A-Za-z_0-9]*)?$")
 
 
 def where_of(tree, target) -> str:
-    """The top-level function a node sits in ("" at module level): a lazy view's string is lazy too."""
-    for fn in tree.body:
-        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(n is target for n in ast.walk(fn)):
-            return fn.name
+    """The top-level function or method a node sits in ("" at module level), named as _imports names
+    it: a lazy view's string is lazy too (Job.dashboard's find_spec("sdp_jupyter.ui.dashboard"))."""
+    for top in tree.body:
+        for fn in (top.body if isinstance(top, ast.ClassDef) else [top]):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(n is target for n in ast.walk(fn)):
+                return fn.name
     return ""
 
 
@@ -176,7 +179,7 @@ def test_no_import_cycles():
     found = cycles(graph()[0])
     new = [c for c in found if c not in KNOWN_CYCLES]
     gone = [c for c in KNOWN_CYCLES if c not in found]
-    assert not new, f"import cycles inside sdp_jupyter (break them; DESIGN.md): {new}"
+    assert not new, f"import cycles inside sdp_jupyter (break them; docs/architecture.md says there are none): {new}"
     assert not gone, f"these cycles are gone: remove them from KNOWN_CYCLES: {gone}"
 
 
