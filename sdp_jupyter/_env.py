@@ -120,6 +120,9 @@ VARIABLES: dict[str, Var] = {v.name: v for v in (
     Var("SDP_HANG_WARN_S", "float (seconds)", "20", "rank",
         "a collective waited on this long, or a rank idle this long after its last one, is reported (who waits "
         "where, who has not arrived) while the job runs, long before SDP_TIMEOUT fails it"),
+    Var("SDP_PREEMPT_GRACE_S", "float (seconds, >= 0)", "60", "rank",
+        "after SIGTERM, how long a rank that registered sdp_jupyter.checkpoint.on_preemption may take to reach "
+        "its next step boundary (where the hooks run) before it leaves without them"),
     Var("SDP_FLIGHT_DIR", "str (folder)", "unset: the job directory's metrics/", "rank",
         "where a rank writes its flight recorder file when no job directory is set (plain torchrun)"),
     Var("SDP_FLIGHT_POLL_S", "float (seconds)", "1", "rank",

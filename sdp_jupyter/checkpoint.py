@@ -10,15 +10,35 @@ writes (every rank holds the same replica in data-parallel training); the file i
 temporary name and renamed, so a rank killed mid-save never leaves a torn checkpoint. Call load()
 before the first collective, so every rank reads the same file before rank 0 writes a newer one.
 Objects are stored with torch.save when torch is importable, else with pickle.
+
+Preemption (a spot host reclaimed, a Slurm job preempted, `scancel`): what arrives is SIGTERM, on the
+ranks of one node or of all. Register what to save, and call `step_boundary()` once per step on every
+rank:
+
+    sdp_jupyter.checkpoint.on_preemption(lambda: sdp_jupyter.checkpoint.save(state()))
+    for step in range(start, steps):
+        train_step()
+        sdp_jupyter.checkpoint.step_boundary()
+
+SIGTERM then only marks the rank. At the next boundary every rank learns whether any rank was marked
+(one 4-byte all_reduce over the default group), and if one was, every rank runs the hooks (so rank 0
+saves, whichever node was told) and leaves, killed by SIGTERM as it would have been: `--max-restarts`
+starts the job again and `load()` resumes from the step it left. A rank that reaches no boundary within
+SDP_PREEMPT_GRACE_S of its SIGTERM (60 s) leaves without running the hooks; a second SIGTERM ends it at once.
 """
 from __future__ import annotations
 
 import os
 import pickle
+import signal
+import sys
+import threading
+import time
 from pathlib import Path
+from typing import Callable
 
 from sdp_jupyter._files import private_writer
-from sdp_jupyter._env import env_str
+from sdp_jupyter._env import env_float, env_str
 
 DEFAULT_NAME = "checkpoint.pt"
 
@@ -76,3 +96,83 @@ def load(name: str = DEFAULT_NAME, default=None, map_location="cpu", *, weights_
 def exists(name: str = DEFAULT_NAME) -> bool:
     """Whether a checkpoint `name` is in the checkpoint directory (so a restarted job can resume)."""
     return (checkpoint_dir() / name).is_file()
+
+
+class _Preemption:
+    """This process's SIGTERM watch: the hooks, when the signal came, the grace timer."""
+
+    def __init__(self):
+        self.hooks: list[Callable[[], object]] = []
+        self.signalled: float | None = None  # time.monotonic() of the first SIGTERM
+        self.grace = 60.0
+        self.lock = threading.Lock()
+
+    def handler(self, signum, frame) -> None:
+        if self.signalled is not None:
+            return
+        self.signalled = time.monotonic()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the rank at once; so does _leave
+        print(f"[sdp_jupyter] rank {os.environ.get('RANK', '0')}: SIGTERM (preemption?): saving at the next step "
+              f"boundary, leaving within {self.grace:g} s (a second SIGTERM ends it now)", file=sys.stderr, flush=True)
+        threading.Thread(target=self._deadline, name="sdp-preemption-grace", daemon=True).start()
+
+    def _deadline(self) -> None:
+        time.sleep(self.grace)
+        print(f"[sdp_jupyter] rank {os.environ.get('RANK', '0')}: no step boundary within {self.grace:g} s of "
+              "SIGTERM (SDP_PREEMPT_GRACE_S): leaving without the preemption hooks", file=sys.stderr, flush=True)
+        _leave()
+
+
+_PREEMPTION = _Preemption()
+
+
+def _leave() -> None:
+    """End this process as SIGTERM would have (so the launcher sees a rank killed by SIGTERM)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.kill(os.getpid(), signal.SIGTERM)  # the handler put SIGTERM back to its default
+    time.sleep(5)
+    os._exit(128 + signal.SIGTERM)
+
+
+def on_preemption(hook: Callable[[], object]) -> None:
+    """Run `hook` (save a checkpoint) on every rank at the first `step_boundary()` after any rank was sent
+    SIGTERM; from now on SIGTERM only marks this rank (see the module's docstring). Call it from the
+    main thread, on every rank."""
+    with _PREEMPTION.lock:
+        if not _PREEMPTION.hooks:
+            _PREEMPTION.grace = env_float("SDP_PREEMPT_GRACE_S", 60.0, min=0.0)
+            signal.signal(signal.SIGTERM, _PREEMPTION.handler)
+        _PREEMPTION.hooks.append(hook)
+
+
+def preempted() -> bool:
+    """Whether any rank of the default process group was sent SIGTERM since `on_preemption`: every rank
+    gets the same answer (a collective: call it on every rank, at the same point of each step). Without
+    a process group, whether this process was."""
+    mine = _PREEMPTION.signalled is not None
+    torch = _torch()
+    if torch is None or not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return mine
+    dist = torch.distributed
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    flag = torch.tensor([1 if mine else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def step_boundary() -> None:
+    """Call once per step on every rank: when any rank was sent SIGTERM, every rank runs the
+    `on_preemption` hooks and leaves (killed by SIGTERM); otherwise it returns at once."""
+    if not preempted():
+        return
+    for hook in _PREEMPTION.hooks:
+        hook()
+    torch = _torch()
+    if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
+        # nobody leaves before every hook has run: the launcher stops the others when the first rank ends,
+        # which would interrupt rank 0 still saving
+        torch.distributed.barrier()
+    print(f"[sdp_jupyter] rank {os.environ.get('RANK', '0')}: preempted: the preemption hooks ran; leaving",
+          file=sys.stderr, flush=True)
+    _leave()
