@@ -164,3 +164,28 @@ def test_the_doc_path_check_can_fail():
                            "tests/browser/test_magics_browser.py") == ["tests/test_magics_browser.py"]
     # what a run writes is exempt, cited as a folder or as a file in it, whether or not a run made it yet
     assert stale_doc_paths("`notebooks/executed/`, notebooks/executed and notebooks/executed/x.ipynb") == []
+
+
+def unexplained_same_names(text: str, package: Path) -> list[str]:
+    """Module file names found twice or more under `package` (not __init__.py) whose paths the page's
+    "Same names" paragraph does not all name."""
+    by_name: dict[str, list[str]] = {}
+    for path in sorted(package.rglob("*.py")):
+        if path.name != "__init__.py" and "__pycache__" not in path.parts:
+            by_name.setdefault(path.name, []).append(path.relative_to(package).as_posix())
+    start = text.find("**Same names.**")
+    paragraph = text[start:text.find("\n\n", start)] if start >= 0 else ""
+    return [f"{name}: {', '.join(paths)}" for name, paths in by_name.items()
+            if len(paths) > 1 and not all(f"`{p}`" in paragraph for p in paths)]
+
+
+def test_every_module_name_used_twice_is_explained_on_the_map(tmp_path):
+    text = PAGE.read_text()
+    assert not unexplained_same_names(text, ROOT / "sdp_jupyter"), unexplained_same_names(text, ROOT / "sdp_jupyter")
+    # the check can fail: a third session.py the paragraph does not name
+    fake = tmp_path / "pkg"
+    for rel in ("launch/kernel/session.py", "launch/rank/session.py", "ui/session.py"):
+        (fake / rel).parent.mkdir(parents=True, exist_ok=True)
+        (fake / rel).write_text("")
+    assert unexplained_same_names(text, fake) == [
+        "session.py: launch/kernel/session.py, launch/rank/session.py, ui/session.py"]

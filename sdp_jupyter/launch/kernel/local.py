@@ -24,7 +24,7 @@ from sdp_jupyter.launch.host.node import NodeRanks, ViewCut
 from sdp_jupyter.launch.kernel import supervise
 from sdp_jupyter.launch.kernel import warm_pool
 from sdp_jupyter.launch.kernel.job import Job
-from sdp_jupyter.launch.kernel.launcher import create_job, prepared
+from sdp_jupyter.launch.kernel.preparation import create_job, prepared
 from sdp_jupyter.launch.kernel.push import pickle_push
 from sdp_jupyter import backends
 from sdp_jupyter.launch.spec import JobSpec, SpecError

@@ -26,7 +26,7 @@ import threading
 from sdp_jupyter.launch import channel, target_options
 from sdp_jupyter.launch.kernel import remote
 from sdp_jupyter.launch.kernel.job import Job
-from sdp_jupyter.launch.kernel.launcher import prepared
+from sdp_jupyter.launch.kernel.preparation import prepared
 from sdp_jupyter.launch.kernel.push import pickle_push
 from sdp_jupyter.launch.kernel.remote import CONNECT_TIMEOUT
 from sdp_jupyter import backends

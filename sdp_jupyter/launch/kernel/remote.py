@@ -23,7 +23,7 @@ from sdp_jupyter.launch.host import ranks
 from sdp_jupyter.launch.host.node import ViewCut
 from sdp_jupyter.launch.kernel import supervise
 from sdp_jupyter.launch.kernel.job import Job
-from sdp_jupyter.launch.kernel.launcher import create_job
+from sdp_jupyter.launch.kernel.preparation import create_job
 from sdp_jupyter import backends
 from sdp_jupyter.launch.spec import JobSpec, SpecError
 

@@ -33,7 +33,7 @@ import time
 from sdp_jupyter.launch import target_options
 from sdp_jupyter.launch.kernel import remote
 from sdp_jupyter.launch.kernel.job import Job
-from sdp_jupyter.launch.kernel.launcher import create_job, prepared
+from sdp_jupyter.launch.kernel.preparation import create_job, prepared
 from sdp_jupyter.launch.kernel.push import pickle_push
 from sdp_jupyter.launch.kernel.ssh import CONNECTED, SSHLink
 from sdp_jupyter import backends

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from sdp_jupyter import jobdir
 from sdp_jupyter.launch.kernel.job import JobError
-from sdp_jupyter.launch.kernel.launcher import create_job, prepared
+from sdp_jupyter.launch.kernel.preparation import create_job, prepared
 from sdp_jupyter.launch.kernel.push import pickle_push
 from sdp_jupyter.launch.options import SpecError
 from sdp_jupyter.launch.kernel.sagemaker.aws import resolve_aws
