@@ -4,12 +4,14 @@ torchrun's c10d rendezvous hands every attempt of the worker group the same stor
 attempt's rendezvous keys (signed with its one-host secret) were read by the second attempt, which
 failed in init_process_group with "wrong signature" (issue 42 item 4). And when a peer died during
 backward, DDP's reducer read the failed future's value (torch keeps a Python exception as a value)
-and crashed the surviving rank with SIGSEGV and no message."""
+and crashed the surviving rank with SIGSEGV and no message. Under `--nnodes 1:2` a node that leaves
+(its agent killed) leaves the other to go on alone from the checkpoint."""
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -47,6 +49,44 @@ for step in range(start, 40):
             raise SystemExit("rank 1 fails on the first attempt")
 if rank == 0:
     print("WEIGHTS", attempt, " ".join(f"{v:.6f}" for v in model.module.weight.flatten().tolist()), flush=True)
+dist.destroy_process_group()
+'''
+
+# Three torchrun agents, --nnodes 2:3, one process each. After step 100 (a checkpoint saved), the third
+# node leaves: its rank kills its own agent, then itself. The other agents' restarted group (two nodes)
+# resumes from the checkpoint and trains on; its rank 1 is a rank of the first attempt's store too, so
+# it would read that attempt's records without a rendezvous of its own.
+LEAVE = r'''
+import os, signal, sys, time, torch, torch.distributed as dist
+backend, ck = sys.argv[1], sys.argv[2]
+dist.init_process_group(backend)
+rank, world = dist.get_rank(), dist.get_world_size()
+attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+torch.manual_seed(0)
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+start = 0
+if os.path.exists(ck):
+    state = torch.load(ck)
+    model.module.load_state_dict(state["model"]); opt.load_state_dict(state["opt"]); start = state["step"]
+g = torch.Generator().manual_seed(1 + rank)
+X = torch.randn(64, 4, generator=g); y = X @ torch.tensor([2., -1., .5, 3.]) + 1
+for step in range(start, 150):
+    time.sleep(0.02)
+    opt.zero_grad(); ((model(X).squeeze(1) - y) ** 2).mean().backward(); opt.step()
+    if step == 99 and start == 0:
+        dist.barrier()
+        if rank == 0:
+            torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(), "step": 100}, ck)
+        dist.barrier()
+        if os.environ.get("LEAVER") == "1":  # this node leaves: its agent first, then its rank
+            pid = os.getppid()
+            while pid > 1 and b"torch.distributed.run" not in open(f"/proc/{pid}/cmdline", "rb").read():
+                pid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+            os.kill(pid, signal.SIGKILL)
+            os._exit(1)
+if rank == 0:
+    print("WEIGHTS", attempt, world, " ".join(f"{v:.7f}" for v in model.module.weight.flatten().tolist()), flush=True)
 dist.destroy_process_group()
 '''
 
@@ -117,3 +157,59 @@ def test_a_ddp_rank_whose_peer_dies_mid_backward_raises_naming_the_peer(tmp_path
     raised = [ln for ln in outs[0].splitlines() if ln.startswith("RAISED")]
     assert raised and "SmddpBackendError: rank 1 " in raised[0] and "exited or closed its connection" in raised[0], \
         outs[0][-3000:]
+
+
+def _expected_after_the_leave() -> list[float]:
+    """The same training in one process: steps 0-99 average the three nodes' gradients (DDP divides each
+    by the world size, then sums), steps 100-149 those of the two that stayed."""
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = []
+    for rank in range(3):
+        g = torch.Generator().manual_seed(1 + rank)
+        X = torch.randn(64, 4, generator=g)
+        data.append((X, X @ torch.tensor([2., -1., .5, 3.]) + 1))
+    for step in range(150):
+        ranks = data if step < 100 else data[:2]
+        grads = []
+        for X, y in ranks:
+            model.zero_grad()
+            ((model(X).squeeze(1) - y) ** 2).mean().backward()
+            grads.append([p.grad.clone() / len(ranks) for p in model.parameters()])
+        for p, *gs in zip(model.parameters(), *grads):
+            p.grad = sum(gs)
+        opt.step()
+    return model.weight.flatten().tolist()
+
+
+def test_smddp_goes_on_with_two_nodes_when_the_third_leaves_under_torchrun_nnodes_2_3(tmp_path):
+    script = tmp_path / "leave.py"
+    script.write_text(LEAVE)
+    port = free_port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+           f"127.0.0.1:{port}", "--rdzv-id", "leave", "--nnodes", "2:3", "--max-restarts", "1",
+           "--nproc-per-node", "1", "--rdzv-conf",
+           "join_timeout=90,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3",
+           str(script), "smddp", str(tmp_path / "ck.pt")]
+    env = _env(tmp_path, PYTHONUNBUFFERED="1")
+    first = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             cwd=str(tmp_path))
+    time.sleep(0.5)  # the first agent hosts the rendezvous store
+    others = [subprocess.Popen(cmd, env={**env, "LEAVER": leaver}, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, cwd=str(tmp_path)) for leaver in ("0", "1")]
+    try:
+        out = first.communicate(timeout=180)[0]
+        for p in others:
+            p.wait(timeout=30)
+    finally:
+        for p in [first, *others]:
+            p.kill()
+    assert first.returncode == 0 and others[0].returncode == 0, out[-4000:]
+    lines = [ln.split() for ln in out.splitlines() if ln.startswith("WEIGHTS")]
+    assert len(lines) == 1 and lines[0][1:3] == ["1", "2"], out[-4000:]  # attempt 1, a world of two nodes
+    got = [float(v) for v in lines[0][3:]]
+    want = _expected_after_the_leave()
+    assert max(abs(a - b) for a, b in zip(got, want)) < 1e-5, (got, want)
