@@ -195,19 +195,25 @@ def test_smddp_goes_on_with_two_nodes_when_the_third_leaves_under_torchrun_nnode
            "join_timeout=90,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3",
            str(script), "smddp", str(tmp_path / "ck.pt")]
     env = _env(tmp_path, PYTHONUNBUFFERED="1")
-    first = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             cwd=str(tmp_path))
-    time.sleep(0.5)  # the first agent hosts the rendezvous store
-    others = [subprocess.Popen(cmd, env={**env, "LEAVER": leaver}, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL, cwd=str(tmp_path)) for leaver in ("0", "1")]
+    logs = [tmp_path / f"agent-{i}.log" for i in range(3)]
+    agents = []
+    for i, leaver in enumerate(("0", "0", "1")):
+        with open(logs[i], "w") as log:
+            agents.append(subprocess.Popen(cmd, env={**env, "LEAVER": leaver}, stdout=log,
+                                           stderr=subprocess.STDOUT, cwd=str(tmp_path)))
+        if i == 0:
+            time.sleep(0.5)  # the first agent hosts the rendezvous store
     try:
-        out = first.communicate(timeout=180)[0]
-        for p in others:
-            p.wait(timeout=30)
+        for p in agents:
+            p.wait(timeout=180)
     finally:
-        for p in [first, *others]:
+        for p in agents:
             p.kill()
-    assert first.returncode == 0 and others[0].returncode == 0, out[-4000:]
+    # What is judged is the training, not the agents' exit codes: when the agent that hosts the rendezvous
+    # store ends first, another's goodbye to the rendezvous fails ("Broken pipe") and that torchrun exits 1
+    # after the group has finished (seen once under the full suite's load). Rank 0 is in either of the
+    # two agents that stay.
+    out = logs[0].read_text() + logs[1].read_text()
     lines = [ln.split() for ln in out.splitlines() if ln.startswith("WEIGHTS")]
     assert len(lines) == 1 and lines[0][1:3] == ["1", "2"], out[-4000:]  # attempt 1, a world of two nodes
     got = [float(v) for v in lines[0][3:]]
