@@ -135,6 +135,14 @@ def _leave() -> None:
     os._exit(128 + signal.SIGTERM)
 
 
+def _group():
+    """torch.distributed when this process has a default group, else None."""
+    torch = _torch()
+    if torch is None or not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return None
+    return torch.distributed
+
+
 def on_preemption(hook: Callable[[], object]) -> None:
     """Run `hook` (save a checkpoint) on every rank at the first `step_boundary()` after any rank was sent
     SIGTERM; from now on SIGTERM only marks this rank (see the module's docstring). Call it from the
@@ -151,10 +159,10 @@ def preempted() -> bool:
     gets the same answer (a collective: call it on every rank, at the same point of each step). Without
     a process group, whether this process was."""
     mine = _PREEMPTION.signalled is not None
-    torch = _torch()
-    if torch is None or not torch.distributed.is_available() or not torch.distributed.is_initialized():
+    dist = _group()
+    if dist is None:
         return mine
-    dist = torch.distributed
+    torch = _torch()
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
     flag = torch.tensor([1 if mine else 0], dtype=torch.int32, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -168,11 +176,11 @@ def step_boundary() -> None:
         return
     for hook in _PREEMPTION.hooks:
         hook()
-    torch = _torch()
-    if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
+    dist = _group()
+    if dist is not None:
         # nobody leaves before every hook has run: the launcher stops the others when the first rank ends,
         # which would interrupt rank 0 still saving
-        torch.distributed.barrier()
+        dist.barrier()
     print(f"[sdp_jupyter] rank {os.environ.get('RANK', '0')}: preempted: the preemption hooks ran; leaving",
           file=sys.stderr, flush=True)
     _leave()

@@ -22,64 +22,37 @@ pytestmark = pytest.mark.slow
 _JOB_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
                   "MASTER_PORT", "SDP_JOB_SECRET", "SDP_BACKEND", "PYTEST_CURRENT_TEST")
 
-# Rank 0 saves a checkpoint at step 20; on the first attempt rank 1 then fails (when asked to). The
-# restarted group resumes from the checkpoint: the weights of a run that never failed.
-RESTART = r'''
-import os, sys, torch, torch.distributed as dist
-backend, ck, fail = sys.argv[1], sys.argv[2], sys.argv[3] == "fail"
-dist.init_process_group(backend)
-rank, attempt = dist.get_rank(), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
-torch.manual_seed(0)
-model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
-opt = torch.optim.SGD(model.parameters(), lr=0.1)
-start = 0
-if os.path.exists(ck):
-    state = torch.load(ck)
-    model.module.load_state_dict(state["model"]); opt.load_state_dict(state["opt"]); start = state["step"]
-g = torch.Generator().manual_seed(1 + rank)
-X = torch.randn(64, 4, generator=g); y = X @ torch.tensor([2., -1., .5, 3.]) + 1
-for step in range(start, 40):
-    opt.zero_grad(); ((model(X).squeeze(1) - y) ** 2).mean().backward(); opt.step()
-    if step == 19:
-        dist.barrier()
-        if rank == 0:
-            torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(), "step": 20}, ck)
-        dist.barrier()
-        if fail and attempt == 0 and rank == 1:
-            raise SystemExit("rank 1 fails on the first attempt")
-if rank == 0:
-    print("WEIGHTS", attempt, " ".join(f"{v:.6f}" for v in model.module.weight.flatten().tolist()), flush=True)
-dist.destroy_process_group()
-'''
-
-# Three torchrun agents, --nnodes 2:3, one process each. After step 100 (a checkpoint saved), the third
-# node leaves: its rank kills its own agent, then itself. The other agents' restarted group (two nodes)
-# resumes from the checkpoint and trains on; its rank 1 is a rank of the first attempt's store too, so
-# it would read that attempt's records without a rendezvous of its own.
-LEAVE = r'''
+# One training, two ways to lose a rank. argv: backend, checkpoint, mode, steps, the step after which rank 0
+# saves, lr. mode "fail": on the first attempt rank 1 raises after the checkpoint (the restarted group
+# resumes from it: the weights of a run that never failed). mode "leave": the node started with LEAVER=1
+# leaves after the checkpoint, its agent first, then its rank (the others' restarted group resumes).
+TRAIN = r'''
 import os, signal, sys, time, torch, torch.distributed as dist
-backend, ck = sys.argv[1], sys.argv[2]
+backend, ck, mode, steps, save_at, lr = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), float(sys.argv[6])
 dist.init_process_group(backend)
 rank, world = dist.get_rank(), dist.get_world_size()
 attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
 torch.manual_seed(0)
 model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
-opt = torch.optim.SGD(model.parameters(), lr=0.01)
+opt = torch.optim.SGD(model.parameters(), lr=lr)
 start = 0
 if os.path.exists(ck):
     state = torch.load(ck)
     model.module.load_state_dict(state["model"]); opt.load_state_dict(state["opt"]); start = state["step"]
 g = torch.Generator().manual_seed(1 + rank)
 X = torch.randn(64, 4, generator=g); y = X @ torch.tensor([2., -1., .5, 3.]) + 1
-for step in range(start, 150):
-    time.sleep(0.02)
+for step in range(start, steps):
+    if mode == "leave":
+        time.sleep(0.02)  # time for the agents to see the node go
     opt.zero_grad(); ((model(X).squeeze(1) - y) ** 2).mean().backward(); opt.step()
-    if step == 99 and start == 0:
+    if step == save_at - 1 and start == 0:
         dist.barrier()
         if rank == 0:
-            torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(), "step": 100}, ck)
+            torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(), "step": save_at}, ck)
         dist.barrier()
-        if os.environ.get("LEAVER") == "1":  # this node leaves: its agent first, then its rank
+        if mode == "fail" and attempt == 0 and rank == 1:
+            raise SystemExit("rank 1 fails on the first attempt")
+        if mode == "leave" and os.environ.get("LEAVER") == "1":
             pid = os.getppid()
             while pid > 1 and b"torch.distributed.run" not in open(f"/proc/{pid}/cmdline", "rb").read():
                 pid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
@@ -116,17 +89,17 @@ def _env(tmp_path, **extra) -> dict:
 
 
 def _weights(tmp_path, backend: str, fail: bool) -> tuple[str, str]:
-    script = tmp_path / "restart.py"
-    script.write_text(RESTART)
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--rdzv-backend", "c10d", "--rdzv-endpoint",
            f"127.0.0.1:{free_port()}", "--nnodes", "1", "--max-restarts", "1", "--nproc-per-node", "2",
-           str(script), backend, str(tmp_path / f"{backend}.pt"), "fail" if fail else "-"]
+           str(script), backend, str(tmp_path / f"{backend}.pt"), "fail" if fail else "-", "40", "20", "0.1"]
     p = subprocess.run(cmd, env=_env(tmp_path), capture_output=True, text=True, timeout=180, cwd=str(tmp_path))
     out = p.stdout + p.stderr
     assert p.returncode == 0, f"{backend} under torchrun --max-restarts 1: exit {p.returncode}\n{out[-4000:]}"
-    lines = [ln.split(None, 2) for ln in p.stdout.splitlines() if ln.startswith("WEIGHTS")]
+    lines = [ln.split(None, 3) for ln in p.stdout.splitlines() if ln.startswith("WEIGHTS")]
     assert len(lines) == 1, out[-4000:]
-    _, attempt, weights = lines[0]
+    _, attempt, _world, weights = lines[0]
     return attempt, weights
 
 
@@ -186,14 +159,14 @@ def _expected_after_the_leave() -> list[float]:
 
 
 def test_smddp_goes_on_with_two_nodes_when_the_third_leaves_under_torchrun_nnodes_2_3(tmp_path):
-    script = tmp_path / "leave.py"
-    script.write_text(LEAVE)
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN)
     port = free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--rdzv-backend", "c10d", "--rdzv-endpoint",
            f"127.0.0.1:{port}", "--rdzv-id", "leave", "--nnodes", "2:3", "--max-restarts", "1",
            "--nproc-per-node", "1", "--rdzv-conf",
            "join_timeout=90,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3",
-           str(script), "smddp", str(tmp_path / "ck.pt")]
+           str(script), "smddp", str(tmp_path / "ck.pt"), "leave", "150", "100", "0.01"]
     env = _env(tmp_path, PYTHONUNBUFFERED="1")
     logs = [tmp_path / f"agent-{i}.log" for i in range(3)]
     agents = []
