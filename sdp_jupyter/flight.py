@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sdp_jupyter import jobdir
+from sdp_jupyter.stragglers import Stragglers, stragglers
 
 FIELDS = jobdir.FLIGHT_FIELDS
 DEFAULT_WARN_S = 20.0  # SDP_HANG_WARN_S's default (sdp_jupyter/_env.py), for readers that have no rank environment
@@ -448,83 +449,10 @@ def cause(job_dir: str | os.PathLike, first_failure: dict | None = None, warn_s:
 
 
 # ---------------------------------------------------------------------------------------------- stragglers
-@dataclass
-class Stragglers:
-    """Who comes last to the collectives of the default group, from the ranks' "arrivals" metrics lines
-    (sdp_jupyter/comm/flight.py): per rank, the share of collectives it came to last, how late it was
-    then (against the median of the others), and the share of its time spent waiting inside them."""
-
-    collectives: int = 0                                  # collectives every rank reported
-    last_share: dict = field(default_factory=dict)        # rank -> share of them it came to last
-    late_s: dict = field(default_factory=dict)            # rank -> mean lateness when last (s)
-    wait_share: dict = field(default_factory=dict)        # rank -> share of its time waiting in collectives
-    hosts: dict = field(default_factory=dict)             # rank -> host
-    cost: float = 0.0                                     # the straggler's lateness over the span: the others' wait
-    straggler: int | None = None
-
-    @property
-    def sentence(self) -> str | None:
-        r = self.straggler
-        if r is None:
-            return None
-        who = f"host {self.hosts[r]} (rank {r})" if self.hosts.get(r) else f"rank {r}"
-        return (f"{who} arrived last in {self.last_share[r]:.0%} of {self.collectives} collectives, "
-                f"{self.late_s[r] * 1e3:.0f} ms late on average: about {self.cost:.0%} of the job's time")
-
-
-MIN_COLLECTIVES = 20  # fewer aligned collectives than this: no verdict
-
-
-def stragglers(records: list[dict], hosts: dict | None = None) -> Stragglers:
-    """The analysis from metrics lines (any order; other kinds are skipped)."""
-    arrivals: dict[int, dict[int, tuple[float, float]]] = {}
-    named = dict(hosts or {})
-    for rec in records:
-        if rec.get("kind") != "arrivals" or (rec.get("group") or "default") != "default":
-            continue
-        try:
-            rank, seq0, base = int(rec["rank"]), int(rec["seq0"]), float(rec["base"])
-            if rec.get("host"):
-                named[rank] = str(rec["host"])
-            mine = arrivals.setdefault(rank, {})
-            for i, (p, w) in enumerate(zip(rec["posted_ms"], rec["wait_ms"])):
-                mine[seq0 + i] = (base + float(p) / 1e3, float(w) / 1e3)
-        except (KeyError, TypeError, ValueError):
-            continue
-    out = Stragglers(hosts=named)
-    if len(arrivals) < 2:
-        return out
-    ranks = sorted(arrivals)
-    common = sorted(set.intersection(*(set(arrivals[r]) for r in ranks)))
-    out.collectives = len(common)
-    last = {r: 0 for r in ranks}
-    late = {r: 0.0 for r in ranks}
-    for s in common:
-        times = {r: arrivals[r][s][0] for r in ranks}
-        r_last = max(times, key=times.get)
-        others = sorted(t for r, t in times.items() if r != r_last)
-        last[r_last] += 1
-        late[r_last] += times[r_last] - others[len(others) // 2]
-    for r in ranks:
-        out.last_share[r] = last[r] / len(common) if common else 0.0
-        out.late_s[r] = late[r] / last[r] if last[r] else 0.0
-        waits = [arrivals[r][s][1] for s in common]
-        span = (arrivals[r][common[-1]][0] + arrivals[r][common[-1]][1] - arrivals[r][common[0]][0]) if common else 0
-        out.wait_share[r] = sum(waits) / span if span > 0 else 0.0
-    if len(common) < MIN_COLLECTIVES:
-        return out
-    top = max(ranks, key=lambda r: last[r])
-    span = max(arrivals[r][common[-1]][0] for r in ranks) - min(arrivals[r][common[0]][0] for r in ranks)
-    # by chance each rank is last in 1/W of them: a straggler is last far more often than that, and late enough to matter
-    if out.last_share[top] >= max(0.5, 1.5 / len(ranks)) and out.late_s[top] >= 0.005 and span > 0:
-        out.straggler = top
-        out.cost = min(1.0, late[top] / span)
-    return out
-
-
 def job_stragglers(job_dir: "str | os.PathLike | FlightLog", final: bool = True) -> Stragglers:
-    """stragglers() over a job directory's arrivals (a FlightLog made with arrivals=True: its new lines
-    only; `final`: the ranks have ended, so a last line without its newline counts)."""
+    """stragglers() (sdp_jupyter/stragglers.py) over a job directory's arrivals (a FlightLog made with
+    arrivals=True: its new lines only; `final`: the ranks have ended, so a last line without its
+    newline counts)."""
     log = job_dir if isinstance(job_dir, FlightLog) else FlightLog(job_dir, arrivals=True, window=100_000)
     log.update(final)
     return stragglers(list(log.arrivals))

@@ -26,9 +26,9 @@ from dataclasses import fields as dc_fields
 from pathlib import Path
 from typing import Callable
 
-from sdp_jupyter import backends, instances, scaling
+from sdp_jupyter import instances, scaling
 from sdp_jupyter._display import Shown
-from sdp_jupyter.launch.target_options import SLURM_OPTIONS
+from sdp_jupyter.setup_options import SLURM_FIELDS, setup_arguments
 
 #: code of cells stored with %%sdp_cell NAME, by name
 CELLS: dict[str, str] = {}
@@ -39,10 +39,6 @@ DEFAULT_SAGEMAKER_INSTANCE = "ml.p4d.24xlarge"
 #: Plan fields a person types as text: '' (or 'auto'/'unknown') is None, anything else must be a number
 TEXT_NUMBERS = {"warmup_epochs": "warm-up epochs", "throughput_per_gpu": "throughput / GPU",
                 "price_per_hour": "USD per node-hour"}
-
-#: the Slurm target's options as fields of the setup: field -> its key in JobSpec.slurm (partition,
-#: account, time, args), in the option table's order
-SLURM_FIELDS = {"slurm_" + key: key for key in (o.field.split(".", 1)[1] for o in SLURM_OPTIONS)}
 
 #: fields of the setup that are not Plan fields: the SSH target's hosts, the Ray target's address and
 #: the Slurm target's options
@@ -389,83 +385,7 @@ class JobSetup(Shown):
 
 
 # --------------------------------------------------------------------------- the magics' side
-#: %sdp_setup's meaning of each Plan field (the form's fields; the choices and defaults come from the code)
-FIELD_HELP = {
-    "target": "where the job runs",
-    "instance_type": "SageMaker instance type (--target sagemaker; other targets run on the machines they have, "
-                     "shown as local)",
-    "nodes": "number of nodes (instances, hosts)",
-    "gpus_per_node": "worker processes per node (on SageMaker: the instance type's GPU count, whatever is given)",
-    "backend": "torch.distributed backend",
-    "mode": "when scaling: keep_per_gpu keeps each GPU's batch (the global batch and the LR grow), "
-            "keep_global keeps the global batch at --reference-batch (each GPU gets a share)",
-    "per_gpu_batch": "samples per GPU per step (used by keep_per_gpu)",
-    "reference_lr": "the learning rate the model was tuned at",
-    "reference_batch": "the global batch --reference-lr was tuned at (also the global batch keep_global keeps)",
-    "rule": "how the LR follows k = global batch / reference batch: linear multiplies it by k (Goyal et al. "
-            "2017), sqrt by the square root of k, none leaves it",
-    "warmup_epochs": "epochs of linear LR warm-up (default: suggested, up to 5 epochs when the LR was raised)",
-    "epochs": "epochs to train",
-    "dataset_size": "samples per epoch, for the steps per epoch and the time estimate",
-    "optimizer": "the optimizer the script uses (lars and lamb tolerate very large global batches)",
-    "batchnorm": "whether the model uses BatchNorm (small per-GPU batches then get a warning)",
-    "drop_last": "whether the partial last batch of an epoch is dropped, as DistributedSampler's drop_last",
-    "throughput_per_gpu": "samples/s on one GPU, measured, for the time and cost estimate (default: none, "
-                          "no estimate)",
-    "scaling_efficiency": "fraction of linear speed-up assumed on more than one GPU, in (0, 1]",
-    "price_per_hour": "USD per node-hour for the cost estimate (default: the catalogue's, often unknown)",
-    "engine": "--target sagemaker: who provides --backend smddp: sdp is sdp_jupyter's engine, aws SageMaker's "
-              "smdistributed library, auto SageMaker's on the types it supports and ours elsewhere",
-}
-
-#: Plan fields with a fixed set of values: the lists Plan itself checks against
-FIELD_CHOICES = {"target": scaling.TARGETS, "backend": backends.BACKENDS, "mode": scaling.MODES,
-                 "rule": scaling.RULES, "optimizer": scaling.OPTIMIZERS, "engine": instances.ENGINES}
-
-
-def setup_arguments() -> list[tuple[tuple, dict]]:
-    """`%sdp_setup`'s options as (flags, argparse keywords): one per JobSetup keyword
-    (``--per-gpu-batch 64``), plus the script, ``--cell``, and the SSH, Ray and Slurm targets' options
-    as %%sdp_train spells them (``--hosts``, ``--address``, ``--partition``, ``--account``, ``--time``,
-    ``--slurm-args``). The magic (magics.py, built with magic_arguments) and `setup_from_line` both take
-    them from here. Every Plan field has its meaning in FIELD_HELP; its choices and default come from
-    scaling.Plan and FIELD_CHOICES."""
-    from sdp_jupyter.launch.target_options import RAY_OPTIONS, SSH_OPTIONS
-
-    rows: list[tuple[tuple, dict]] = [
-        (("script",), {"nargs": "?", "help": "training script (.py); or use --cell NAME"}),
-        (("--cell",), {"help": "a cell stored with %%%%sdp_cell NAME"}),  # argparse %-formats help: shows %%sdp_cell
-        (("--name",), {"help": "job name"}),
-    ]
-    for f in dc_fields(scaling.Plan):
-        if f.name == "cpus":
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        default = "none" if f.default is None else "yes" if f.default is True else "no" if f.default is False \
-            else f.default
-        meaning = FIELD_HELP[f.name]  # KeyError: a new Plan field needs its meaning here
-        kw: dict = {"dest": f.name, "help": (meaning if "(default" in meaning else f"{meaning} (default {default})")}
-        if f.name in ("batchnorm", "drop_last"):
-            kw["choices"] = ("yes", "no")
-        elif f.name in FIELD_CHOICES:
-            kw["choices"] = FIELD_CHOICES[f.name]
-        elif f.name == "instance_type":
-            kw["choices"] = tuple(instances.names())
-        elif f.type in ("int", int):
-            kw["type"] = int
-        elif "float" in str(f.type):
-            kw["type"] = float
-        kw["help"] = kw["help"].replace("%", "%%")
-        rows.append(((flag,), kw))
-    hosts, address = SSH_OPTIONS[0], RAY_OPTIONS[0]  # the fields the form has for these targets
-    rows.append(((hosts.flag,), {"dest": "hosts", "metavar": hosts.metavar, "help": hosts.help.replace("%", "%%")}))
-    rows.append(((address.flag,), {"dest": "ray_address", "metavar": address.metavar,
-                                   "help": address.help.replace("%", "%%")}))
-    for field, opt in zip(SLURM_FIELDS, SLURM_OPTIONS):  # SLURM_FIELDS is in SLURM_OPTIONS' order
-        rows.append(((opt.flag,), {"dest": field, "metavar": opt.metavar, "help": opt.help.replace("%", "%%")}))
-    return rows
-
-
+# (%sdp_setup's options, one per field, are sdp_jupyter/setup_options.py's; here a line of them becomes a setup)
 def setup_from_options(values: dict) -> JobSetup:
     """A JobSetup from parsed `%sdp_setup` options (argparse dests; None = not given)."""
     kwargs = {k: v for k, v in values.items() if v is not None}

@@ -18,6 +18,7 @@ from typing import Callable
 from sdp_jupyter._display import Shown
 from sdp_jupyter import jobdir
 from sdp_jupyter.launch import target_options
+from sdp_jupyter.launch.kernel.job_flight import JobFlight
 from sdp_jupyter.launch.spec import JobSpec
 
 TAIL_LINES = 2000  # lines per rank kept in memory for views opened late; the log file has them all
@@ -49,8 +50,7 @@ class Job(Shown):
         self._done_callbacks: list[Callable[["Job"], None]] = []
         self._tails: dict[int, collections.deque] = {}
         self._done = threading.Event()
-        self._flight = None      # sdp_jupyter.flight.FlightLog, made when first asked (see hang)
-        self._hang_cache = None  # (monotonic time, sentence) of the last analysis
+        self._flight = JobFlight(self.dir, spec.env)  # the flight recorder's analyses of this job (see hang)
         if self._status.get("state") in jobdir.FINAL_STATES:
             self._done.set()
 
@@ -153,74 +153,31 @@ class Job(Shown):
         return self._read_status().get("state", "pending")
 
     # ------------------------------------------------------------------ the flight recorder (docs/failures.md)
-    def _warn_s(self) -> float | None:
-        """The job's SDP_HANG_WARN_S (None: what the ranks' flight lines say they use)."""
-        try:
-            value = (self.spec.env or {}).get("SDP_HANG_WARN_S")
-            return float(value) if value else None
-        except (TypeError, ValueError):
-            return None
-
     @property
     def hang(self) -> str | None:
         """While the job runs: who has waited where longer than SDP_HANG_WARN_S (20 s) and who has not
         arrived, from the ranks' flight recorders ("rank 3 (host h2) never entered all_reduce #7 of the
         default group; ranks 0-2 waited 25 s in it"); None when nothing waits that long. The job goes on."""
-        from sdp_jupyter import flight
-
-        now = time.monotonic()
-        with self._lock:  # one analysis a second at most, of the lines written since the last one
-            if self._status.get("state") != "running":
-                return None
-            if self._hang_cache is None or now - self._hang_cache[0] >= 1.0:
-                self._hang_cache = (now, flight.live_sentence(self._flight_log(), self._warn_s()))
-            return self._hang_cache[1]
-
-    def _flight_log(self):
-        """The ranks' flight files and arrivals, followed (sdp_jupyter.flight.FlightLog; with the lock held)."""
-        if self._flight is None:
-            from sdp_jupyter import flight
-
-            self._flight = flight.FlightLog(self.dir, arrivals=True, window=100_000)
-        return self._flight
+        with self._lock:
+            running = self._status.get("state") == "running"
+        return self._flight.hang() if running else None
 
     @property
     def straggler(self) -> str | None:
         """A rank (and its host) that comes last to most collectives, with what it costs the others
         ("host h2 (rank 1) arrived last in 92% of 400 collectives, 180 ms late on average: about 21% of
-        the job's time"), from the ranks' arrival times (sdp_jupyter.flight.stragglers); None when no
+        the job's time"), from the ranks' arrival times (sdp_jupyter.stragglers); None when no
         rank stands out."""
-        from sdp_jupyter import flight
-
-        try:
-            with self._lock:
-                return flight.job_stragglers(self._flight_log(), final=self.done).sentence
-        except Exception:  # noqa: BLE001 - a summary must never fail on a half-written file
-            return None
+        return self._flight.straggler(final=self.done)
 
     def flight(self, wait: float = 3.0):
         """The flight recorder of every rank: asks a live job's ranks to write their rings (the job goes
         on), then analyses what the ranks wrote (a finished job: what they left). Returns a Finding: its
         `sentence` says what went wrong, if anything; shown in a notebook, a table of the last
         operations per rank, aligned by sequence number, the first disagreement marked."""
-        from sdp_jupyter import flight
-
         if not self.done:
-            before = {p: p.stat().st_size for p in jobdir.flight_paths(self.dir)}
-            path = jobdir.flight_request_path(self.dir)
-            jobdir.write_private(path, str(time.time()))
-            request = getattr(self.supervisor, "request_flight", None)
-            if request is not None:  # remote ranks: the agents touch their copy of the request file
-                request()
-            deadline = time.monotonic() + wait
-            while time.monotonic() < deadline:
-                now = {p: p.stat().st_size for p in jobdir.flight_paths(self.dir)}
-                grown = [p for p, size in now.items() if size > before.get(p, 0)]
-                if len(grown) >= self.world_size:
-                    break
-                time.sleep(0.1)
-        return flight.analyse(self.dir, first_failure=self._read_status().get("first_failure"), warn_s=self._warn_s(),
-                              now=time.time() if not self.done else None, live=not self.done)
+            self._flight.request_rings(self.world_size, getattr(self.supervisor, "request_flight", None), wait)
+        return self._flight.analyse(self._read_status().get("first_failure"), live=not self.done)
 
     @property
     def error(self) -> str | None:
@@ -417,12 +374,8 @@ class Job(Shown):
         error gets the flight recorder's sentence on the cause appended."""
         if fields.get("state") == "failed" and fields.get("error"):
             # every target ends a failed job here: its error ends with the flight recorder's sentence
-            from sdp_jupyter import flight
-
-            # the first rank that ended: the exit codes of the others are the launcher stopping them
-            why = flight.cause(self.dir, fields.get("first_failure") or self._status.get("first_failure"))
-            if why and why not in fields["error"]:
-                fields["error"] = f"{fields['error']}\nflight recorder: {why}"
+            fields["error"] = self._flight.explained(fields["error"],
+                                                     fields.get("first_failure") or self._status.get("first_failure"))
         with self._lock:
             self._status.update(fields)
             jobdir.write_json_atomic(self.dir / jobdir.STATUS, self._status)
