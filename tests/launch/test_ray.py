@@ -112,7 +112,7 @@ def test_four_ray_nodes_train_like_the_local_run(ray_hosts, hosts, tmp_path, job
     before = {i: hosts.bytes(i)["tx"] for i in range(4)}
     d = _drive(ray_hosts, tmp_path / "remote", name="ray-four", ranks_output="all")
     out = next_line(d, timeout=180)
-    assert out["state"] == "succeeded", out
+    assert out.get("state") == "succeeded", out
     moved = {i: hosts.bytes(i)["tx"] - before[i] for i in range(4)}
     remote_result = pickle.load(open(os.path.join(out["dir"], "result.pkl"), "rb"))
     # STRICT_SPREAD: four distinct Ray nodes, each rank at its own node's address
@@ -183,7 +183,7 @@ def test_a_lost_node_is_named_within_ten_seconds(ray_hosts, tmp_path):
             except ProcessLookupError:
                 pass
         out = next_line(d, timeout=60)
-        assert out["state"] == "failed"
+        assert out.get("state") == "failed"
         assert "(node " in out["error"] and "10.213.0.3" in out["error"], out["error"]
         assert out["t"] - killed_at < remote.HEARTBEAT_TIMEOUT + 1, out["t"] - killed_at
         assert _wait_clean(c, 10) == {}

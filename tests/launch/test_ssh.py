@@ -132,9 +132,14 @@ def test_agents_that_said_hello_are_kept_alive_while_a_slow_host_starts():
     assert [c.proc.wait(timeout=10) for c in run.conns] == [0, 0, 0]
 
 
-def test_each_link_kind_has_its_own_time_to_connect(monkeypatch):
+def test_each_link_kind_has_its_own_time_to_connect_and_then_the_agent_its_own_time_to_say_hello(monkeypatch):
     # a Ray link is 'connected' once Ray has started a worker for its actor, which on a busy node
-    # takes longer than an ssh connection: it waits for the hello's time and says what it waited for
+    # takes longer than an ssh connection: it has the hello's time for that. The agent's hello is
+    # then timed from the moment its link connected (CI failed a Ray job whose actors took most of
+    # one shared minute to start: "connected, but the agent did not start within 60 s")
+    import threading
+
+    from sdp_jupyter.launch import channel
     from sdp_jupyter.launch.kernel import ray as ray_target
 
     assert ray_target.RayLink.connect_timeout == remote.HELLO_TIMEOUT > remote.Link.connect_timeout
@@ -154,17 +159,33 @@ def test_each_link_kind_has_its_own_time_to_connect(monkeypatch):
         def unreachable(self):
             return f"unreachable after {self.connect_timeout} s"
 
+    class Late(Silent):  # connects after 4 s, its agent says hello 4 s later: 8 s in all, each clock < 6 s
+        def __init__(self, node, inbox):
+            super().__init__(node, inbox, 6)
+
+            def later():
+                time.sleep(4)
+                self.connected.set()
+                time.sleep(4)
+                self.heard({"type": "hello", "version": channel.version(), "gpus": 0, "python": "python3"})
+
+            threading.Thread(target=later, daemon=True).start()
+
     class Run(remote.RemoteRun):
         def open_links(self):
-            return [Silent(0, self.inbox, 1), Silent(1, self.inbox, 60)]
+            return [Silent(0, self.inbox, 1), Late(1, self.inbox), Silent(2, self.inbox, 3)]
 
-    run = Run(JobSpec(code="x", target="ssh", nodes=2, ssh={"hosts": ["a", "b"]}), ["a", "b"], ssh_target.SSHLauncher())
+    run = Run(JobSpec(code="x", target="ssh", nodes=3, ssh={"hosts": ["a", "b", "c"]}), ["a", "b", "c"],
+              ssh_target.SSHLauncher())
     t0 = time.monotonic()
     with pytest.raises(SpecError) as info:
         run.preflight()
     run.close_all()
-    assert "a: unreachable after 1 s" in str(info.value) and "b: unreachable after 60 s" in str(info.value), info.value
-    assert time.monotonic() - t0 < 10
+    said = str(info.value)
+    assert "2 of 3 host(s) cannot run the job" in said, said
+    assert "a: unreachable after 1 s" in said and "c: unreachable after 3 s" in said and "\n  b:" not in said, said
+    assert run.conns[1].hello is not None
+    assert 7.5 < time.monotonic() - t0 < 12
 
 
 # ---------------------------------------------------------------------------------- real hosts
@@ -177,7 +198,7 @@ def test_three_hosts_train_like_the_local_run(ssh_hosts, hosts, tmp_path, jobs_d
     before = {i: hosts.bytes(i) for i in ssh_hosts.nodes}
     d = _drive(ssh_hosts, tmp_path / "remote", name="ssh-three", ranks_output="all")
     out = next_line(d)
-    assert out["state"] == "succeeded", out
+    assert out.get("state") == "succeeded", out
     assert "3 node(s) x 1 proc(s) on ssh: h1, h2, h3, backend smddp" in out["summary"]
     # what the ranks really used reached the notebook through the mirrored metrics (launch/rank/backend_check.py)
     assert (out["status"]["backend_used"], out["status"]["warnings"]) == ("smddp", [])
@@ -233,7 +254,7 @@ def test_a_cut_link_is_named_and_every_host_is_cleaned(ssh_hosts, hosts, tmp_pat
     cut_at = time.time()
     tell(d, "wait")
     out = next_line(d, timeout=60)
-    assert out["state"] == "failed"
+    assert out.get("state") == "failed"
     # ssh's keep-alive (6 s) or our heartbeat (10 s), whichever ends first, names the host
     assert out["error"].startswith("host h2 (node 1)"), out["error"]
     assert "has not answered" in out["error"] or "the ssh connection closed (ssh exit 255" in out["error"]
@@ -271,7 +292,7 @@ def test_stop_and_a_killed_notebook_leave_nothing_anywhere(ssh_hosts, hosts, tmp
 def test_a_failed_rank_restarts_the_job_on_every_host(ssh_hosts, hosts, tmp_path):
     d = _drive(ssh_hosts, tmp_path, env={"FAIL_FIRST": "1"}, max_restarts=1)
     out = next_line(d)
-    assert out["state"] == "succeeded" and out["restarts"] == 1, out
+    assert out.get("state") == "succeeded" and out["restarts"] == 1, out
     log = open(os.path.join(out["dir"], "logs", "rank-2.log")).read()
     assert "fails on purpose in attempt 0" in log and "[sdp_jupyter] restart 1 of 1 after: rank 2 (node 2 on host h3" in log
     assert ssh_hosts.wait_clean(5) == {}

@@ -129,13 +129,22 @@ class RemoteRun(supervise.Run):
         problems: dict[int, str] = {}
         waiting = set(range(len(self.conns)))
         opened = time.monotonic()
-        deadline = opened + HELLO_TIMEOUT
-        while waiting and time.monotonic() < deadline:
+        reached: dict[int, float] = {}  # when each link was first seen connected
+        # Two clocks per host: reaching it (the link's connect_timeout: an SSH login, a Ray actor that
+        # Ray must first start a worker process for) and then the agent's hello (HELLO_TIMEOUT from
+        # then). One clock for both let a slow Ray worker start eat the agent's time.
+        while waiting:
             now = time.monotonic()
-            for node in [n for n in waiting if not self.conns[n].connected.is_set()
-                         and now > opened + self.conns[n].connect_timeout + 2]:
-                problems[node] = self.conns[node].unreachable()
-                waiting.discard(node)
+            for node in sorted(waiting):
+                conn = self.conns[node]
+                if conn.connected.is_set():
+                    if now > reached.setdefault(node, now) + HELLO_TIMEOUT:
+                        problems[node] = (f"connected, but the agent did not start within {HELLO_TIMEOUT} s "
+                                          f"({'; '.join(conn.stderr) or 'no output'})")
+                        waiting.discard(node)
+                elif now > opened + conn.connect_timeout + 2:
+                    problems[node] = conn.unreachable()
+                    waiting.discard(node)
             try:
                 node, message = self.inbox.get(timeout=0.2)
             except queue.Empty:
@@ -149,11 +158,6 @@ class RemoteRun(supervise.Run):
             elif message["type"] == "eof":
                 problems[node] = conn.diagnose(message.get("code"), self.python)
                 waiting.discard(node)
-        for node in waiting:
-            conn = self.conns[node]
-            problems[node] = conn.unreachable() if not conn.connected.is_set() else (
-                f"connected, but the agent did not start within {HELLO_TIMEOUT} s "
-                f"({'; '.join(conn.stderr) or 'no output'})")
         ours = channel.version()
         for conn in self.conns:
             if conn.hello is None or conn.node in problems:
@@ -399,7 +403,7 @@ class RemoteRun(supervise.Run):
             self._mirror_files.replace(jobdir.session_dir(self.job.dir) / name, channel.unb64(message["data"]))
 
     # ---------------------------------------------------------------- an interactive session's channel
-    def open_session(self) -> None:
+    def open_session(self, replace: bool = False) -> None:
         self.session = True  # links made later (a Slurm allocation's) hear it in their start frame
         for conn in self.conns:
             conn.send({"type": "session"})
