@@ -102,6 +102,44 @@ def test_an_address_naming_another_cluster_than_the_joined_one_is_refused(monkey
     assert ray_target.connect("10.9.8.7:6379", given="10.9.8.7:6379") is fake  # nothing to compare
 
 
+def test_a_poll_answered_late_is_waited_for_again_so_the_hello_it_carries_is_not_lost(monkeypatch):
+    """CI failed Ray jobs with "connected, but the agent did not start within 60 s (no output)": the
+    first recv call, queued while Ray started the actor's worker, timed out in ray.get and was asked
+    anew; the actor still answered the first one (with the agent's hello), to nobody."""
+    import json
+    import queue
+    import types
+
+    from sdp_jupyter.launch.kernel import ray as ray_target
+
+    class Timeout(Exception):
+        pass
+
+    asked, waits = [], {}
+
+    class Recv:
+        def remote(self, wait):
+            asked.append(len(asked))
+            return asked[-1]
+
+    def get(ref, timeout=None):  # the actor answers its calls in order: call 0 carries the hello
+        waits[ref] = waits.get(ref, 0) + 1
+        if ref == 0 and waits[ref] == 1:
+            raise Timeout()  # still queued while the worker starts
+        if ref == 0:
+            return [json.dumps({"type": "hello"}).encode()], None, []
+        return [json.dumps({"type": "ping"}).encode()], 0, []  # then the agent ends: the poll stops
+
+    fake = types.ModuleType("ray")
+    fake.get, fake.exceptions = get, types.SimpleNamespace(GetTimeoutError=Timeout)
+    monkeypatch.setitem(sys.modules, "ray", fake)
+    inbox = queue.Queue()
+    link = ray_target.RayLink(0, "h0", types.SimpleNamespace(recv=Recv()), inbox)
+    node, first = inbox.get(timeout=5)
+    assert first["type"] == "hello" and link.connected.is_set() and waits[0] == 2
+    assert [m["type"] for _, m in (inbox.get(timeout=5), inbox.get(timeout=5))] == ["ping", "eof"]
+
+
 # ---------------------------------------------------------------------------------- a real cluster
 @pytest.mark.slow
 def test_four_ray_nodes_train_like_the_local_run(ray_hosts, hosts, tmp_path, jobs_dir):

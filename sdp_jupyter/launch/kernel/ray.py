@@ -301,9 +301,17 @@ class RayLink(remote.Link):
     def _poll(self) -> None:
         import ray
 
+        pending = None
         while True:
+            # A call not answered in time is waited for again, never asked anew: the actor answers its
+            # calls in order, and the first one (queued while Ray starts the actor's worker, which on a
+            # busy node can take longer than the timeout) carries the agent's hello; asking anew lost it
+            # ("connected, but the agent did not start within 60 s").
+            if pending is None:
+                pending = self.actor.recv.remote(RECV_WAIT)
             try:
-                frames, ended, stderr = ray.get(self.actor.recv.remote(RECV_WAIT), timeout=remote.HEARTBEAT_TIMEOUT)
+                frames, ended, stderr = ray.get(pending, timeout=remote.HEARTBEAT_TIMEOUT)
+                pending = None
             except ray.exceptions.GetTimeoutError:
                 continue  # the run's heartbeat check names a node that stays silent
             except Exception as e:  # the actor died: its node was lost, or it never started
