@@ -179,6 +179,9 @@ VARIABLES: dict[str, Var] = {v.name: v for v in (
         "interpreter's teardown)"),
     Var("SDP_SESSION_CONNECT_TIMEOUT", "float (seconds)", "300", "rank",
         "how long a session's ranks wait for each other's rendezvous store"),
+    Var("SDP_SESSION_JOIN", "str (generation:cell)", "unset", "rank",
+        "set on a session's rank started again after it died: it joins the process group the others "
+        "make again in that cell", internal=True),
     # --- hybrid parallelism (ParallelConfig.env() / from_env())
     Var("SDP_TP", "int", "1", "rank", _PARALLEL + "--tp: tensor-parallel degree"),
     Var("SDP_PP", "int", "1", "rank", _PARALLEL + "--pp: pipeline-parallel degree"),

@@ -135,6 +135,28 @@ def _leave() -> None:
     os._exit(128 + signal.SIGTERM)
 
 
+def broadcast_state(*objects, src: int = 0) -> None:
+    """Give every rank rank `src`'s state of each object, in memory, not through a file: a module's
+    parameters and buffers are broadcast in place (the same architecture must exist on every rank),
+    anything else with state_dict()/load_state_dict() (an optimizer, a scheduler) travels pickled. What an
+    interactive session's replaced rank needs after `sdp_replaced` rebuilt its objects: call it on every
+    rank with the same objects in the same order."""
+    dist = _group()
+    if dist is None:
+        raise RuntimeError("broadcast_state needs a process group: call it on the ranks of a job or session")
+    torch = _torch()
+    for obj in objects:
+        if isinstance(obj, torch.nn.Module):
+            with torch.no_grad():
+                for tensor in obj.state_dict().values():
+                    dist.broadcast(tensor, src=src)
+            continue
+        box = [obj.state_dict() if dist.get_rank() == src else None]
+        dist.broadcast_object_list(box, src=src)
+        if dist.get_rank() != src:
+            obj.load_state_dict(box[0])
+
+
 def _group():
     """torch.distributed when this process has a default group, else None."""
     torch = _torch()

@@ -157,16 +157,9 @@ class _SessionStatus:
         self.status = status
 
     def __repr__(self) -> str:
-        s = self.status
-        last = s["last_cell"]
-        lines = [f"session {s['name']}: {s['state']}, {s['world_size']} ranks, {s['cells']} cell(s) run"]
-        for rank in range(s["world_size"]):
-            rss = s["rss"].get(rank, 0) / 2 ** 20
-            lines.append(f"  rank {rank}: on {s['hosts'].get(rank, '?')}, {rss:.0f} MiB resident")
-        if last is not None:
-            failed = f", failed on {last['failed']}" if last["failed"] else ""
-            lines.append(f"  last cell: {last['n']} on ranks {last['ranks']}, {last['seconds']:.3f} s{failed}")
-        return "\n".join(lines)
+        from sdp_jupyter.launch.kernel.session import describe
+
+        return describe(self.status)
 
 
 @magics_class

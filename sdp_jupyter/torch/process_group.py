@@ -22,6 +22,7 @@ BACKEND_NAME = "smddp"
 _TORCH_DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 _LIVE: "weakref.WeakSet[ProcessGroupSMDDP]" = weakref.WeakSet()  # this process's groups (reconnect_all)
 _GROUPS_MADE: list[str] = []  # the flight recorder names of the groups made so far (default first)
+_GENERATION = [0]  # an interactive session's rendezvous generation (set_generation)
 
 
 class ProcessGroupSMDDP(dist.ProcessGroup):
@@ -36,6 +37,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         if not env_str("SDP_TIMEOUT") and timeout is not None and timeout != _TORCH_DEFAULT_TIMEOUT:
             seconds = timeout.total_seconds()
         self._seconds = seconds
+        self._store = store  # kept: a reconnect rendezvouses again through it (under a new generation)
         self.comm = self._communicator(store)
         register_name_carrier(self, rank, world_size)
         self._completer = FutureCompleter()
@@ -57,11 +59,12 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         comm.group_name = self._flight_name
         return comm
 
-    def reconnect(self, store) -> None:
-        """The engine's connections made anew through `store` (a fresh rendezvous): what an interactive
-        session does after a cell left a collective half done. The group object stays, so whatever holds
-        it (a DistributedDataParallel model) keeps working. Every member must call it."""
-        self.comm = self._communicator(store)
+    def reconnect(self) -> None:
+        """The engine's connections made anew through this group's own store, under the rendezvous
+        generation set last (set_generation): what an interactive session does after a cell left a
+        collective half done, or when a replaced rank joins. The group object stays, so whatever holds it
+        (a DistributedDataParallel model) keeps working. Every member must call it."""
+        self.comm = self._communicator(self._store)
 
     # torch asks for these
     def getBackendName(self) -> str:
@@ -372,24 +375,37 @@ def rendezvous_prefix() -> str:
     (TORCHELASTIC_USE_AGENT_STORE=True) "sdp/attempt-<restart count>-<world size>". That agent hands
     every attempt the same store, so an earlier attempt's keys (signed with an earlier one-host secret,
     or naming ports of dead ranks) are still there. A failure bumps the restart count; between
-    failures only nodes joining re-form the group, and they grow the world: the pair names one attempt."""
+    failures only nodes joining re-form the group, and they grow the world: the pair names one attempt.
+    An interactive session's reconnects add "/gen-<generation>" (set_generation)."""
     if env_str("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return "sdp"
-    return f"sdp/attempt-{env_str('TORCHELASTIC_RESTART_COUNT') or '0'}-{env_str('WORLD_SIZE') or '0'}"
+        base = "sdp"
+    else:
+        base = f"sdp/attempt-{env_str('TORCHELASTIC_RESTART_COUNT') or '0'}-{env_str('WORLD_SIZE') or '0'}"
+    return base if not _GENERATION[0] else f"{base}/gen-{_GENERATION[0]}"
 
 
-def reconnect_all(make_store) -> None:
-    """Reconnect every smddp group of this process: all are closed first (a peer still waiting in a
-    collective of the old engines gets its error and can join), then made anew in the order of their
-    names, the same on every rank. `make_store(name)`: the fresh store for the group named `name`."""
+def set_generation(generation: int) -> None:
+    """Rendezvous from now on under `generation` (rendezvous_prefix): every member of a group sets the
+    same number before it connects, so keys an earlier generation left in the store are never read."""
+    _GENERATION[0] = int(generation)
+
+
+def reconnect_all(generation: int, default_only: bool = False) -> None:
+    """Reconnect this process's smddp groups under rendezvous `generation`: all are closed first (a peer
+    still waiting in a collective of the old engines gets its error and can join), then made anew in
+    the order of their names, the same on every rank. `default_only`: only the default group is made
+    again (a replaced rank, new in the group, has no other); the others stay closed, and using one raises."""
+    set_generation(generation)
     groups = sorted(_LIVE, key=lambda pg: str(getattr(pg, "group_name", "") or ""))
     for pg in groups:
         try:
             pg.comm.close()
         except Exception:  # noqa: BLE001 - a broken engine is what we are replacing
             pass
+    default = dist.distributed_c10d._get_default_group() if default_only else None
     for pg in groups:
-        pg.reconnect(make_store(str(getattr(pg, "group_name", "") or "")))
+        if default is None or pg is default:
+            pg.reconnect()
 
 
 def register_name_carrier(pg: dist.ProcessGroup, rank: int, world_size: int) -> None:

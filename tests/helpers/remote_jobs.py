@@ -157,6 +157,13 @@ except KeyboardInterrupt:
     say(interrupted=True, message=s.last.message())
 r = s.run("t = torch.ones(4)\ndist.all_reduce(t)\nt.sum().item()", want="result")
 say(after=r.value(0), failed=r.failed)
+# rank 2 dies inside a cell: its agent starts it again, the others keep their variables (socket, from cell 1)
+r = s.run("import os, signal\nif dist.get_rank() == 2:\n    os.kill(os.getpid(), signal.SIGKILL)\ndist.all_reduce(t)\n")
+say(failed=r.failed, message=r.message())
+r = s.run("import torch, torch.distributed as dist\nt = torch.ones(4)\ndist.all_reduce(t)\n"
+          "(t.sum().item(), 'socket' in globals(), sdp_replaced)", want="gather")
+say(replaced=[r.value(i) for i in range(s.job.world_size)], failed=r.failed, status=s.status()["replacements"],
+    message=r.message())
 say(stopped=s.stop(), error=s.job.error)
 '''
 
@@ -200,6 +207,13 @@ def _cells_steps(proc, n: int, host_names: list) -> None:
     assert line["interrupted"] and f"interrupted on rank(s) {ranks}" in line["message"], line
     line = next_line(proc)
     assert line == {"after": 4.0 * n, "failed": []}, line
+    line = next_line(proc)
+    assert line["message"].startswith("rank(s) 2 died during the cell"), line
+    assert "rank 2 was started again and joined the process group: every variable it had is gone" in line["message"]
+    line = next_line(proc)
+    assert line["failed"] == [] and [v[0] for v in line["replaced"]] == [4.0 * n] * n, line
+    assert [(v[1], v[2]) for v in line["replaced"]] == [(r != 2, r == 2) for r in range(n)], line
+    assert [x["rank"] for x in line["status"]] == [2] and "SIGKILL" in line["status"][0]["why"], line
     line = next_line(proc)
     assert line["stopped"] == "succeeded", line
     proc.wait(timeout=30)

@@ -39,6 +39,8 @@ def test_a_failed_cell_names_the_rank_that_raised_before_the_ranks_it_left_waiti
 
 
 def test_pushed_values_arrive_and_a_dead_rank_ends_the_session_naming_it(jobs_dir):
+    # on gloo, whose collectives may wait on a dead peer until their timeout (test_session_replace.py:
+    # on smddp the rank is started again)
     s = sessions.Session.start(JobSpec(code="pass", nodes=2, backend="gloo"))
     try:
         r = s.run("import os\nscale * (int(os.environ['RANK']) + 1)", want="gather", push_names=["scale"],

@@ -20,6 +20,7 @@ frame, so it is never on a command line, in the host's environment or in a file.
                         started {warm, reason}      how this attempt's ranks started (warm: forked
                                                     from the kernel's pool on this host, launch/host/warm.py)
                         done {codes}                every rank of the attempt has ended
+                        respawned {rank, pid}       a session's dead rank was started again
                         ping {}                     every HEARTBEAT_EVERY seconds
                         error {message}             the agent cannot go on (bad frame, cannot start)
                         session {name, data}        an interactive session's answer file (ready-R,
@@ -29,6 +30,8 @@ frame, so it is never on a command line, in the host's environment or in a file.
                                                     "session": true in the start frame)
                         session {name, data}        a cell file for the node's ranks
                         interrupt {}                interrupt the cell the node's ranks run
+                        respawn {rank, join}        start a session's dead rank again (SDP_SESSION_JOIN=join);
+                                                    in a session, a node whose rank died waits for this or `stop`
 
 The agent stops its ranks (SIGINT, SIGTERM, SIGKILL to their process groups) on `stop`, and on its
 own when the channel closes (the SSH connection dropped, the notebook died) or when no frame came
@@ -84,6 +87,10 @@ class Agent:
         self.timeout = HEARTBEAT_TIMEOUT
         self.closed = threading.Event()
         self._relaying = False
+        self._envs: dict[int, dict] = {}  # each rank's environment in this attempt (for respawn)
+        self._live: set[int] = set()  # the ranks of this attempt whose process runs
+        self._stopping = threading.Event()  # set by stop: a session's node stops waiting for respawns
+        self._session_job = False
 
     def send(self, message: dict) -> None:
         data = encode(message)
@@ -116,6 +123,8 @@ class Agent:
                     self._session(message)
                 elif kind == "interrupt":
                     self._interrupt()
+                elif kind == "respawn":
+                    self._respawn(int(message["rank"]), str(message["join"]))
                 elif kind == "flight":  # Job.flight(): this host's ranks write their flight recorders' rings
                     if self.job_dir is not None:
                         from sdp_jupyter import jobdir
@@ -192,10 +201,14 @@ class Agent:
                                     master_port=int(m["master_port"]), bind_addr=self.addr,
                                     attempt=int(m.get("attempt", 0)), gpus=gpus, ranks_here=ppn, split_gpus=False)
             env["SDP_SCRIPT"] = str(job_dir / jobdir.SCRIPT)
+            self._envs[rank] = env
             proc = warm.fork_rank(pool["socket"], ranks.WORKER, env, owned=True) if pool else None
             if isinstance(proc, str):  # one cold rank makes the node cold
                 pool, reason = None, proc
             node_ranks.add(rank, ranks.spawn(env) if proc is None or isinstance(proc, str) else proc)
+        self._live = set(self._envs)
+        self._stopping.clear()
+        self._session_job = bool(m.get("session"))
         if m.get("session"):
             self._session({})  # relay the session's answers (as a `session {}` frame would)
         self.send({"type": "started", "warm": pool is not None, "reason": reason})
@@ -211,9 +224,16 @@ class Agent:
         tailer_stop = threading.Event()
         tailer = threading.Thread(target=self._tail_metrics, args=(tailer_stop,), daemon=True)
         tailer.start()
+        import queue
+
         codes = {}
-        while len(codes) < len(node_ranks.procs):
-            rank, code = node_ranks.exits.get()
+        # a session's node whose rank died stays up for the launcher's respawn (or stop)
+        while self._live or (self._session_job and any(codes.values()) and not self._stopping.is_set()):
+            try:
+                rank, code = node_ranks.exits.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            self._live.discard(rank)
             node_ranks.last_lines(rank)  # its last lines go out before its exit
             codes[rank] = code
             self.send({"type": "exit", "rank": rank, "code": code})
@@ -242,6 +262,17 @@ class Agent:
         folder = jobdir.session_dir(self.job_dir)
         jobdir.ensure_private_dir(folder)
         jobdir.write_private(folder / name, unb64(m["data"]))
+
+    def _respawn(self, rank: int, join: str) -> None:
+        """A session's rank that died, started again (cold) to join the group at `join` (generation:cell)."""
+        from sdp_jupyter.launch.host import ranks
+
+        if rank not in self._envs or rank in self._live or self._node is None:
+            raise ValueError(f"respawn of rank {rank}: not a dead rank of this node")
+        proc = ranks.spawn({**self._envs[rank], "SDP_SESSION_JOIN": join})
+        self._live.add(rank)
+        self._node.add(rank, proc)
+        self.send({"type": "respawned", "rank": rank, "pid": proc.pid})
 
     def _interrupt(self) -> None:
         from sdp_jupyter.launch.host.ranks import signal_rank
@@ -294,6 +325,7 @@ class Agent:
     def _stop_ranks(self, sigint_grace: float, sigterm_grace: float) -> None:
         from sdp_jupyter.launch.host import ranks
 
+        self._stopping.set()
         if self._node is not None:
             self._node.stop(sigint_grace, sigterm_grace)
         if self._attempt_thread is not None:

@@ -47,9 +47,16 @@ class NodeRanks:
         self.procs: list = []
         self.exits: queue.Queue = queue.Queue()
         self._readers: dict[int, threading.Thread] = {}
+        self._index: dict[int, int] = {}  # rank -> its place in procs
 
     def add(self, rank: int, proc) -> None:
-        self.procs.append(proc)
+        """Watch `proc` as `rank`; a rank added again (a replacement after its process ended) takes the
+        old one's place: its output goes on in the same log, its exit comes on the same queue."""
+        if rank in self._index:
+            self.procs[self._index[rank]] = proc
+        else:
+            self._index[rank] = len(self.procs)
+            self.procs.append(proc)
         reader = threading.Thread(target=self._read, args=(rank, proc), daemon=True, name=f"{self.name}-out{rank}")
         reader.start()
         self._readers[rank] = reader

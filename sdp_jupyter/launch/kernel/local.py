@@ -79,6 +79,10 @@ class LocalRun(supervise.Run):
         self.warm_choice = launcher.start_choice(self.spec)
         self._node: NodeRanks | None = None  # this attempt's ranks (every node of a local job is on this host)
         self._samplers: list[subprocess.Popen] = []
+        self._session = False  # a session's job that replaces its dead ranks (other than rank 0)
+        self._lost: dict[int, str] = {}  # the session's dead ranks waiting for replace_rank: {rank: why}
+        self._live: set[int] = set()  # the ranks whose process runs
+        self._rank_env: dict[int, dict] = {}  # each rank's environment in this attempt (a replacement's too)
         supervise.Run.__init__(self, f"sdp-job-{job.name}")
 
     # ------------------------------------------------------------------ environment
@@ -128,15 +132,15 @@ class LocalRun(supervise.Run):
                 self.job.emit_output(rank, text)
 
         node = self._node = NodeRanks(self.job.dir, shown, name=f"sdp-{self.job.name}")
+        self._live = set(range(self.world_size))
         for rank in range(self.world_size):
-            env = self.environment(rank, attempt, port)
+            env = self._rank_env[rank] = self.environment(rank, attempt, port)
             env["SDP_SCRIPT"] = script
             node.add(rank, self._spawn(ranks.WORKER, env))
         self.job.update_status(state="running", started=self.job.status.get("started") or time.time(),
                          port=port, pids=node.pids)
         codes: list = [None] * self.world_size
-        remaining = self.world_size
-        while remaining:
+        while self._live:
             if self._stop.is_set():
                 codes = self._terminate()
                 return "stopped", self._stop_reason, codes
@@ -148,9 +152,12 @@ class LocalRun(supervise.Run):
             except queue.Empty:
                 continue
             codes[rank] = code
-            remaining -= 1
+            self._live.discard(rank)
             if code != 0:
                 node.last_lines(rank)  # its last lines, for the error
+                if self._session and rank != 0:  # the session replaces it (replace_rank) and goes on
+                    self._lost[rank] = ranks.failure_message(self.job, rank, f"rank {rank}", code)
+                    continue
                 error = self._failure_message(rank, code)
                 codes = self._terminate(codes)
                 return "failed", error, codes
@@ -190,6 +197,22 @@ class LocalRun(supervise.Run):
             self._node.kill_groups()
 
     # ------------------------------------------------------------------ an interactive session's channel
+    def open_session(self, replace: bool = False) -> None:
+        self._session = replace
+
+    def lost_ranks(self) -> dict:
+        return dict(self._lost)
+
+    def replace_rank(self, rank: int, env: dict) -> None:
+        why = self._lost.pop(rank)
+        proc = self._spawn(ranks.WORKER, {**self._rank_env[rank], **env})
+        self._live.add(rank)
+        self._node.add(rank, proc)
+        replaced = self.job.status.get("replacements") or []
+        self.job.update_status(pids=self._node.pids, replacements=replaced + [
+            {"rank": rank, "at": time.time(), "why": why.splitlines()[0], "pid": proc.pid}])
+        self._line(rank, f"[sdp_jupyter] rank {rank} started again (pid {proc.pid}) after: {why.splitlines()[0]}\n")
+
     def put_session_file(self, name: str, data: bytes) -> None:
         jobdir.write_private(jobdir.session_dir(self.job.dir) / name, data)
 

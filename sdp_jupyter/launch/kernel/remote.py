@@ -118,6 +118,9 @@ class RemoteRun(supervise.Run):
         self._starts: dict[int, tuple[bool, str | None]] = {}  # node -> (warm, why cold) this attempt
         self._links_closed = threading.Event()  # set by close_all: the pings stop
         self.session = False  # an interactive session's job: the agents send the ranks' answers back
+        self._replace = False  # a session's job that replaces its dead ranks (other than rank 0)
+        self._lost: dict[int, str] = {}  # the session's dead ranks waiting for replace_rank: {rank: why}
+        self._replacing: dict[int, str] = {}  # asked to start again, not yet answered: {rank: why}
         supervise.Run.__init__(self, f"sdp-{spec.target}-{spec.name}")
 
     # ---------------------------------------------------------------- before the job exists
@@ -327,9 +330,16 @@ class RemoteRun(supervise.Run):
             elif kind == "exit":
                 rank, code = int(message["rank"]), int(message["code"])
                 codes[rank] = code
+                if code != 0 and self._replace and rank != 0:  # the session replaces it (replace_rank)
+                    node, local_rank = divmod(rank, spec.procs_per_node)
+                    self._lost[rank] = ranks.failure_message(self.job, rank, f"rank {rank} (on host "
+                                                             f"{self.hosts[node]})", code)
+                    continue
                 if code != 0 and failure is None:
                     failure = self._failure_message(rank, code)
                     return self._fail(failure, codes, done)
+            elif kind == "respawned":
+                self._respawned(int(message["rank"]), int(message["pid"]))
             elif kind == "result":
                 self._mirror_files.replace(job.dir / jobdir.RESULT, channel.unb64(message["data"]))
             elif kind == "done":
@@ -404,9 +414,24 @@ class RemoteRun(supervise.Run):
 
     # ---------------------------------------------------------------- an interactive session's channel
     def open_session(self, replace: bool = False) -> None:
+        self._replace = replace
         self.session = True  # links made later (a Slurm allocation's) hear it in their start frame
         for conn in self.conns:
             conn.send({"type": "session"})
+
+    def lost_ranks(self) -> dict:
+        return dict(self._lost)
+
+    def replace_rank(self, rank: int, env: dict) -> None:
+        self._replacing[rank] = self._lost.pop(rank)
+        self.conns[rank // self.spec.procs_per_node].send({"type": "respawn", "rank": rank,
+                                                          "join": env["SDP_SESSION_JOIN"]})
+
+    def _respawned(self, rank: int, pid: int) -> None:
+        why = self._replacing.pop(rank, "")
+        replaced = self.job.status.get("replacements") or []
+        self.job.update_status(replacements=replaced + [
+            {"rank": rank, "at": time.time(), "why": why.splitlines()[0] if why else "", "pid": pid}])
 
     def put_session_file(self, name: str, data: bytes) -> None:
         for conn in self.conns:

@@ -9,7 +9,11 @@ A cell that raised or was interrupted somewhere can leave a collective half done
 finished wait forever for the ones that left. So after a failed cell the session compares what the
 ranks' groups have issued and, when it differs or a rank is still inside the cell, interrupts the
 ranks still running and reconnects the process group on every rank (launch/rank/session.py says what
-that keeps). The session stays up; a rank that dies ends it (the job fails, naming the rank).
+that keeps). The session stays up. On smddp a rank that dies is started again by its supervisor (the
+local run, or its host's agent): it joins the group the others reconnect, with an empty namespace, and
+the cell's error says what it lost. On another backend (a gloo collective can wait on a dead peer until
+its timeout), for rank 0 (it holds the session's store) and for a lost host, a death ends the session
+(the job fails, naming the rank).
 """
 from __future__ import annotations
 
@@ -69,21 +73,27 @@ class CellResult:
         lines = []
         shown = False
         # the cause first: a rank that raised, before those interrupted or failed because of it
-        for r in sorted(self.failed, key=lambda r: (r not in self.causes, r not in self.answers,
-                                                       bool(self.answers.get(r, {}).get("interrupted")), r)):
+        # (a rank that died before anything else)
+        for r in sorted(self.failed, key=lambda r: (not self.answers.get(r, {}).get("died"), r not in self.causes,
+                                                    r not in self.answers,
+                                                    bool(self.answers.get(r, {}).get("interrupted")), r)):
             a = self.answers.get(r)
             if a is None:
                 lines.append(f"rank {r}: no answer (still running when the cell was given up)")
                 continue
             error = (a.get("error") or "").rstrip()
-            kind = "interrupted" if a.get("interrupted") else "failed"
+            kind = "died" if a.get("died") else "interrupted" if a.get("interrupted") else "failed"
             if not shown:
                 lines.append(f"rank {r} {kind}:\n{error}")
                 shown = True
             else:
                 last = error.splitlines()[-1] if error else ""
                 lines.append(f"rank {r} {kind}: {last}")
-        head = (f"the cell was interrupted on rank(s) {', '.join(map(str, self.interrupted))}" if
+        died = [r for r in self.failed if self.answers.get(r, {}).get("died")]
+        others = [r for r in self.failed if r not in died]
+        head = (f"rank(s) {', '.join(map(str, died))} died during the cell"
+                + (f"; it failed on rank(s) {', '.join(map(str, others))}" if others else "") if died else
+                f"the cell was interrupted on rank(s) {', '.join(map(str, self.interrupted))}" if
                 self.interrupted and len(self.interrupted) == len(self.failed) else
                 f"the cell failed on rank(s) {', '.join(map(str, self.failed))}")
         return "\n".join([head] + lines + self.notes + ["The session is still up."])
@@ -98,6 +108,8 @@ class Session:
         self.n = 0
         self.last: CellResult | None = None
         self.ready: dict[int, dict] = {}
+        self.generation = 0  # the process group's rendezvous generation: one more per reconnect
+        self.replacements: list[dict] = []  # {rank, cell, why, pid}: ranks that died and were started again
 
     # ------------------------------------------------------------------ life
     @classmethod
@@ -122,7 +134,9 @@ class Session:
         job.update_status(session=True)
         session = cls(job)
         jobdir.ensure_private_dir(session.folder)
-        job.supervisor.open_session()
+        # smddp's collectives fail at once when a peer dies, and its engine reconnects in place: a dead
+        # rank can be replaced. gloo's may wait on the dead peer until its timeout: a death ends the session
+        job.supervisor.open_session(replace=spec.backend == "smddp")
         try:
             session._wait_ready(wait)
         except BaseException:
@@ -142,6 +156,11 @@ class Session:
             if len(self.ready) == world:
                 return
             self._check_alive()
+            lost = self.job.supervisor.lost_ranks()
+            if lost:
+                rank = min(lost)
+                raise SessionError(f"session {self.job.name}: rank {rank} ended before it had its process group: "
+                                   f"{lost[rank]}", self.job)
             if time.monotonic() > deadline:
                 missing = sorted(set(range(world)) - set(self.ready))
                 raise SessionError(f"session {self.job.name}: rank(s) {missing} did not make their process group "
@@ -174,7 +193,8 @@ class Session:
                 rss[r] = a.get("rss", rss.get(r, 0))
         return {"name": self.job.name, "state": self.job.state, "alive": self.alive, "world_size": self.job.world_size,
                 "hosts": {r: info.get("host") for r, info in self.ready.items()}, "rss": rss,
-                "cells": self.n, "last_cell": None if self.last is None else {
+                "cells": self.n, "generation": self.generation, "replacements": list(self.replacements),
+                "last_cell": None if self.last is None else {
                     "n": self.last.n, "ranks": self.last.ranks, "failed": self.last.failed,
                     "seconds": round(self.last.seconds, 4)}}
 
@@ -232,7 +252,7 @@ class Session:
         started = time.monotonic()
         world = self.job.world_size
         while True:
-            for rank in self._read_answers(result):
+            for rank in self._read_answers(result) + self._read_deaths(result):
                 if not result.answers[rank].get("ok"):
                     result.causes.append(rank)
                     failed_at = failed_at or time.monotonic()
@@ -260,6 +280,16 @@ class Session:
                     new.append(rank)
         return new
 
+    def _read_deaths(self, result: CellResult) -> list:
+        """The ranks that died without answering `result`'s cell (their supervisor starts them again
+        when _mend asks): each gets an answer that says so."""
+        new = []
+        for rank, why in sorted(self.job.supervisor.lost_ranks().items()):
+            if rank not in result.answers:
+                result.answers[rank] = {"ok": False, "died": True, "error": why}
+                new.append(rank)
+        return new
+
     def interrupt(self, result: CellResult) -> None:
         """Ctrl-C: a KeyboardInterrupt in the cell on every rank, then the group made whole if needed."""
         self.job.supervisor.interrupt_ranks()
@@ -272,29 +302,62 @@ class Session:
         answers = result.answers
         missing = [r for r in range(self.job.world_size) if r not in answers]
         counts = {repr(a.get("counts")) for a in answers.values()}
-        if not missing and len(counts) == 1 and "{}" not in counts:
+        died = sorted(r for r, a in answers.items() if a.get("died"))
+        if not died and not missing and len(counts) == 1 and "{}" not in counts:
             result.notes.append("every rank issued the same collectives: the process group is intact")
             return
-        why = (f"rank(s) {missing} were still inside the cell" if missing else
+        why = (f"rank(s) {died} died" if died else f"rank(s) {missing} were still inside the cell" if missing else
                "the ranks issued different numbers of collectives, so one was left half done")
-        n = self._put({"kind": "reconnect"})
+        self.generation += 1
+        for rank in died:  # started again now: each joins the group the others make again in the next cell
+            self.job.supervisor.replace_rank(rank, {"SDP_SESSION_JOIN": f"{self.generation}:{self.n}"})
+        n = self._put({"kind": "reconnect", "generation": self.generation, "replaced": died})
         rec = CellResult(n, list(range(self.job.world_size)))
-        deadline_result = time.monotonic() + 60
+        wait = 60 + (60 if died else 0)  # a replacement starts its interpreter and torch first
+        deadline_result = time.monotonic() + wait
         # the stuck ranks answer the failed cell first (their collective fails once the others reconnect)
         while len(answers) < self.job.world_size or len(rec.answers) < self.job.world_size:
             self._check_alive()
             self._read_answers(result)
             self._read_answers(rec)
-            if time.monotonic() > deadline_result:
+            if self._read_deaths(rec) or time.monotonic() > deadline_result:
+                lost = self.job.supervisor.lost_ranks()
+                more = f"; rank {min(lost)} died again: {lost[min(lost)]}" if lost else ""
                 raise SessionError(f"session {self.job.name}: the process group could not be made again within "
-                                   f"60 s ({why}); stop the session (%sdp_session stop) and start a new one",
-                                   self.job)
+                                   f"{wait} s ({why}){more}; stop the session (%sdp_session stop) and start a "
+                                   "new one", self.job)
             time.sleep(POLL)
         broken = [r for r, a in rec.answers.items() if not a.get("ok")]
         if broken:
             raise SessionError(f"session {self.job.name}: rank {broken[0]}: {rec.answers[broken[0]].get('error')}; "
                                "stop the session (%sdp_session stop) and start a new one", self.job)
-        result.notes.append(f"process group reconnected ({why}): {rec.answers[0].get('note')}")
+        survivor = next(r for r in range(self.job.world_size) if r not in died)
+        result.notes.append(f"process group reconnected ({why}): {rec.answers[survivor].get('note')}")
+        for rank in died:
+            joined = rec.answers[rank]
+            self.ready[rank] = {**self.ready.get(rank, {}), "pid": joined.get("pid"), "host": joined.get("host")}
+            self.replacements.append({"rank": rank, "cell": result.n, "why": answers[rank]["error"].splitlines()[0],
+                                      "pid": joined.get("pid")})
+            result.notes.append(
+                f"rank {rank} was started again and joined the process group: every variable it had is gone "
+                f"(the other ranks kept theirs). On it `sdp_replaced` is True: rebuild what it needs there "
+                f"(%%sdp_px --ranks {rank}) and copy state from a live rank, e.g. "
+                "sdp_jupyter.checkpoint.broadcast_state(model, optimizer) on every rank")
+
+
+def describe(status: dict) -> str:
+    """Session.status() as the lines %sdp_session status prints."""
+    s, last = status, status["last_cell"]
+    lines = [f"session {s['name']}: {s['state']}, {s['world_size']} ranks, {s['cells']} cell(s) run"]
+    for rank in range(s["world_size"]):
+        rss = s["rss"].get(rank, 0) / 2 ** 20
+        lines.append(f"  rank {rank}: on {s['hosts'].get(rank, '?')}, {rss:.0f} MiB resident")
+    if last is not None:
+        failed = f", failed on {last['failed']}" if last["failed"] else ""
+        lines.append(f"  last cell: {last['n']} on ranks {last['ranks']}, {last['seconds']:.3f} s{failed}")
+    for r in s.get("replacements", []):
+        lines.append(f"  rank {r['rank']} started again in cell {r['cell']} (pid {r['pid']}) after: {r['why']}")
+    return "\n".join(lines)
 
 
 _CURRENT: Session | None = None  # this kernel's session (%sdp_session, %%sdp_px)

@@ -47,8 +47,9 @@ class Run:
         raise NotImplementedError
 
     # an interactive session's channel (launch/kernel/session.py); the targets that can run one implement it
-    def open_session(self) -> None:
-        """From now on the ranks' session answers come back into the job directory."""
+    def open_session(self, replace: bool = False) -> None:
+        """From now on the ranks' session answers come back into the job directory. `replace`: a rank
+        that dies waits in lost_ranks() for replace_rank instead of failing the job (where supported)."""
 
     def put_session_file(self, name: str, data: bytes) -> None:
         """Give every rank the session file `name` (a cell)."""
@@ -56,6 +57,15 @@ class Run:
 
     def interrupt_ranks(self) -> None:
         """A KeyboardInterrupt in the cell each rank is running (launch/rank/session.py: INTERRUPT)."""
+        raise NotImplementedError
+
+    def lost_ranks(self) -> dict:
+        """A session's ranks that died and wait for replace_rank: {rank: why}. Targets that cannot start
+        one rank again end the session instead (the job fails) and return {}."""
+        return {}
+
+    def replace_rank(self, rank: int, env: dict) -> None:
+        """Start a session's dead rank again with its environment plus `env`."""
         raise NotImplementedError
 
     def kill_now(self) -> None:

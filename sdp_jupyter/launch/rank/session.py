@@ -9,7 +9,8 @@ runs the cells meant for it and answers with a `done` file (which the agents sen
 not sockets: the same path on every target, and nothing listens.
 
     ready-R.pkl        rank R has its process group: {pid, host, rss}
-    cell-N.pkl         cell N: {kind: run | reconnect | stop, code, ranks, want: none | result | gather, push}
+    cell-N.pkl         cell N: {kind: run | reconnect | stop, code, ranks, want: none | result | gather, push,
+                               generation and replaced (reconnect)}
     done-N-R.pkl       rank R's answer to cell N: {ok, error, interrupted, value, seconds, counts, rss}
 
 A cell is interrupted with SIGUSR2 (a KeyboardInterrupt inside the cell, nothing between cells);
@@ -17,6 +18,11 @@ SIGINT stays the job's Stop. After a cell that failed somewhere the notebook may
 the smddp backend then builds its engine connections anew under the same group objects, so a DDP
 model made before keeps working; another backend's default group is destroyed and made again
 (objects built on the old one must be made again, which the answer says).
+
+A rank that dies is started again by its supervisor with SDP_SESSION_JOIN=<generation>:<cell>: it
+connects at that generation while the others reconnect in that cell, answers it, and serves the cells
+after it, with an empty namespace but for `sdp_replaced = True` (rank 0 holds the session's store:
+its death ends the session).
 """
 from __future__ import annotations
 
@@ -81,18 +87,33 @@ class RankSession:
     def _init_group(self) -> None:
         import torch.distributed as dist
 
-        dist.init_process_group(self.backend, store=dist.PrefixStore(f"session-{self.generation}", self._store),
+        if self.backend == "smddp":  # one store prefix for the session's life; generations are the engine's
+            from sdp_jupyter.torch.process_group import set_generation
+
+            set_generation(self.generation)
+            prefix = "session"
+        else:
+            prefix = f"session-{self.generation}"
+        dist.init_process_group(self.backend, store=dist.PrefixStore(prefix, self._store),
                                 rank=self.rank, world_size=self.world)
 
-    def reconnect(self) -> str:
-        """Make the group usable again after a cell left collectives half done on some ranks."""
+    def reconnect(self, generation: int | None = None, replaced: list | None = None) -> str:
+        """Make the group usable again after a cell left collectives half done on some ranks, or with
+        the ranks in `replaced` started anew (they join by connecting at the same `generation`)."""
         import torch.distributed as dist
 
-        self.generation += 1
+        self.generation = self.generation + 1 if generation is None else int(generation)
+        if replaced:  # a replaced rank has none of the groups made for --ranks cells: they go, everywhere
+            for group in self._groups.values():
+                try:
+                    dist.destroy_process_group(group)
+                except Exception:  # noqa: BLE001 - a group whose engine the death broke
+                    pass
+            self._groups.clear()
         if self.backend == "smddp":
             from sdp_jupyter.torch.process_group import reconnect_all
 
-            reconnect_all(lambda name: dist.PrefixStore(f"session-{self.generation}-{name}", self._store))
+            reconnect_all(self.generation, default_only=bool(replaced))
             return "the smddp engine's connections were made anew under the same process groups: models " \
                    "wrapped in DistributedDataParallel before keep working"
         dist.destroy_process_group()
@@ -150,7 +171,7 @@ class RankSession:
         answer: dict = {"ok": True, "ran": False}
         if cell["kind"] == "reconnect":
             try:
-                answer["note"] = self.reconnect()
+                answer["note"] = self.reconnect(cell.get("generation"), cell.get("replaced"))
             except Exception as e:  # noqa: BLE001
                 answer.update(ok=False, error=f"the process group could not be made again: {type(e).__name__}: {e}")
             return answer
@@ -201,19 +222,33 @@ class RankSession:
 
     def serve(self) -> None:
         signal.signal(INTERRUPT, _interrupt)
+        # a replacement for a rank that died (SDP_SESSION_JOIN=generation:cell): it joins the group the
+        # others make again in that cell, answers it, and goes on from the next one
+        join = os.environ.pop("SDP_SESSION_JOIN", "")
+        n = 0
+        if join:
+            generation, n = (int(v) for v in join.split(":"))
+            self.generation = generation
+        self.ns["sdp_replaced"] = bool(join)  # a cell can rebuild what only this rank lost
         self.connect()
         self.ready()
-        n = 0
+        if join:
+            self._answer(n, {"ok": True, "ran": False, "joined": True, "pid": os.getpid(),
+                             "host": socket.gethostname(),
+                             "note": f"rank {self.rank} started anew and joined the process group"})
+            n += 1
         while True:
             cell = self.next_cell(n)
             if cell["kind"] == "stop":
                 return
-            answer = self.run(cell)
-            answer.update(counts=self.counts(), rss=_rss())
-            sys.stdout.flush()
-            sys.stderr.flush()
-            jobdir.write_private(jobdir.session_done_path(self.folder, n, self.rank), _dumps(answer))
+            self._answer(n, self.run(cell))
             n += 1
+
+    def _answer(self, n: int, answer: dict) -> None:
+        answer.update(counts=self.counts(), rss=_rss())
+        sys.stdout.flush()
+        sys.stderr.flush()
+        jobdir.write_private(jobdir.session_done_path(self.folder, n, self.rank), _dumps(answer))
 
 
 def _dumps(value) -> bytes:
