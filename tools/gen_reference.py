@@ -49,6 +49,7 @@ ENTRY_POINTS = {
     "sdp_jupyter.launch.host.warm": ("help", True),
     "sdp_jupyter.launch.rank.worker": ("doc", True),
     "sdp_jupyter.launch.rank.sagemaker_entry": ("doc", True),
+    "sdp_jupyter.launch.rank.store_server": ("doc", True),
 }
 
 

@@ -91,6 +91,7 @@ class Agent:
         self._live: set[int] = set()  # the ranks of this attempt whose process runs
         self._stopping = threading.Event()  # set by stop: a session's node stops waiting for respawns
         self._session_job = False
+        self._store = None  # a session's store process on node 0 (launch/host/session_store.py)
 
     def send(self, message: dict) -> None:
         data = encode(message)
@@ -192,6 +193,10 @@ class Agent:
 
             if pool.get("fingerprint") != warm.fingerprint():
                 pool, reason = None, "the installed code changed since the pool on this host started"
+        if node == 0 and spec.env.get("SDP_SESSION_STORE") and self._store is None:
+            from sdp_jupyter.launch.host import session_store
+
+            self._store = session_store.start(job_dir, self.addr, int(m["master_port"]))
         node_ranks = NodeRanks(job_dir, lambda rank, raw: self.send(
             {"type": "out", "rank": rank, "text": raw.decode("utf-8", errors="replace")}), name="sdp-agent")
         for local_rank in range(ppn):
@@ -209,6 +214,10 @@ class Agent:
         self._live = set(self._envs)
         self._stopping.clear()
         self._session_job = bool(m.get("session"))
+        if self._store is not None:
+            from sdp_jupyter.launch.host import session_store
+
+            session_store.ready(self._store)
         if m.get("session"):
             self._session({})  # relay the session's answers (as a `session {}` frame would)
         self.send({"type": "started", "warm": pool is not None, "reason": reason})
@@ -332,6 +341,11 @@ class Agent:
             self._attempt_thread.join(timeout=10)
         ranks.stop_samplers(self._samplers)
         self._samplers = []
+        if self._store is not None:
+            from sdp_jupyter.launch.host import session_store
+
+            session_store.stop(self._store)
+            self._store = None
 
     def _remove_files(self) -> None:
         """After the job: everything but the checkpoints (a later job of the name may resume from them)."""

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from sdp_jupyter import jobdir
 from sdp_jupyter.launch.kernel import backend_verdict
-from sdp_jupyter.launch.host import ranks
+from sdp_jupyter.launch.host import ranks, session_store
 from sdp_jupyter.launch.host.node import NodeRanks, ViewCut
 from sdp_jupyter.launch.kernel import supervise
 from sdp_jupyter.launch.kernel import warm_pool
@@ -79,7 +79,8 @@ class LocalRun(supervise.Run):
         self.warm_choice = launcher.start_choice(self.spec)
         self._node: NodeRanks | None = None  # this attempt's ranks (every node of a local job is on this host)
         self._samplers: list[subprocess.Popen] = []
-        self._session = False  # a session's job that replaces its dead ranks (other than rank 0)
+        self._session = False  # a session's job that replaces its dead ranks
+        self._store = None  # a session's store process (launch/host/session_store.py), when it has one
         self._lost: dict[int, str] = {}  # the session's dead ranks waiting for replace_rank: {rank: why}
         self._live: set[int] = set()  # the ranks whose process runs
         self._rank_env: dict[int, dict] = {}  # each rank's environment in this attempt (a replacement's too)
@@ -114,6 +115,7 @@ class LocalRun(supervise.Run):
             self._terminate()
         finally:
             self._stop_samplers()
+            session_store.stop(self._store)
             if self._node is not None:
                 self._node.join_readers()
             supervise.unregister(self)
@@ -131,12 +133,16 @@ class LocalRun(supervise.Run):
             if text is not None:
                 self.job.emit_output(rank, text)
 
+        if self.spec.env.get("SDP_SESSION_STORE") and self._store is None:
+            self._store = session_store.start(self.job.dir, "127.0.0.1", port)
         node = self._node = NodeRanks(self.job.dir, shown, name=f"sdp-{self.job.name}")
         self._live = set(range(self.world_size))
         for rank in range(self.world_size):
             env = self._rank_env[rank] = self.environment(rank, attempt, port)
             env["SDP_SCRIPT"] = script
             node.add(rank, self._spawn(ranks.WORKER, env))
+        if self._store is not None:
+            session_store.ready(self._store)
         self.job.update_status(state="running", started=self.job.status.get("started") or time.time(),
                          port=port, pids=node.pids)
         codes: list = [None] * self.world_size
@@ -155,7 +161,7 @@ class LocalRun(supervise.Run):
             self._live.discard(rank)
             if code != 0:
                 node.last_lines(rank)  # its last lines, for the error
-                if self._session and rank != 0:  # the session replaces it (replace_rank) and goes on
+                if self._session:  # the session replaces it (replace_rank) and goes on
                     self._lost[rank] = ranks.failure_message(self.job, rank, f"rank {rank}", code)
                     continue
                 error = self._failure_message(rank, code)
@@ -235,7 +241,7 @@ class LocalRun(supervise.Run):
     def kill_now(self) -> None:
         """At interpreter exit: no grace, nothing may survive us."""
         self._stop.set()
-        procs = (self._node.procs if self._node else []) + self._samplers
+        procs = (self._node.procs if self._node else []) + self._samplers + ([self._store] if self._store else [])
         for p in procs:
             ranks.signal_group(p.pid, signal.SIGTERM)
         deadline = time.monotonic() + 1.0

@@ -118,7 +118,7 @@ class RemoteRun(supervise.Run):
         self._starts: dict[int, tuple[bool, str | None]] = {}  # node -> (warm, why cold) this attempt
         self._links_closed = threading.Event()  # set by close_all: the pings stop
         self.session = False  # an interactive session's job: the agents send the ranks' answers back
-        self._replace = False  # a session's job that replaces its dead ranks (other than rank 0)
+        self._replace = False  # a session's job that replaces its dead ranks
         self._lost: dict[int, str] = {}  # the session's dead ranks waiting for replace_rank: {rank: why}
         self._replacing: dict[int, str] = {}  # asked to start again, not yet answered: {rank: why}
         supervise.Run.__init__(self, f"sdp-{spec.target}-{spec.name}")
@@ -330,7 +330,7 @@ class RemoteRun(supervise.Run):
             elif kind == "exit":
                 rank, code = int(message["rank"]), int(message["code"])
                 codes[rank] = code
-                if code != 0 and self._replace and rank != 0:  # the session replaces it (replace_rank)
+                if code != 0 and self._replace:  # the session replaces it (replace_rank)
                     node, local_rank = divmod(rank, spec.procs_per_node)
                     self._lost[rank] = ranks.failure_message(self.job, rank, f"rank {rank} (on host "
                                                              f"{self.hosts[node]})", code)

@@ -12,8 +12,7 @@ ranks still running and reconnects the process group on every rank (launch/rank/
 that keeps). The session stays up. On smddp a rank that dies is started again by its supervisor (the
 local run, or its host's agent): it joins the group the others reconnect, with an empty namespace, and
 the cell's error says what it lost. On another backend (a gloo collective can wait on a dead peer until
-its timeout), for rank 0 (it holds the session's store) and for a lost host, a death ends the session
-(the job fails, naming the rank).
+its timeout) and for a lost host, a death ends the session (the job fails, naming the rank).
 """
 from __future__ import annotations
 
@@ -129,14 +128,17 @@ class Session:
         if spec.script is not None or spec.result:
             raise SpecError("--result" if spec.result else "script",
                             "a session runs the cells you give it: use %%sdp_px --result NAME per cell")
-        spec = spec.replace(code=SCRIPT, init_process_group=False)
+        # smddp's collectives fail at once when a peer dies, and its engine reconnects in place: a dead
+        # rank can be replaced (its store then runs in a process of its own, so rank 0 can be too).
+        # gloo's may wait on the dead peer until its timeout: a death ends the session
+        replace = spec.backend == "smddp"
+        spec = spec.replace(code=SCRIPT, init_process_group=False,
+                            env={**spec.env, "SDP_SESSION_STORE": "1"} if replace else spec.env)
         job = api.launch(spec, push=push)
         job.update_status(session=True)
         session = cls(job)
         jobdir.ensure_private_dir(session.folder)
-        # smddp's collectives fail at once when a peer dies, and its engine reconnects in place: a dead
-        # rank can be replaced. gloo's may wait on the dead peer until its timeout: a death ends the session
-        job.supervisor.open_session(replace=spec.backend == "smddp")
+        job.supervisor.open_session(replace=replace)
         try:
             session._wait_ready(wait)
         except BaseException:
@@ -342,7 +344,7 @@ class Session:
                 f"rank {rank} was started again and joined the process group: every variable it had is gone "
                 f"(the other ranks kept theirs). On it `sdp_replaced` is True: rebuild what it needs there "
                 f"(%%sdp_px --ranks {rank}) and copy state from a live rank, e.g. "
-                "sdp_jupyter.checkpoint.broadcast_state(model, optimizer) on every rank")
+                f"sdp_jupyter.checkpoint.broadcast_state(model, optimizer, src={survivor}) on every rank")
 
 
 def describe(status: dict) -> str:

@@ -21,8 +21,8 @@ model made before keeps working; another backend's default group is destroyed an
 
 A rank that dies is started again by its supervisor with SDP_SESSION_JOIN=<generation>:<cell>: it
 connects at that generation while the others reconnect in that cell, answers it, and serves the cells
-after it, with an empty namespace but for `sdp_replaced = True` (rank 0 holds the session's store:
-its death ends the session).
+after it, with an empty namespace but for `sdp_replaced = True`. Such a session's store runs in a
+process of its own (SDP_SESSION_STORE=1, launch/host/session_store.py), so rank 0 can die too.
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ import traceback
 
 from sdp_jupyter import jobdir
 from sdp_jupyter import backends
-from sdp_jupyter._env import env_float
+from sdp_jupyter._env import env_float, env_str
 
 SCRIPT = "from sdp_jupyter.launch.rank.session import serve as _sdp_serve\n_sdp_serve(globals())\n"
 INTERRUPT = signal.SIGUSR2
@@ -80,8 +80,12 @@ class RankSession:
             import sdp_jupyter.torch  # noqa: F401  registers the backend
         import datetime
 
-        self._store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), self.world,
-                                    self.rank == 0, timeout=datetime.timedelta(seconds=timeout))
+        # the store runs in its own process (launch/host/session_store.py) when ranks are replaced on
+        # death, rank 0 among them; else rank 0 hosts it
+        master = self.rank == 0 and not env_str("SDP_SESSION_STORE")
+        self._store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                    self.world, master,
+                                    timeout=datetime.timedelta(seconds=timeout))
         self._init_group()
 
     def _init_group(self) -> None:
