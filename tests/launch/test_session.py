@@ -60,9 +60,8 @@ def test_pushed_values_arrive_and_a_dead_rank_ends_the_session_naming_it(jobs_di
         s.stop()
 
 
-# The remote session tests leave out the cell that raises on rank 2 (and the reconnect after it): in
-# the whole suite's run that step hung on SSH, Ray and Slurm alike, while it passes every time when
-# these modules run alone (cause not found yet; the local tests and the browser test keep it).
+# The cells driver (helpers/remote_jobs.py, shared with the Ray and Slurm session tests): a gather, a
+# cell that raises on rank 2 and the reconnect after it, an interrupt, rank 2 SIGKILLed and replaced, stop.
 @pytest.mark.slow
 def test_a_session_on_the_ssh_hosts_keeps_its_ranks_between_cells(ssh_hosts, hosts, tmp_path):
     args = {"target": "ssh", "ssh": {"hosts": ssh_hosts.hosts, "config": str(ssh_hosts.config)},
