@@ -93,6 +93,49 @@ def test_agent_frames_round_trip_and_refuse_garbage():
         channel.decode(io.BytesIO(frame[:-1]))
 
 
+def test_an_agent_whose_session_store_starts_slowly_keeps_reading_its_launchers_frames(tmp_path):
+    """Node 0's agent starts a session's store (launch/host/session_store.py). It once waited for it
+    inside its frame loop, read no ping meanwhile, and gave the launcher up (exit 3) when the store took
+    longer than the heartbeat timeout: in the whole suite, the Ray session's node 0 did."""
+    import subprocess
+    import sys
+
+    # a store that says "ready" after 4 s, with the agent's heartbeat timeout at 2 s
+    code = ("import subprocess, sys\n"
+            "from sdp_jupyter.launch.host import session_store\n"
+            "def slow(job_dir, addr, port):\n"
+            "    p = subprocess.Popen(['sh', '-c', 'sleep 4; echo ready; cat'], stdin=subprocess.PIPE, "
+            "stdout=subprocess.PIPE)\n"
+            "    p.where = 'a test store'\n"
+            "    return p\n"
+            "session_store.start = slow\n"
+            "import sdp_jupyter.launch.host.agent as a\n"
+            "sys.exit(a.main())\n")
+    env = dict(os.environ, SDP_AGENT_DIR=str(tmp_path))
+    agent = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+    try:
+        assert channel.decode(agent.stdout)["type"] == "hello"
+        spec = JobSpec(code="x", name="slow-store", nodes=1, procs_per_node=1, env={"SDP_SESSION_STORE": "1"})
+        agent.stdin.write(channel.encode({
+            "type": "start", "spec": spec.to_dict(), "node": 0, "secret": "s" * 64, "master_addr": "127.0.0.1",
+            "master_port": 1, "attempt": 0, "script": channel.b64(b"import time\ntime.sleep(30)\n"),
+            "push": None, "heartbeat_timeout": 2.0, "session": True}))
+        agent.stdin.flush()
+        deadline = time.monotonic() + 6
+        while time.monotonic() < deadline:  # pings every 0.5 s, as the launcher's keep-alive does
+            agent.stdin.write(channel.encode({"type": "ping"}))
+            agent.stdin.flush()
+            time.sleep(0.5)
+            assert agent.poll() is None, f"the agent gave up its launcher (exit {agent.returncode})"
+        agent.stdin.write(channel.encode({"type": "bye"}))
+        agent.stdin.flush()
+        assert agent.wait(timeout=20) == 0
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()
+
+
 class _LocalAgentLink(ssh_target.SSHLink):
     """An SSH link whose 'ssh' is a local agent started `delay` seconds late, hearing nothing for 2 s
     enough to stop (the real agent gives up after 15 s)."""

@@ -214,10 +214,8 @@ class Agent:
         self._live = set(self._envs)
         self._stopping.clear()
         self._session_job = bool(m.get("session"))
-        if self._store is not None:
-            from sdp_jupyter.launch.host import session_store
-
-            session_store.ready(self._store)
+        if self._store is not None:  # awaited aside: this loop must go on reading (the launcher's pings)
+            threading.Thread(target=self._store_ready, daemon=True, name="sdp-agent-store").start()
         if m.get("session"):
             self._session({})  # relay the session's answers (as a `session {}` frame would)
         self.send({"type": "started", "warm": pool is not None, "reason": reason})
@@ -228,6 +226,17 @@ class Agent:
                 self._samplers.append(sampler)
         self._attempt_thread = threading.Thread(target=self._watch, args=(node_ranks,), daemon=True, name="sdp-agent-watch")
         self._attempt_thread.start()
+
+    def _store_ready(self) -> None:
+        """The session's store listens, or the launcher hears why not (the job then fails)."""
+        from sdp_jupyter.launch.host import session_store
+
+        store = self._store
+        try:
+            session_store.ready(store)
+        except RuntimeError as e:
+            if self._store is store:
+                self.send({"type": "error", "message": str(e)})
 
     def _watch(self, node_ranks) -> None:
         tailer_stop = threading.Event()
