@@ -158,6 +158,20 @@ def _expected_after_the_leave() -> list[float]:
     return model.weight.flatten().tolist()
 
 
+def _wait_listening(port: int, proc, timeout: float = 90.0) -> None:
+    import socket
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise AssertionError(f"the first torchrun agent did not listen on {port} within {timeout:g} s "
+                         f"(exit {proc.poll()})")
+
+
 def test_smddp_goes_on_with_two_nodes_when_the_third_leaves_under_torchrun_nnodes_2_3(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(TRAIN)
@@ -174,8 +188,9 @@ def test_smddp_goes_on_with_two_nodes_when_the_third_leaves_under_torchrun_nnode
         with open(logs[i], "w") as log:
             agents.append(subprocess.Popen(cmd, env={**env, "LEAVER": leaver}, stdout=log,
                                            stderr=subprocess.STDOUT, cwd=str(tmp_path)))
-        if i == 0:
-            time.sleep(0.5)  # the first agent hosts the rendezvous store
+        if i == 0:  # the first agent must host the rendezvous store: the others start once it listens.
+            _wait_listening(port, agents[0])  # (a fixed 0.5 s head start lost to a loaded machine: the
+            # leaver hosted the store, and its death took the rendezvous with it)
     try:
         for p in agents:
             p.wait(timeout=180)
