@@ -20,7 +20,6 @@ frame, so it is never on a command line, in the host's environment or in a file.
                         started {warm, reason}      how this attempt's ranks started (warm: forked
                                                     from the kernel's pool on this host, launch/host/warm.py)
                         done {codes}                every rank of the attempt has ended
-                        respawned {rank, pid}       a session's dead rank was started again
                         ping {}                     every HEARTBEAT_EVERY seconds
                         error {message}             the agent cannot go on (bad frame, cannot start)
                         session {name, data}        an interactive session's answer file (ready-R,
@@ -43,6 +42,7 @@ there between restarts; the rest is removed when the launcher says `bye`.
 from __future__ import annotations
 
 import os
+import queue
 import shutil
 import socket
 import sys
@@ -242,8 +242,6 @@ class Agent:
         tailer_stop = threading.Event()
         tailer = threading.Thread(target=self._tail_metrics, args=(tailer_stop,), daemon=True)
         tailer.start()
-        import queue
-
         codes = {}
         # a session's node whose rank died stays up for the launcher's respawn (or stop)
         while self._live or (self._session_job and any(codes.values()) and not self._stopping.is_set()):
@@ -290,7 +288,6 @@ class Agent:
         proc = ranks.spawn({**self._envs[rank], "SDP_SESSION_JOIN": join})
         self._live.add(rank)
         self._node.add(rank, proc)
-        self.send({"type": "respawned", "rank": rank, "pid": proc.pid})
 
     def _interrupt(self) -> None:
         from sdp_jupyter.launch.host.ranks import signal_rank

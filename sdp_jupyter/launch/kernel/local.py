@@ -209,14 +209,12 @@ class LocalRun(supervise.Run):
     def lost_ranks(self) -> dict:
         return dict(self._lost)
 
-    def replace_rank(self, rank: int, env: dict) -> None:
+    def replace_rank(self, rank: int, join: str) -> None:
         why = self._lost.pop(rank)
-        proc = self._spawn(ranks.WORKER, {**self._rank_env[rank], **env})
+        proc = self._spawn(ranks.WORKER, {**self._rank_env[rank], "SDP_SESSION_JOIN": join})
         self._live.add(rank)
         self._node.add(rank, proc)
-        replaced = self.job.status.get("replacements") or []
-        self.job.update_status(pids=self._node.pids, replacements=replaced + [
-            {"rank": rank, "at": time.time(), "why": why.splitlines()[0], "pid": proc.pid}])
+        self.job.update_status(pids=self._node.pids)
         self._line(rank, f"[sdp_jupyter] rank {rank} started again (pid {proc.pid}) after: {why.splitlines()[0]}\n")
 
     def put_session_file(self, name: str, data: bytes) -> None:

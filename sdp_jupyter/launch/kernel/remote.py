@@ -120,7 +120,6 @@ class RemoteRun(supervise.Run):
         self.session = False  # an interactive session's job: the agents send the ranks' answers back
         self._replace = False  # a session's job that replaces its dead ranks
         self._lost: dict[int, str] = {}  # the session's dead ranks waiting for replace_rank: {rank: why}
-        self._replacing: dict[int, str] = {}  # asked to start again, not yet answered: {rank: why}
         supervise.Run.__init__(self, f"sdp-{spec.target}-{spec.name}")
 
     # ---------------------------------------------------------------- before the job exists
@@ -331,15 +330,11 @@ class RemoteRun(supervise.Run):
                 rank, code = int(message["rank"]), int(message["code"])
                 codes[rank] = code
                 if code != 0 and self._replace:  # the session replaces it (replace_rank)
-                    node, local_rank = divmod(rank, spec.procs_per_node)
-                    self._lost[rank] = ranks.failure_message(self.job, rank, f"rank {rank} (on host "
-                                                             f"{self.hosts[node]})", code)
+                    self._lost[rank] = ranks.failure_message(self.job, rank, self._who(rank), code)
                     continue
                 if code != 0 and failure is None:
                     failure = self._failure_message(rank, code)
                     return self._fail(failure, codes, done)
-            elif kind == "respawned":
-                self._respawned(int(message["rank"]), int(message["pid"]))
             elif kind == "result":
                 self._mirror_files.replace(job.dir / jobdir.RESULT, channel.unb64(message["data"]))
             elif kind == "done":
@@ -422,16 +417,9 @@ class RemoteRun(supervise.Run):
     def lost_ranks(self) -> dict:
         return dict(self._lost)
 
-    def replace_rank(self, rank: int, env: dict) -> None:
-        self._replacing[rank] = self._lost.pop(rank)
-        self.conns[rank // self.spec.procs_per_node].send({"type": "respawn", "rank": rank,
-                                                          "join": env["SDP_SESSION_JOIN"]})
-
-    def _respawned(self, rank: int, pid: int) -> None:
-        why = self._replacing.pop(rank, "")
-        replaced = self.job.status.get("replacements") or []
-        self.job.update_status(replacements=replaced + [
-            {"rank": rank, "at": time.time(), "why": why.splitlines()[0] if why else "", "pid": pid}])
+    def replace_rank(self, rank: int, join: str) -> None:
+        self._lost.pop(rank)
+        self.conns[rank // self.spec.procs_per_node].send({"type": "respawn", "rank": rank, "join": join})
 
     def put_session_file(self, name: str, data: bytes) -> None:
         for conn in self.conns:
@@ -461,9 +449,11 @@ class RemoteRun(supervise.Run):
     def _failure_message(self, rank: int, code: int) -> str:
         self.job.update_status(first_failure={"rank": rank, "code": code,  # the flight recorder's cause
                                               "host": self.hosts[rank // self.spec.procs_per_node]})
+        return ranks.failure_message(self.job, rank, self._who(rank), code)
+
+    def _who(self, rank: int) -> str:
         node, local_rank = divmod(rank, self.spec.procs_per_node)
-        return ranks.failure_message(self.job, rank, f"rank {rank} (node {node} on host {self.hosts[node]}, "
-                                     f"local rank {local_rank})", code)
+        return f"rank {rank} (node {node} on host {self.hosts[node]}, local rank {local_rank})"
 
     def _write_agent_logs(self) -> None:
         for conn in self.conns:

@@ -312,7 +312,7 @@ class Session:
                "the ranks issued different numbers of collectives, so one was left half done")
         self.generation += 1
         for rank in died:  # started again now: each joins the group the others make again in the next cell
-            self.job.supervisor.replace_rank(rank, {"SDP_SESSION_JOIN": f"{self.generation}:{self.n}"})
+            self.job.supervisor.replace_rank(rank, f"{self.generation}:{self.n}")
         n = self._put({"kind": "reconnect", "generation": self.generation, "replaced": died})
         rec = CellResult(n, list(range(self.job.world_size)))
         wait = 60 + (60 if died else 0)  # a replacement starts its interpreter and torch first
@@ -339,12 +339,14 @@ class Session:
             joined = rec.answers[rank]
             self.ready[rank] = {**self.ready.get(rank, {}), "pid": joined.get("pid"), "host": joined.get("host")}
             self.replacements.append({"rank": rank, "cell": result.n, "why": answers[rank]["error"].splitlines()[0],
-                                      "pid": joined.get("pid")})
+                                      "pid": joined.get("pid"), "at": time.time()})
             result.notes.append(
                 f"rank {rank} was started again and joined the process group: every variable it had is gone "
                 f"(the other ranks kept theirs). On it `sdp_replaced` is True: rebuild what it needs there "
                 f"(%%sdp_px --ranks {rank}) and copy state from a live rank, e.g. "
                 f"sdp_jupyter.checkpoint.broadcast_state(model, optimizer, src={survivor}) on every rank")
+        if died:  # the job's status keeps the same record (the job view, a reopened job)
+            self.job.update_status(replacements=list(self.replacements))
 
 
 def describe(status: dict) -> str:

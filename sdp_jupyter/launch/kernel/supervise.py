@@ -64,8 +64,9 @@ class Run:
         one rank again end the session instead (the job fails) and return {}."""
         return {}
 
-    def replace_rank(self, rank: int, env: dict) -> None:
-        """Start a session's dead rank again with its environment plus `env`."""
+    def replace_rank(self, rank: int, join: str) -> None:
+        """Start a session's dead rank again, with SDP_SESSION_JOIN=`join` (generation:cell) added to its
+        environment (the session records the replacement, launch/kernel/session.py)."""
         raise NotImplementedError
 
     def kill_now(self) -> None:

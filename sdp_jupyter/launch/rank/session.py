@@ -101,12 +101,12 @@ class RankSession:
         dist.init_process_group(self.backend, store=dist.PrefixStore(prefix, self._store),
                                 rank=self.rank, world_size=self.world)
 
-    def reconnect(self, generation: int | None = None, replaced: list | None = None) -> str:
+    def reconnect(self, generation: int, replaced: list | None = None) -> str:
         """Make the group usable again after a cell left collectives half done on some ranks, or with
         the ranks in `replaced` started anew (they join by connecting at the same `generation`)."""
         import torch.distributed as dist
 
-        self.generation = self.generation + 1 if generation is None else int(generation)
+        self.generation = int(generation)
         if replaced:  # a replaced rank has none of the groups made for --ranks cells: they go, everywhere
             for group in self._groups.values():
                 try:
@@ -175,7 +175,7 @@ class RankSession:
         answer: dict = {"ok": True, "ran": False}
         if cell["kind"] == "reconnect":
             try:
-                answer["note"] = self.reconnect(cell.get("generation"), cell.get("replaced"))
+                answer["note"] = self.reconnect(cell["generation"], cell.get("replaced"))
             except Exception as e:  # noqa: BLE001
                 answer.update(ok=False, error=f"the process group could not be made again: {type(e).__name__}: {e}")
             return answer
