@@ -169,8 +169,10 @@ VARIABLES: dict[str, Var] = {v.name: v for v in (
     Var("SDP_NUM_NODES", "int", "set per job", "rank", "the job's number of nodes", internal=True),
     Var("SDP_CHECKPOINT_DIR", "str (path)", "<job dir>/checkpoints in a job, ./checkpoints outside one", "rank",
         "where `sdp_jupyter.checkpoint` saves and finds checkpoints (--checkpoint-dir)"),
-    Var("SDP_RESTART", "int", "0", "rank", "attempt number: 0, then 1, 2, ... after each --max-restarts restart",
-        internal=True),
+    Var("SDP_RESTART", "int", "0", "rank", "attempt number: 0, then 1, 2, ... after each --max-restarts restart "
+        "or elastic re-formation", internal=True),
+    Var("SDP_ELASTIC", "flag", "unset", "rank", "set to 1 in an elastic job (--nodes MIN:MAX): "
+        "`sdp_jupyter.checkpoint` keeps a copy on every node and load() gives every rank node 0's", internal=True),
     Var("SDP_SCRIPT", "str (path)", "set per job", "rank", "the script the worker runs", internal=True),
     Var("SDP_LAUNCHER_PID", "int", "set per job", "rank",
         "the launching process: a worker or sampler whose parent is not this pid exits at once", internal=True),

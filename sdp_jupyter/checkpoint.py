@@ -56,9 +56,18 @@ def _torch():
     return torch
 
 
+def _elastic() -> bool:
+    """In an elastic job (--nodes MIN:MAX) any node may be node 0 after a re-formation."""
+    return bool(env_str("SDP_ELASTIC"))
+
+
 def save(obj, name: str = DEFAULT_NAME, *, all_ranks: bool = False) -> Path | None:
-    """Write `obj` to <checkpoint dir>/<name> atomically; only rank 0 writes unless all_ranks."""
-    if not all_ranks and os.environ.get("RANK", "0") != "0":
+    """Write `obj` to <checkpoint dir>/<name> atomically; only rank 0 writes unless all_ranks. In an
+    elastic job (--nodes MIN:MAX) local rank 0 of every node writes, so each host keeps a copy and
+    the job resumes from it whichever node leaves."""
+    writes = all_ranks or os.environ.get("RANK", "0") == "0" \
+        or (_elastic() and os.environ.get("LOCAL_RANK", "0") == "0")
+    if not writes:
         return None
     directory = checkpoint_dir()
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -79,7 +88,20 @@ def load(name: str = DEFAULT_NAME, default=None, map_location="cpu", *, weights_
     refuses anything that would run code while loading: a checkpoint directory others can write
     to (a shared --checkpoint-dir) cannot be used to run code in your job. Pass
     `weights_only=False` only for a checkpoint you wrote yourself that holds other objects (an
-    older checkpoint with a pickled optimizer class, say)."""
+    older checkpoint with a pickled optimizer class, say).
+
+    In an elastic job, called after init_process_group, every rank gets node 0's copy (a broadcast):
+    a host that rejoins the job may hold an older one. Before init_process_group each rank reads its
+    own host's copy."""
+    dist = _group() if _elastic() else None
+    if dist is not None and dist.get_world_size() > 1:
+        box = [_read(name, default, map_location, weights_only) if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    return _read(name, default, map_location, weights_only)
+
+
+def _read(name: str, default, map_location, weights_only: bool):
     path = checkpoint_dir() / name
     if not path.is_file():
         return default

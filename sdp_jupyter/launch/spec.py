@@ -31,7 +31,7 @@ STARTS = ("auto", "warm", "cold")  # how ranks start: docs/warm.md
 RESERVED_ENV = frozenset(
     "RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE GROUP_RANK MASTER_ADDR MASTER_PORT "
     "SM_HOSTS SM_CURRENT_HOST SM_HPS SDP_JOB_DIR SDP_JOB_NAME SDP_JOB_SECRET SDP_NUM_NODES "
-    "SDP_BACKEND SDP_RESTART".split()
+    "SDP_BACKEND SDP_RESTART SDP_ELASTIC".split()
 )
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
@@ -41,7 +41,10 @@ _MODULE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
 
 OPTIONS: tuple[Option, ...] = (
-    Option("--nodes", "nodes", f"number of nodes ({target_options.nodes_default()})", metavar="N"),
+    Option("--nodes", "nodes", f"number of nodes ({target_options.nodes_default()}); MIN:MAX makes the job "
+           f"elastic on the {target_options.sentence(target_options.having('elastic'))} targets: a lost node is "
+           "left out and the job goes on with at least MIN, a node that returns rejoins, up to MAX "
+           "(docs/failures.md)", metavar="N|MIN:MAX"),
     Option("--procs-per-node", "procs_per_node",
            "processes per node (default: GPUs per node, or 1 on a CPU-only machine)", metavar="P"),
     Option("--backend", "backend", "torch.distributed backend: smddp (default), gloo or nccl"),
@@ -64,6 +67,9 @@ OPTIONS: tuple[Option, ...] = (
            metavar="NAME"),
     Option("--max-restarts", "max_restarts", "restart the whole job up to K times when a rank fails",
            metavar="K"),
+    Option("--elastic-wait", "elastic_wait",
+           "an elastic job (--nodes MIN:MAX) with fewer than MIN nodes waits this long for hosts to return, "
+           "then fails naming them (default: 120)", metavar="SECONDS"),
     Option("--checkpoint-dir", "checkpoint_dir",
            "checkpoint directory, SDP_CHECKPOINT_DIR (default: <job dir>/checkpoints)", metavar="DIR"),
     Option("--timeout", "timeout", "stop the job after this many seconds", metavar="SECONDS"),
@@ -157,7 +163,9 @@ class JobSpec:
     code: str | None = None
     script: str | None = None
     name: str | None = None
-    nodes: int | None = None  # None: the target decides (the SSH target's hosts, else 1)
+    nodes: int | None = None  # None: the target decides (the SSH target's hosts, else 1); MAX of MIN:MAX
+    min_nodes: int | None = None  # an elastic job's MIN (--nodes MIN:MAX); None: not elastic
+    elastic_wait: float = 120.0
     procs_per_node: int | None = None
     backend: str = "smddp"
     init_process_group: bool = False
@@ -181,8 +189,12 @@ class JobSpec:
     slurm: dict = field(default_factory=dict)
 
     def __post_init__(self):
+        if isinstance(self.nodes, str) and ":" in self.nodes:
+            low, _, high = self.nodes.partition(":")
+            self.min_nodes, self.nodes = parse_whole("--nodes", low, 1, "2:4"), parse_whole("--nodes", high, 1, "2:4")
         if self.nodes is not None:
             self.nodes = parse_whole(_flag("nodes"), self.nodes, 1, "4")
+        self._check_elastic()
         if self.procs_per_node is not None:
             self.procs_per_node = parse_whole(_flag("procs_per_node"), self.procs_per_node, 1, "1")
         self.max_restarts = parse_whole(_flag("max_restarts"), self.max_restarts, 0, "2")
@@ -244,7 +256,7 @@ class JobSpec:
         warm = [name for name, t in target_options.TARGETS.items() if t.warm]
         if self.target not in warm and (self.start == "warm" or self.preload):
             flag = "--warm" if self.start == "warm" else "--preload"
-            names = ", ".join(warm[:-1]) + f" and {warm[-1]}" if len(warm) > 1 else warm[0]
+            names = target_options.sentence(tuple(warm))
             raise SpecError(flag, f"warm starts are for the {names} targets so far, and the target is "
                                   f"{self.target}. Fix: remove {flag}")
         for target, record in target_options.TARGETS.items():  # a target's own options
@@ -264,6 +276,36 @@ class JobSpec:
             raise SpecError("parallel", f"must be a dict of hybrid-parallel options, got {self.parallel!r}")
         if self.parallel:  # checked by the advisor's layout rules; imported only by jobs that use them
             self.parallel = importlib.import_module("sdp_jupyter.launch.parallel_options").check(self)
+
+    def _check_elastic(self) -> None:
+        try:
+            self.elastic_wait = float(self.elastic_wait)
+        except (TypeError, ValueError):
+            raise SpecError("--elastic-wait", f"must be a number of seconds, got {self.elastic_wait!r}. "
+                                              "Fix: --elastic-wait 120") from None
+        if not self.elastic_wait >= 0:
+            raise SpecError("--elastic-wait", f"must be 0 or more seconds, got {self.elastic_wait}. "
+                                              "Fix: --elastic-wait 120")
+        if self.min_nodes is None:
+            return
+        self.min_nodes = parse_whole("--nodes", self.min_nodes, 1, "2:4")
+        if self.nodes is None:
+            raise SpecError("--nodes", f"an elastic job's MIN ({self.min_nodes}) needs its MAX. Fix: --nodes "
+                                       f"{self.min_nodes}:{self.min_nodes + 1}")
+        if self.min_nodes > self.nodes:
+            raise SpecError("--nodes", f"MIN:MAX is {self.min_nodes}:{self.nodes}, and MIN is more than MAX. "
+                                       f"Fix: --nodes {self.nodes}:{self.min_nodes}")
+        elastic = target_options.having("elastic")
+        if self.target not in elastic:
+            why = target_options.TARGETS[self.target].elastic_refusal or "it does not re-form a job"
+            raise SpecError("--nodes", f"MIN:MAX (an elastic job) is for the "
+                                       f"{target_options.sentence(elastic)} targets, and on --target "
+                                       f"{self.target} {why}. Fix: --nodes {self.nodes} --max-restarts 2")
+
+    @property
+    def elastic(self) -> bool:
+        """--nodes MIN:MAX: the job re-forms without a lost node (launch/kernel/elastic.py)."""
+        return self.min_nodes is not None
 
     def _check_init_process_group(self) -> None:
         if not isinstance(self.init_process_group, bool):
@@ -363,6 +405,8 @@ class JobSpec:
             value = getattr(self, opt.field)
             if value == getattr(default, opt.field) or (opt.field == "nodes" and value == self.default_nodes):
                 continue
+            if opt.field == "nodes" and self.min_nodes is not None:
+                value = f"{self.min_nodes}:{value}"
             if opt.field == "env":
                 parts += [tok for k, v in value.items() for tok in ("--env", shlex.quote(f"{k}={v}"))]
             elif opt.field == "hyperparameters":
@@ -373,7 +417,7 @@ class JobSpec:
                 parts.append("--args=" + shlex.quote(shlex.join(value)))
             elif opt.field == "push":
                 parts += ["--push", ",".join(value)]
-            elif opt.field == "timeout":
+            elif opt.field in ("timeout", "elastic_wait"):
                 parts += ["--timeout", f"{value:g}"]
             elif opt.kind in ("flag", "csv"):  # --warm / --cold (one field, two flags), --preload
                 parts += _render_key(opt, value)

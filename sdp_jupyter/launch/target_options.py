@@ -28,6 +28,8 @@ class Target:
     hybrid: bool = False          # the hybrid-parallel options (--tp, --pp, ...) reach its workers' environment
     own_hosts: bool = False       # its nodes are hosts you have (no instance type to pick); the job view names them
     catalogue: bool = False       # its nodes are instance types of the catalogue (sdp_jupyter.instances), priced
+    elastic: bool = False         # --nodes MIN:MAX: a lost node is left out, a returning one rejoins (docs/failures.md)
+    elastic_refusal: str | None = None  # why --nodes MIN:MAX is refused there (a target that is not elastic)
 
 
 SSH_OPTIONS = (
@@ -62,15 +64,20 @@ SLURM_KEYS = {"partition", "account", "time", "args"}
 
 
 TARGETS: dict[str, Target] = {
-    "local": Target(warm=True, sessions=True, hybrid=True),
+    "local": Target(warm=True, sessions=True, hybrid=True,
+                    elastic_refusal="every node runs on this one machine, so none can be lost while the others "
+                                    "go on"),
     "ssh": Target("ssh", "sdp_jupyter.launch.target_options:SSH_OPTIONS",
-                  warm=True, exclusive=True, nodes_from_hosts=True, sessions=True, own_hosts=True),
+                  warm=True, exclusive=True, nodes_from_hosts=True, sessions=True, own_hosts=True, elastic=True),
     "ray": Target("ray", "sdp_jupyter.launch.target_options:RAY_OPTIONS",
-                  warm=True, exclusive=True, sessions=True, own_hosts=True),
+                  warm=True, exclusive=True, sessions=True, own_hosts=True, elastic=True),
     "slurm": Target("slurm",
-                    "sdp_jupyter.launch.target_options:SLURM_OPTIONS", exclusive=True, sessions=True, own_hosts=True),
+                    "sdp_jupyter.launch.target_options:SLURM_OPTIONS", exclusive=True, sessions=True, own_hosts=True,
+                    elastic=True),
     "sagemaker": Target("sagemaker",
-                        "sdp_jupyter.launch.kernel.sagemaker.options:SAGEMAKER_OPTIONS", hybrid=True, catalogue=True),
+                        "sdp_jupyter.launch.kernel.sagemaker.options:SAGEMAKER_OPTIONS", hybrid=True, catalogue=True,
+                        elastic_refusal="a training job's instance count is fixed when it starts (SageMaker "
+                                        "restarts a failed job whole: --max-restarts)"),
 }
 
 
@@ -90,8 +97,13 @@ def having(flag: str) -> tuple[str, ...]:
 def listed() -> str:
     """The targets as a sentence says them ("local, ssh, ray, slurm or sagemaker"), for the help texts
     that name them (--target, sdp-train --help): a new target is named there with no edit."""
-    names = list(TARGETS)
-    return f"{', '.join(names[:-1])} or {names[-1]}"
+    return sentence(tuple(TARGETS), "or")
+
+
+def sentence(names: tuple[str, ...], last: str = "and") -> str:
+    """Names as a sentence lists them: "ssh, ray and slurm"."""
+    names = list(names)
+    return f"{', '.join(names[:-1])} {last} {names[-1]}" if len(names) > 1 else "".join(names)
 
 
 def nodes_default() -> str:

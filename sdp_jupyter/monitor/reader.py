@@ -57,6 +57,7 @@ class Frame:
     events: int = 0
     skipped_lines: int = 0
     cells: list = field(default_factory=list)      # an interactive session's cells: (seconds since start, n)
+    changes: list = field(default_factory=list)    # an elastic job's membership changes: (seconds, label)
 
     def __repr__(self) -> str:  # job.metrics() in a notebook: a summary, not every column
         def num(v, fmt):
@@ -94,6 +95,7 @@ class Metrics:
         self.events = 0
         self.has_samples = False
         self.cells: deque = deque(maxlen=window)
+        self.changes: deque = deque(maxlen=window)
         self.arrivals: deque = deque(maxlen=window)
         self._stragglers = None  # sdp_jupyter.stragglers.Stragglers of the arrivals above
 
@@ -118,6 +120,8 @@ class Metrics:
                 self.sources[ev.get("node", 0)] = ev.get("source", "?")
             elif kind == "cell":  # a session's cell began (launch/rank/session.py): a marker on the timeline
                 self.cells.append((t, ev.get("cell")))
+            elif kind == "membership":  # an elastic job re-formed (launch/kernel/elastic.py): a marker too
+                self.changes.append((t, str(ev.get("label", ""))))
             elif kind == "arrivals":  # when a rank came to its collectives (comm/flight.py): stragglers
                 self.arrivals.append(ev)
                 self._stragglers = None  # recomputed at the next frame, not at every frame
@@ -207,6 +211,7 @@ class Metrics:
             fr.comm_share = sum(c for c, _ in comms) / sum(s for _, s in comms)
         self._system_frame(fr, t0)
         fr.cells = [(t - t0, n) for t, n in self.cells]
+        fr.changes = [(t - t0, label) for t, label in self.changes]
         fr.eta_s = self._eta(fr)
         if self.arrivals and self._stragglers is None:
             from sdp_jupyter.stragglers import stragglers

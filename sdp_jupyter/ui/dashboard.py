@@ -131,7 +131,7 @@ class Dashboard(go.FigureWidget):
         self._redraws = 0
         self._errors: list[str] = []  # tracebacks from the background thread (see `errors`)
         self._titles = len(self.layout.annotations)  # the subplot titles; session cell labels come after
-        self._cells_drawn: list = []
+        self._cells_drawn: tuple = ([], [])
         self.refresh()
         if start and not self._reader.done():
             self.start()
@@ -290,26 +290,29 @@ class Dashboard(go.FigureWidget):
                 self.data[i].y = props["y"]
                 if "colors" in props:  # the straggler's bar in red
                     self.data[i].marker.color = props["colors"]
-            if fr.cells != self._cells_drawn:
-                self._draw_cells(fr.cells)
+            if (fr.cells, fr.changes) != self._cells_drawn:
+                self._draw_cells(fr.cells, fr.changes)
             self.layout.title.text = title
             self.layout.annotations[1].text = util_title
             self.layout.yaxis.title.text = fr.unit
 
 
-    def _draw_cells(self, cells: list) -> None:
-        """An interactive session's cells: a dotted line where each began, on both time panels
-        (throughput: x, utilization: x2), labelled with the cell's number above the throughput panel."""
+    def _draw_cells(self, cells: list, changes: list) -> None:
+        """Markers on both time panels (throughput: x, utilization: x2), labelled above the throughput
+        panel: an interactive session's cells (a dotted line where each began, "cell N") and an elastic
+        job's membership changes (a red line: "h3 lost: 2 nodes")."""
         shapes, labels = [], []
-        for x, n in cells:
+        marks = [(x, f"cell {n}", "#888888", "dot") for x, n in cells] + [(x, text, "#d62728", "solid")
+                                                                          for x, text in changes]
+        for x, text, color, dash in marks:
             for axis in ("x", "x2"):
                 shapes.append(dict(type="line", xref=axis, x0=x, x1=x, yref=f"{axis.replace('x', 'y')} domain",
-                                   y0=0, y1=1, line=dict(color="#888888", width=1, dash="dot")))
+                                   y0=0, y1=1, line=dict(color=color, width=1, dash=dash)))
             labels.append(dict(xref="x", x=x, yref="y domain", y=1.0, yanchor="bottom", showarrow=False,
-                               text=f"cell {n}", font=dict(size=9, color="#666666")))
+                               text=text, font=dict(size=9, color="#666666" if dash == "dot" else color)))
         self.layout.shapes = shapes
         self.layout.annotations = tuple(self.layout.annotations[:self._titles]) + tuple(labels)
-        self._cells_drawn = list(cells)
+        self._cells_drawn = (list(cells), list(changes))
 
 
 _NO_LOCK = contextlib.nullcontext()

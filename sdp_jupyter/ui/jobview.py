@@ -127,10 +127,12 @@ class StopButton(anywidget.AnyWidget):
             handler(self)
 
 
-def _problems_html(warnings: list[str], error: str | None, colour: str) -> str:
-    """The job's warnings (another backend than asked, ranks that trained independently) and its error."""
+def _problems_html(warnings: list[str], error: str | None, colour: str, membership: list[str] = ()) -> str:
+    """An elastic job's membership changes, the job's warnings (another backend than asked, ranks that
+    trained independently) and its error."""
     pre = "white-space:pre-wrap;margin:0"
-    out = [f"<pre class='sdp-warning' style='color:#b26b00;{pre}'>warning: {html.escape(t)}</pre>" for t in warnings]
+    out = [f"<pre class='sdp-membership' style='color:#555;{pre}'>membership: {html.escape(t)}</pre>"
+           for t in membership] + [f"<pre class='sdp-warning' style='color:#b26b00;{pre}'>warning: {html.escape(t)}</pre>" for t in warnings]
     if error:
         out.append(f"<pre style='color:{colour};{pre}'>{html.escape(str(error))}</pre>")
     return "".join(out)
@@ -225,11 +227,12 @@ class JobView(w.VBox):
         where = f" · <span class='sdp-where'>on {esc(job.where_label)}</span>" if job.where_label else ""
         self.header.value = (
             f"<b>{esc(job.name)}</b> · <span style='color:{colour}'><b>{esc(state)}</b></span>"
-            f" · {job.elapsed:.1f} s · {esc(spec.nodes)} node(s) × {esc(spec.procs_per_node or 1)}{where} · "
+            f" · {job.elapsed:.1f} s · {esc(job.nodes_label)} node(s) × {esc(spec.procs_per_node or 1)}{where} · "
             f"{esc(job.backend_label)}{start}{restarts} · <code>{esc(job.dir)}</code>")
         # a hang the flight recorder sees while the job runs is shown, and goes when the wait ends
         self.error.value = _problems_html(job.warnings, st.get("error") or (
-            f"waiting: {st['hang']}" if st.get("hang") else None), colour if st.get("error") else "#b26b00")
+            f"waiting: {st['hang']}" if st.get("hang") else None), colour if st.get("error") else "#b26b00",
+            job.membership)
         if state in ("succeeded", "failed", "stopped"):
             self.stop_button.disabled = True
             self.stop_button.description = "Stop"

@@ -13,6 +13,15 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent.parent
 
+# One data-parallel step of the scripts below (x, y: this rank's batch)
+_STEP = """    loss = torch.nn.functional.mse_loss(model(x), y)
+    opt.zero_grad()
+    loss.backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+    opt.step()
+"""
+
 # Seeded: the same job gives the same parameters on any target. STEPS / STEP_SLEEP make it long,
 # FAIL_FIRST makes the last rank fail in attempt 0 (for restarts).
 TRAIN = r'''
@@ -27,18 +36,38 @@ opt = torch.optim.SGD(model.parameters(), lr=0.05)
 g = torch.Generator().manual_seed(100 + rank)
 for step in range(int(os.environ.get("STEPS", "6"))):
     x, y = torch.randn(16, 256, generator=g), torch.randn(16, 8, generator=g)
-    loss = torch.nn.functional.mse_loss(model(x), y)
-    opt.zero_grad()
-    loss.backward()
-    for p in model.parameters():
-        dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
-    opt.step()
+STEP
     print(f"step {step} loss {loss.item():.4f}", flush=True)
     time.sleep(float(os.environ.get("STEP_SLEEP", "0")))
 names = [None] * world
 dist.all_gather_object(names, (socket.gethostname(), os.environ["SDP_BIND_ADDR"]))
 {"hosts": names, "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()])}
-'''
+'''.replace("STEP\n", _STEP)
+
+# An elastic job's script (--nodes MIN:MAX): it resumes from its checkpoint, saved every step, and says
+# with how many ranks each attempt starts ("attempt A world W from step S"). STEPS / STEP_SLEEP as above.
+ELASTIC_TRAIN = r'''
+import os, time, torch, torch.distributed as dist
+from sdp_jupyter import checkpoint
+dist.init_process_group("smddp")
+rank, world = dist.get_rank(), dist.get_world_size()
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Tanh(), torch.nn.Linear(128, 4))
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+state = checkpoint.load()  # after init_process_group: every rank gets node 0's copy
+start = 0
+if state:
+    model.load_state_dict(state["model"]); opt.load_state_dict(state["opt"]); start = state["step"] + 1
+print(f"attempt {os.environ['SDP_RESTART']} world {world} from step {start}", flush=True)
+for step in range(start, int(os.environ.get("STEPS", "6"))):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x, y = torch.randn(16, 64, generator=g), torch.randn(16, 4, generator=g)
+STEP
+    checkpoint.save({"step": step, "model": model.state_dict(), "opt": opt.state_dict()})
+    print(f"step {step} loss {loss.item():.4f}", flush=True)
+    time.sleep(float(os.environ.get("STEP_SLEEP", "0")))
+{"world": world, "attempt": int(os.environ["SDP_RESTART"])}
+'''.replace("STEP\n", _STEP)
 
 # A long job (STEP_SLEEP set) prints {"running"} once rank 0 is at step 2, then reads a command on
 # stdin: "stop" stops the job, anything else waits for it. Every job ends with {"state", ...}.
@@ -69,7 +98,8 @@ print(json.dumps({"state": job.state, "error": job.error, "dir": str(job.dir), "
 
 
 def drive(cluster, launch_args: dict, env: dict | None = None) -> subprocess.Popen:
-    """Start the driver on h0 with these launch() arguments; its stdin stays open for commands."""
+    """Start the driver on h0 with these launch() arguments (code: TRAIN unless given); its stdin stays
+    open for commands."""
     full = dict(env or os.environ)
     full["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), full.get("PYTHONPATH")]))
     return cluster.popen(0, [sys.executable, "-c", DRIVER, json.dumps({"code": TRAIN, **launch_args})], env=full,

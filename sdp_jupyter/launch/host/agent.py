@@ -170,7 +170,9 @@ class Agent:
         if not name or "/" in name or name.startswith("."):
             raise ValueError(f"bad job name {name!r}")
         node = int(m["node"])
-        job_dir = agent_root() / name / f"node-{node}"  # per node: a home on shared storage serves many hosts
+        # per host of the job ("slot": an elastic job renumbers its nodes; a host keeps its folder and
+        # checkpoints); per node, not per job: a home on shared storage serves many hosts
+        job_dir = agent_root() / name / f"node-{int(m.get('slot', node))}"
         if self.job_dir is None:  # first attempt: fresh files; checkpoints of an earlier run of the name kept
             jobdir.ensure_private_dir(agent_root())
             jobdir.ensure_private_dir(job_dir.parent)

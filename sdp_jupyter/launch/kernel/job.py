@@ -437,6 +437,28 @@ class Job(Shown):
         independently): status `warnings`, written when the job ends."""
         return [str(w) for w in self._read_status().get("warnings") or []]
 
+    @property
+    def nodes_label(self) -> str:
+        """How many nodes: N, or an elastic job's "now of MIN:MAX" (2 of 2:3)."""
+        if self.spec.min_nodes is None:
+            return str(self.spec.nodes)
+        now = self._read_status().get("nodes", self.spec.nodes)
+        return f"{now} of {self.spec.min_nodes}:{self.spec.nodes}"
+
+    @property
+    def membership(self) -> list[str]:
+        """An elastic job's membership changes, one line each (launch/kernel/elastic.py)."""
+        lines = []
+        for entry in self._read_status().get("membership", [])[1:]:
+            at = time.strftime("%H:%M:%S", time.localtime(entry.get("t", 0)))
+            if "returned" in entry:
+                lines.append(f"{at} host {entry['returned']} is reachable again")
+                continue
+            lost = "; ".join(f"node {h} lost: {why}" for h, why in (entry.get("lost") or {}).items())
+            lines.append(f"{at} {lost or entry.get('why')}: {entry.get('nodes')} node(s) from then "
+                         f"({', '.join(entry.get('hosts', []))})")
+        return lines
+
     def summary(self) -> str:
         """The job in a few lines: name, state, elapsed time, nodes x processes, where, backend, how the
         ranks started, restarts and directory; then any warnings, a hang or straggler, and the error."""
@@ -444,8 +466,10 @@ class Job(Shown):
         start = f", {self.start_label}" if self.start_label else ""
         where = f" on {self.where_label}" if self.where_label else ""
         line = (f"Job {self.name}: {st.get('state', 'pending')} after {self.elapsed:.1f} s "
-                f"({self.spec.nodes} node(s) x {self.spec.procs_per_node or 1} proc(s){where}, backend "
+                f"({self.nodes_label} node(s) x {self.spec.procs_per_node or 1} proc(s){where}, backend "
                 f"{self.backend_label}{start}, restarts {st.get('restarts', 0)}) in {self.dir}")
+        for change in self.membership:
+            line += "\nmembership: " + change
         for warning in self.warnings:
             line += "\nwarning: " + warning
         hang = self.hang

@@ -104,6 +104,7 @@ class RemoteRun(supervise.Run):
     python = sys.executable  # the interpreter named in "not installed" errors
     warm_after_job = True    # start the hosts' warm pools after a job, for the next (warm_pool.job_done)
     final_errors = ("timed out", "host ")  # failures --max-restarts does not restart (a lost host stays lost)
+    hello_timeout, heartbeat_timeout = HELLO_TIMEOUT, HEARTBEAT_TIMEOUT  # as elastic.py reads them
 
     def __init__(self, spec: JobSpec, hosts: list[str], launcher):
         self.spec, self.hosts, self.launcher = spec, hosts, launcher
@@ -120,7 +121,16 @@ class RemoteRun(supervise.Run):
         self.session = False  # an interactive session's job: the agents send the ranks' answers back
         self._replace = False  # a session's job that replaces its dead ranks
         self._lost: dict[int, str] = {}  # the session's dead ranks waiting for replace_rank: {rank: why}
+        self.members: list[int] | None = None  # an elastic job's formation: indexes of self.conns, node order
+        self._left: dict[int, str] = {}  # an elastic job's nodes lost in this attempt: {index of conns: why}
+        self._membership = None  # an elastic job's elastic.Membership, while it runs
+        self.preflight_missing: dict[int, str] = {}  # an elastic job's hosts that failed preflight: {index: why}
         supervise.Run.__init__(self, f"sdp-{spec.target}-{spec.name}")
+
+    def nodes(self) -> list["Link"]:
+        """The links of the nodes that run this attempt, in node order: every link, or an elastic
+        job's formation (launch/kernel/elastic.py)."""
+        return self.conns if self.members is None else [self.conns[i] for i in self.members]
 
     # ---------------------------------------------------------------- before the job exists
     def preflight(self) -> JobSpec:
@@ -169,12 +179,16 @@ class RemoteRun(supervise.Run):
                                        "Fix: " + install_fix(ours, "there"))
         ppn = spec.procs_per_node
         if ppn is None:  # GPUs per host, as locally; 1 on CPU-only hosts
-            ppn = min((max(1, int(c.hello.get("gpus") or 0)) for c in self.conns if c.hello), default=1)
+            ppn = min((max(1, int(c.hello.get("gpus") or 0)) for c in self.conns if c.hello and c.node not in problems),
+                      default=1)
         for conn in self.conns:
             short = conn.hello and backends.gpu_shortfall(spec.backend, ppn, int(conn.hello.get("gpus") or 0), "it",
                                                           "--backend smddp")
             if short and conn.node not in problems:
                 problems[conn.node] = short[1]
+        if problems and spec.elastic and len(self.conns) - len(problems) >= spec.min_nodes:
+            self.preflight_missing = problems  # an elastic job starts without them and tries them again
+            problems = {}
         if problems:
             lines = "\n".join(f"  {self.hosts[n]}: {problems[n]}" for n in sorted(problems))
             raise SpecError(self.option, f"{len(problems)} of {len(self.hosts)} host(s) cannot run the job; "
@@ -187,6 +201,11 @@ class RemoteRun(supervise.Run):
 
     def open_links(self) -> list["Link"]:
         raise NotImplementedError
+
+    def reopen(self, node: int, inbox: queue.Queue) -> "Link | None":
+        """A new link to the host of conns[node] (its agent started again), its frames going to `inbox`;
+        None where the target cannot reach a lost node again (an elastic job then goes on without it)."""
+        return None
 
     def pool_key(self, node: int) -> tuple | None:
         """The key of node's host's warm pool (launch/host/warm.py), None where the target has none."""
@@ -203,7 +222,7 @@ class RemoteRun(supervise.Run):
         from sdp_jupyter.launch.kernel import warm_pool
 
         pools = {}
-        for conn in self.conns:
+        for conn in self.nodes():
             key = self.pool_key(conn.node)
             if key is not None and warm_pool.wanted(self.warm_choice, key):
                 pools[conn.node] = self.warm_pool(conn.node, self.spec.preload)  # starts in the background
@@ -225,9 +244,9 @@ class RemoteRun(supervise.Run):
         reason = message.get("reason") or ""
         if reason.startswith("the installed code changed"):
             warm_pool.discard(self.pool_key(node))  # the next job starts a new pool there
-        if len(self._starts) < len(self.conns) or self.job.status.get("start"):
+        if len(self._starts) < len(self.nodes()) or self.job.status.get("start"):
             return
-        cold = [(n, why) for n, (is_warm, why) in sorted(self._starts.items()) if not is_warm]
+        cold = [(n, why) for n, (is_warm, why) in sorted(self._starts.items()) if not is_warm]  # n: a link's index
         if not cold:
             self.job.update_status(start="warm")
         elif all(why is None for _, why in cold):
@@ -264,9 +283,13 @@ class RemoteRun(supervise.Run):
                 for rank in range(spec.world_size):
                     self._out(rank, text)
 
-            # a lost host is not restarted onto: the job names it and ends
-            state, error, codes = supervise.with_restarts(job, self._attempt, announce, self._stop,
-                                                          final=self.final_errors)
+            if spec.elastic:  # a lost node is left out and the job re-forms (launch/kernel/elastic.py)
+                from sdp_jupyter.launch.kernel import elastic
+
+                state, error, codes = elastic.Membership(self, announce).attempts()
+            else:  # a lost host is not restarted onto: the job names it and ends
+                state, error, codes = supervise.with_restarts(job, self._attempt, announce, self._stop,
+                                                              final=self.final_errors)
         except Exception as e:  # our own bug or an OS error: the job fails with it, nothing left running
             state, error = "failed", f"the launcher failed: {type(e).__name__}: {e}"
         finally:
@@ -283,15 +306,19 @@ class RemoteRun(supervise.Run):
                                                         state))
 
     def _attempt(self, attempt: int) -> tuple[str, str | None, list]:
-        spec, job = self.spec, self.job
+        job, nodes = self.job, self.nodes()
+        spec = self.spec if self.members is None else self.spec.replace(nodes=len(nodes))  # this formation's
         world = spec.world_size
-        first = self.conns[0]
+        first = nodes[0]
+        self._left = {}
         port = self._ask_port(first)
         script = channel.b64((job.dir / jobdir.SCRIPT).read_bytes())
         self._starts = {}
         warm_fields = self._warm_fields()
-        for conn in self.conns:
-            conn.send({"type": "start", "spec": spec.to_dict(), "node": conn.node, "secret": self.secret,
+        for position, conn in enumerate(nodes):
+            # "slot": the host's folder of this job, the same whatever node number a re-formation gives it
+            conn.send({"type": "start", "spec": spec.to_dict(), "node": position, "slot": conn.node,
+                       "secret": self.secret,
                        "master_addr": first.hello["addr"], "master_port": port, "attempt": attempt,
                        "script": script, "push": channel.b64(self.push_bytes),
                        "heartbeat_timeout": HEARTBEAT_TIMEOUT, "session": self.session,
@@ -300,18 +327,23 @@ class RemoteRun(supervise.Run):
                     master_addr=first.hello["addr"])
         started = time.monotonic()
         codes: list = [None] * world
-        done: set[int] = set()
+        done: set[int] = set()  # indexes of self.conns whose node ended
+        members = {conn.node: position for position, conn in enumerate(nodes)}
         failure: str | None = None
         next_check = 0.0
-        while len(done) < len(self.conns):
+        while len(done) < len(nodes):
             now = time.monotonic()
             if now >= next_check:
                 next_check = now + channel.HEARTBEAT_EVERY
-                for conn in self.conns:
+                for conn in nodes:
                     if conn.node not in done and now - conn.last_heard > HEARTBEAT_TIMEOUT:
                         done.add(conn.node)  # lost: nobody to wait for there (its agent stops its own ranks)
-                        return self._fail(f"host {conn.host} (node {conn.node}) has not answered for "
-                                          f"{HEARTBEAT_TIMEOUT:g} s: its link or the host is down", codes, done)
+                        why = f"has not answered for {HEARTBEAT_TIMEOUT:g} s: its link or the host is down"
+                        self._left[conn.node] = why
+                        return self._fail(f"host {conn.host} (node {members[conn.node]}) {why}", codes, done)
+                if self.members is not None and self._membership.grow_now(len(nodes)):
+                    self._stop_all(done)  # a host came back: the job re-forms with it (not a failure)
+                    return "reform", self._membership.grow_reason(), codes
             if self._stop.is_set():
                 self._stop_all(done)
                 return "stopped", self._stop_reason, codes
@@ -322,6 +354,10 @@ class RemoteRun(supervise.Run):
             except queue.Empty:
                 continue
             kind = message["type"]
+            if node not in members:  # a spare of an elastic job (or a link replaced since): only its end matters
+                if kind == "eof" and self.members is not None:
+                    self._membership.spare_lost(node, message)
+                continue
             if self._mirror(message):
                 continue
             if kind == "started":
@@ -340,14 +376,19 @@ class RemoteRun(supervise.Run):
             elif kind == "done":
                 done.add(node)
             elif kind == "error":
-                return self._fail(f"host {self.hosts[node]} (node {node}): {message.get('message')}", codes, done)
+                self._left[node] = f"its agent failed: {message.get('message')}"
+                return self._fail(f"host {self.hosts[node]} (node {members[node]}): {message.get('message')}",
+                                  codes, done)
             elif kind == "eof":
-                conn = self.conns[node]
                 done.add(node)
-                said = "; ".join(line for line in list(conn.stderr)[-3:] if line)
-                return self._fail(f"host {conn.host} (node {node}): {message['why']} ({conn.kind} exit "
-                                  f"{message['code']}{': ' + said if said else ''})", codes, done)
+                self._left[node] = self._eof_reason(node, message)
+                return self._fail(f"host {self.hosts[node]} (node {members[node]}): {self._left[node]}", codes, done)
         return "succeeded", None, codes
+
+    def _eof_reason(self, node: int, message: dict) -> str:
+        conn = self.conns[node]
+        said = "; ".join(line for line in list(conn.stderr)[-3:] if line)
+        return f"{message['why']} ({conn.kind} exit {message['code']}{': ' + said if said else ''})"
 
     def _ask_port(self, conn: Link) -> int:
         conn.send({"type": "port", "range": self.spec.env.get("SDP_PORT_RANGE")})  # None: the host's own
@@ -375,19 +416,27 @@ class RemoteRun(supervise.Run):
         return "failed", error, codes
 
     def _stop_all(self, done: set) -> None:
-        """Every agent stops its ranks; wait (bounded) until each says done, keeping their last output."""
+        """Every agent stops its ranks; wait (bounded) until each says done, keeping their last output.
+        A node that ends its link or never says done is lost (`_left`: an elastic job leaves it out)."""
         g1, g2 = self.launcher.sigint_grace, self.launcher.sigterm_grace
-        for conn in self.conns:
+        nodes = {conn.node for conn in self.nodes()}
+        for conn in self.nodes():
             if conn.node not in done:
                 conn.send({"type": "stop", "sigint_grace": g1, "sigterm_grace": g2})
         deadline = time.monotonic() + g1 + g2 + 8
-        while time.monotonic() < deadline and len(done) < len(self.conns):
+        while time.monotonic() < deadline and not nodes <= done:
             try:
                 node, message = self.inbox.get(timeout=0.1)
             except queue.Empty:
                 continue
-            if not self._mirror(message) and message["type"] in ("done", "eof"):
+            if node not in nodes or self._mirror(message):
+                continue
+            if message["type"] == "eof":
+                self._left.setdefault(node, self._eof_reason(node, message))
+            if message["type"] in ("done", "eof"):
                 done.add(node)
+        for node in nodes - done:
+            self._left.setdefault(node, f"did not stop its ranks within {g1 + g2 + 8:g} s of being asked")
 
     # ---------------------------------------------------------------- mirroring into the job directory
     def _mirror(self, message: dict) -> bool:
@@ -419,19 +468,19 @@ class RemoteRun(supervise.Run):
 
     def replace_rank(self, rank: int, join: str) -> None:
         self._lost.pop(rank)
-        self.conns[rank // self.spec.procs_per_node].send({"type": "respawn", "rank": rank, "join": join})
+        self.nodes()[rank // self.spec.procs_per_node].send({"type": "respawn", "rank": rank, "join": join})
 
     def put_session_file(self, name: str, data: bytes) -> None:
-        for conn in self.conns:
+        for conn in self.nodes():
             conn.send({"type": "session", "name": name, "data": channel.b64(data)})
 
     def interrupt_ranks(self) -> None:
-        for conn in self.conns:
+        for conn in self.nodes():
             conn.send({"type": "interrupt"})
 
     def request_flight(self) -> None:
         """Job.flight(): every host's ranks write their flight recorders' rings (they come back as metrics do)."""
-        for conn in self.conns:
+        for conn in self.nodes():
             conn.send({"type": "flight"})
 
     def _out(self, rank: int, text: str) -> None:
@@ -448,12 +497,12 @@ class RemoteRun(supervise.Run):
 
     def _failure_message(self, rank: int, code: int) -> str:
         self.job.update_status(first_failure={"rank": rank, "code": code,  # the flight recorder's cause
-                                              "host": self.hosts[rank // self.spec.procs_per_node]})
+                                              "host": self.nodes()[rank // self.spec.procs_per_node].host})
         return ranks.failure_message(self.job, rank, self._who(rank), code)
 
     def _who(self, rank: int) -> str:
         node, local_rank = divmod(rank, self.spec.procs_per_node)
-        return f"rank {rank} (node {node} on host {self.hosts[node]}, local rank {local_rank})"
+        return f"rank {rank} (node {node} on host {self.nodes()[node].host}, local rank {local_rank})"
 
     def _write_agent_logs(self) -> None:
         for conn in self.conns:

@@ -122,9 +122,13 @@ class Session:
                                         f"script to its end). Fix: --target {' / '.join(TARGETS)}, or run the "
                                         "cell as a job with %%sdp_train")
         if spec.max_restarts:
-            raise SpecError("--max-restarts", "a restarted rank would start with an empty namespace, so a session "
-                                              "never restarts its ranks; a rank that dies ends the session. "
-                                              "Fix: leave --max-restarts out")
+            raise SpecError("--max-restarts", "restarting every rank would empty every namespace, so a session "
+                                              "never restarts its ranks: on smddp a rank that dies is started "
+                                              "again alone (docs/session.md). Fix: leave --max-restarts out")
+        if spec.elastic:
+            raise SpecError("--nodes", f"MIN:MAX re-forms a job from its checkpoint; a session keeps its "
+                                       f"ranks' variables in memory, so its nodes are fixed (a dead rank is "
+                                       f"replaced on smddp). Fix: --nodes {spec.nodes}")
         if spec.script is not None or spec.result:
             raise SpecError("--result" if spec.result else "script",
                             "a session runs the cells you give it: use %%sdp_px --result NAME per cell")

@@ -280,6 +280,9 @@ class SSHRun(remote.RemoteRun):
         # every client starts at once (Popen returns before ssh connects); the hellos are awaited together
         return [SSHLink(node, host, self.spec, self.inbox) for node, host in enumerate(self.hosts)]
 
+    def reopen(self, node: int, inbox: queue.Queue) -> remote.Link:
+        return SSHLink(node, self.hosts[node], self.spec, inbox)
+
     def pool_key(self, node: int) -> tuple:
         options = self.spec.ssh or {}
         return ("ssh", self.hosts[node], self.python, options.get("config") or "")
@@ -304,7 +307,8 @@ class SSHLauncher:
         if spec.nodes > len(hosts):
             raise SpecError("--nodes", f"{spec.nodes} nodes but {len(hosts)} host(s) ({', '.join(hosts)}). "
                                        f"Fix: --nodes {len(hosts)}, or name more hosts")
-        return spec, hosts[:spec.nodes], slots
+        # an elastic job (--nodes MIN:MAX) keeps every host: those beyond MAX are spares
+        return spec, hosts if spec.elastic else hosts[:spec.nodes], slots
 
     def start(self, spec: JobSpec, push: dict | None = None) -> Job:
         spec, hosts, _ = self.resolve(spec)

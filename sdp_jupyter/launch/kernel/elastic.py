@@ -1,0 +1,251 @@
+"""Elastic jobs, `--nodes MIN:MAX`, on the remote targets: a lost node costs a re-formation, not the job.
+
+A remote job's run (launch/kernel/remote.py) holds one link per host it may use: up to MAX of them are
+the formation (`run.members`, in node order), the others are spares. Membership drives the attempts:
+
+- A node that is *lost* (its link ended: the agent or the host died; it went silent: a cut link; it did
+  not stop when asked) ends the attempt; the others' agents stop their ranks, and the job re-forms. This
+  is a membership change: it does not count against `--max-restarts`.
+- A rank that *fails* on a node whose agent is fine (an exception, a crash) is a failure: it counts
+  against `--max-restarts`, and the job re-forms with the same nodes (the failed node restarted on its host).
+- To re-form, every lost host is tried again at once (its agent started anew over a new link) and waited
+  for up to REFORM_GRACE seconds, so a host whose agent alone was killed is back in the next formation.
+  Then the formation is the nodes that answer, survivors first in their old order (node 0 stays a node that
+  held the last checkpoint), then returned hosts and spares, up to MAX. Ranks are renumbered without gaps;
+  WORLD_SIZE, SDP_NUM_NODES and SDP_RESTART (the attempt) say the new shape.
+- Hosts still missing are tried again every RETRY_EVERY seconds while the job runs. One that answers while
+  the formation has fewer than MAX nodes makes the job re-form with it at once (as torchrun does when a
+  node joins), also a membership change.
+- With fewer than MIN usable nodes the job waits up to `--elastic-wait` seconds for hosts to return, then
+  fails naming each missing host and why it left.
+
+Every change is written to the job's status (`membership`: one entry per formation, with who left and
+why) and told to every rank's log, so the job view, `status.json` and the dashboard show it.
+"""
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+from typing import Callable
+
+from sdp_jupyter import jobdir
+from sdp_jupyter.launch import channel
+
+REFORM_GRACE = 8.0   # seconds a re-formation waits for lost hosts being tried again
+RETRY_EVERY = 5.0    # seconds between tries to reach a missing host again
+MEMBERSHIP_METRICS = "membership.jsonl"  # in the job's metrics folder: the dashboard's markers
+
+
+def _clock(t: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(t))
+
+
+class Membership:
+    """The formation of one elastic run and the attempts over it (`attempts()` replaces with_restarts)."""
+
+    def __init__(self, run, announce: Callable[[str], None]):
+        self.run, self.announce = run, announce
+        self.spec = run.spec
+        self.missing: dict[int, dict] = {}  # index of run.conns -> {"why", "t"}: hosts not usable now
+        self._returned: queue.Queue = queue.Queue()  # (index, link): a missing host's agent said hello again
+        self._trying: set[int] = set()  # indexes with a retry thread running
+        self._lock = threading.Lock()
+        self.timeline: list[dict] = []
+        self._grow_reason: str | None = None
+
+    # ---------------------------------------------------------------- the attempts
+    def attempts(self) -> tuple:
+        run, spec, job = self.run, self.spec, self.run.job
+        run._membership = self
+        for node, why in run.preflight_missing.items():
+            self.lose(node, why)
+        attempt, failures, causes = 0, 0, []
+        change: dict = {"why": "started"}
+        try:
+            while True:
+                members = self._form(run.members or [], change)
+                if isinstance(members, str):
+                    return "failed", members, []
+                run.members = members
+                state, error, codes = run._attempt(attempt)
+                if run._stop.is_set() or state not in ("failed", "reform"):
+                    return state, error, codes
+                if state == "failed" and error and error.startswith("timed out"):
+                    return state, error, codes
+                left = dict(run._left)
+                attempt += 1
+                for node, why in left.items():
+                    self.lose(node, why)
+                if state == "reform" or left:  # a host came back with room for it, or nodes were lost:
+                    # a membership change, not a failure
+                    change = {"why": error.splitlines()[0] if error else "re-formed"}
+                    if left:
+                        change["lost"] = {run.hosts[n]: why for n, why in left.items()}
+                    continue
+                if failures >= spec.max_restarts:
+                    return state, error, codes
+                failures += 1
+                causes.append(error)
+                job.update_status(restarts=failures, restart_errors=causes)
+                self.announce(f"[sdp_jupyter] restart {failures} of {spec.max_restarts} after: "
+                              f"{(error or '').splitlines()[0]}\n")
+                change = {"why": f"restart {failures} of {spec.max_restarts}"}
+        finally:
+            run._membership = None
+            with self._lock:
+                self._trying.clear()  # the retry threads end at their next look
+
+    def _form(self, previous: list[int], change: dict):
+        """The next formation (indexes of run.conns, node order), or the error when fewer than MIN nodes
+        are usable within --elastic-wait."""
+        run, spec = self.run, self.spec
+        if self.missing and previous:  # give the hosts lost just now a moment to come back
+            deadline = time.monotonic() + REFORM_GRACE
+            while self.missing and time.monotonic() < deadline and not run._stop.is_set():
+                self._take_returned(timeout=0.2)
+        while self._take_returned(timeout=0) is not None:
+            pass
+        quiet = run.heartbeat_timeout
+        for n, conn in enumerate(run.conns):  # a spare whose link went quiet (its end was read elsewhere)
+            if n not in self.missing and time.monotonic() - conn.last_heard > quiet:
+                self.lose(n, f"has not answered for {quiet:g} s: its link or the host is down")
+        waited_from = time.monotonic()
+        told = False
+        while True:
+            usable = [n for n in range(len(run.conns)) if n not in self.missing]
+            if len(usable) >= spec.min_nodes:
+                break
+            if not told:
+                self.announce(f"[sdp_jupyter] {len(usable)} node(s) usable, the job needs {spec.min_nodes}: "
+                              f"waiting up to {spec.elastic_wait:g} s (--elastic-wait) for hosts to return\n")
+                run.job.update_status(state="waiting", waiting_for=self._missing_text())
+                told = True
+            if run._stop.is_set():
+                return f"stopped while waiting for hosts: {self._missing_text()}"
+            if time.monotonic() - waited_from > spec.elastic_wait:
+                return (f"fewer than {spec.min_nodes} node(s) (--nodes {spec.min_nodes}:{spec.nodes}) were usable "
+                        f"for {spec.elastic_wait:g} s (--elastic-wait); missing: {self._missing_text()}")
+            self._take_returned(timeout=0.5)
+        order = [n for n in previous if n in usable] + [n for n in usable if n not in previous]
+        members = order[:spec.nodes]
+        self._record(members, change)
+        return members
+
+    def _record(self, members: list[int], change: dict) -> None:
+        run = self.run
+        now = time.time()
+        hosts = [run.hosts[n] for n in members]
+        entry = {"t": now, "nodes": len(members), "hosts": hosts, "world_size": len(members) * run.spec.procs_per_node,
+                 **change}
+        if self.missing:
+            entry["missing"] = {run.hosts[n]: m["why"] for n, m in sorted(self.missing.items())}
+        self.timeline.append(entry)
+        run.job.update_status(membership=self.timeline, nodes=len(members), hosts_now=hosts,
+                              world_size=entry["world_size"], waiting_for=None)
+        if len(self.timeline) > 1:
+            lost = "; ".join(f"node {h} lost: {why}" for h, why in change.get("lost", {}).items())
+            self.announce(f"[sdp_jupyter] {_clock(now)} {lost or change['why']}; the job goes on with "
+                          f"{len(members)} node(s): {', '.join(hosts)} (from its last checkpoint)\n")
+            # the dashboard's marker (monitor/reader.py reads every metrics file)
+            label = (", ".join(f"{h} lost" for h in change.get("lost", {})) or change["why"])[:60]
+            line = {"t": now, "kind": "membership", "nodes": len(members), "label": f"{label}: {len(members)} nodes"}
+            run._mirror_files.append(run.job.dir / jobdir.METRICS / MEMBERSHIP_METRICS, json.dumps(line) + "\n")
+
+    def _missing_text(self) -> str:
+        return "; ".join(f"{self.run.hosts[n]} (since {_clock(m['t'])}: {m['why']})"
+                         for n, m in sorted(self.missing.items())) or "none"
+
+    # ---------------------------------------------------------------- hosts that leave and return
+    def lose(self, node: int, why: str) -> None:
+        """conns[node] is not usable: close its link (its late frames go nowhere) and try it again."""
+        run = self.run
+        old = run.conns[node]
+        old.inbox = queue.Queue()  # its eof, when it comes, is not the new link's
+        threading.Thread(target=old.close, kwargs={"wait": 1.0}, daemon=True).start()
+        with self._lock:
+            self.missing[node] = {"why": why, "t": time.time()}
+            if node in self._trying:
+                return
+            self._trying.add(node)
+        threading.Thread(target=self._retry, args=(node,), daemon=True, name=f"sdp-rejoin-{run.hosts[node]}").start()
+
+    def spare_lost(self, node: int, message: dict) -> None:
+        """A spare's link ended (its host went away while it waited)."""
+        self.lose(node, self.run._eof_reason(node, message))
+        self.run.job.update_status(spares_missing=self._missing_text())
+
+    def _retry(self, node: int) -> None:
+        """Reach conns[node]'s host again until its agent says hello at this version (or the job ends)."""
+        run = self.run
+        while True:
+            with self._lock:
+                if node not in self._trying:
+                    return
+            inbox: queue.Queue = queue.Queue()
+            try:
+                link = run.reopen(node, inbox)
+            except Exception:  # the client could not start: tried again later
+                link = None
+            if link is None:
+                with self._lock:
+                    self._trying.discard(node)
+                return
+            hello = self._await_hello(link, inbox, link.connect_timeout + run.hello_timeout)
+            if hello is not None and hello.get("version") == channel.version():
+                link.hello = hello
+                self._returned.put((node, link))
+                return
+            link.close(wait=1.0)
+            with self._lock:
+                if node in self.missing and hello is not None:
+                    self.missing[node]["why"] = f"it has sdp_jupyter {hello.get('version')}"
+            time.sleep(RETRY_EVERY)
+
+    def _await_hello(self, link, inbox: queue.Queue, limit: float) -> dict | None:
+        deadline = time.monotonic() + limit
+        while time.monotonic() < deadline and self.run._membership is self:
+            try:
+                _, message = inbox.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            if message["type"] == "hello":
+                return message
+            if message["type"] == "eof":
+                return None
+        return None
+
+    def _take_returned(self, timeout: float) -> int | None:
+        """Put a link that said hello again in place; its index, or None when none came."""
+        run = self.run
+        try:
+            node, link = self._returned.get(timeout=timeout) if timeout else self._returned.get_nowait()
+        except queue.Empty:
+            return None
+        link.last_heard = time.monotonic()
+        link.inbox = run.inbox
+        run.conns[node] = link
+        with self._lock:
+            left = self.missing.pop(node, None)
+            self._trying.discard(node)
+        self.timeline.append({"t": time.time(), "returned": run.hosts[node],
+                              "was": left and left["why"]})
+        return node
+
+    def grow_now(self, formation: int) -> bool:
+        """While an attempt runs (asked every second): put hosts that answered again in place (a spare
+        then hears the launcher's pings); True when the formation has room for one."""
+        came = []
+        while True:
+            node = self._take_returned(timeout=0)
+            if node is None:
+                break
+            came.append(self.run.hosts[node])
+        if not came or formation >= self.spec.nodes:
+            return False
+        self._grow_reason = f"host {', '.join(came)} is reachable again and joins"
+        return True
+
+    def grow_reason(self) -> str:
+        return self._grow_reason or "a host joins"
