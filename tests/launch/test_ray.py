@@ -229,6 +229,57 @@ def test_a_lost_node_is_named_within_ten_seconds(ray_hosts, tmp_path):
         ray_hosts.restart_node(2)
 
 
+@pytest.mark.slow
+def test_an_elastic_job_goes_on_without_a_lost_ray_node_and_takes_the_spare(ray_hosts, tmp_path):
+    """--nodes 2:3 on 4 Ray nodes: one node is a spare. A used node loses power: the job goes on with two,
+    and once Ray places the lost node's bundle on the spare, the job re-forms with three again."""
+    import json
+
+    from helpers.monitor_jobs import wait_for
+    from helpers.remote_jobs import ELASTIC_TRAIN
+
+    c = ray_hosts.cluster
+    jobs = tmp_path / "jobs"
+    d = _drive(ray_hosts, jobs, code=ELASTIC_TRAIN, name="ray-el", nodes="2:3",
+               env={"STEPS": "100000", "STEP_SLEEP": "0.2"})
+    assert "running" in next_line(d, timeout=180)
+
+    def formations():
+        try:
+            status = json.loads((jobs / "ray-el" / "status.json").read_text())
+        except (OSError, ValueError):
+            return []
+        return [e for e in status.get("membership", []) if "hosts" in e]
+
+    first = formations()[0]["hosts"]
+    victim = next(h for h in range(1, c.n) if c.addresses[h] in first)
+    spare = next(a for a in c.addresses if a not in first)
+    try:
+        for pid in ray_hosts.ray_pids(victim) + _ranks_and_agents(c, victim):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        t_kill = time.monotonic()
+        two = wait_for(lambda: [f for f in formations() if len(f["hosts"]) == 2], timeout=60, every=0.3,
+                       what="a 2-node formation")
+        went_on = time.monotonic() - t_kill
+        assert c.addresses[victim] in two[0]["lost"] and c.addresses[victim] not in two[0]["hosts"], two
+        three = wait_for(lambda: [f for f in formations()[2:] if len(f["hosts"]) == 3], timeout=150, every=0.5,
+                         what="the spare joining")
+        assert spare in three[0]["hosts"] and c.addresses[victim] not in three[0]["hosts"], three
+        wait_for(lambda: "world 3 from step" in "".join(
+            (jobs / "ray-el" / "logs" / "rank-0.log").read_text().splitlines()[-40:]), timeout=60, what="training on 3")
+        tell(d, "stop")
+        assert next_line(d, timeout=60).get("stopped_in") is not None
+        out = next_line(d, timeout=60)
+        assert out["state"] == "stopped" and out["status"].get("restarts", 0) == 0, out
+        print(f"Ray node lost to a 2-node formation: {went_on:.1f} s")
+        assert _wait_clean(c, 15) == {}
+    finally:
+        ray_hosts.restart_node(victim)
+
+
 def _pools(cluster) -> dict:
     """Per host: processes running the warm pool server, or forked from it (a warm rank)."""
     found = {}

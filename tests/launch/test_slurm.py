@@ -210,6 +210,41 @@ def test_a_lost_node_is_named_and_the_time_limit_is_reported_as_such(slurm_hosts
 
 
 @pytest.mark.slow
+def test_an_elastic_job_goes_on_in_its_allocation_when_a_node_is_set_down(slurm_hosts, tmp_path):
+    """--nodes 2:3 asks Slurm for 3 nodes with --no-kill: node h3 fails (set DOWN, its processes gone), srun
+    cannot start its agent again, and the job re-forms on h1 and h2 from its checkpoint (a copy on every
+    node) in the same allocation."""
+    from helpers.remote_jobs import ELASTIC_TRAIN
+
+    name = f"elastic-{time.time_ns()}"  # the hosts keep a job name's checkpoints: a new name starts at step 0
+    d = _drive(slurm_hosts, tmp_path, code=ELASTIC_TRAIN, name=name, nodes="2:3",
+               env={**os.environ, "STEPS": "60", "STEP_SLEEP": "0.2"})
+    next_line(d, timeout=60)
+    line = _until(d, lambda x: x["state"] == "running" and len(x["status"].get("host_names") or []) == 3)
+    job_id = line["status"]["slurm_job_id"]
+    log = tmp_path / name / "logs" / "rank-0.log"
+    _until(d, lambda x: log.exists() and "step 3" in log.read_text())
+    try:
+        # the node fails: Slurm sets it DOWN, and what ran on it is gone (a DOWN node's steps are not ended
+        # at once, so the test ends them as a dead machine would)
+        p = slurm_hosts.run(["scontrol", "update", "NodeName=h3", "State=DOWN", "Reason=elastic-test"])
+        assert p.returncode == 0, p.stderr
+        for pid in slurm_hosts.processes(3, "sdp_jupyter.launch.host.agent") + slurm_hosts.processes(3):
+            os.kill(pid, signal.SIGKILL)
+        end = _say(d, "wait", timeout=150)
+    finally:
+        slurm_hosts.run(["scontrol", "update", "NodeName=h3", "State=RESUME"])
+    assert end["state"] == "succeeded", end["error"]
+    formations = [e for e in end["status"]["membership"] if "hosts" in e]
+    assert [f["hosts"] for f in formations] == [["h1", "h2", "h3"], ["h1", "h2"]], end["status"]["membership"]
+    assert "h3" in formations[1]["lost"] and end["status"].get("restarts", 0) == 0
+    assert end["status"]["slurm_jobs"] == [job_id]  # the same allocation: nothing queued again
+    assert "attempt 1 world 2 from step" in end["logs"]
+    d.stdin.close()
+    assert slurm_hosts.wait_clean(30) == {}
+
+
+@pytest.mark.slow
 def test_a_failure_is_resubmitted_and_resumes_from_the_checkpoint(slurm_hosts, tmp_path):
     # on shared storage, as a cluster's checkpoints are: every rank of the new allocation reads the step
     d = _drive(slurm_hosts, tmp_path, code=CHECKPOINTED, name="resumed", nodes=2, max_restarts=1,

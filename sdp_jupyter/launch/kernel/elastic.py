@@ -59,18 +59,18 @@ class Membership:
     def attempts(self) -> tuple:
         run, spec, job = self.run, self.spec, self.run.job
         run._membership = self
-        for node, why in run.preflight_missing.items():
-            self.lose(node, why)
         attempt, failures, causes = 0, 0, []
-        change: dict = {"why": "started"}
+        self._change: dict = {"why": "started"}
+        state = "failed"
         try:
             while True:
-                members = self._form(run.members or [], change)
-                if isinstance(members, str):
-                    return "failed", members, []
-                run.members = members
+                if run.conns:  # else the target makes its links in its attempt (a Slurm allocation), then formed()
+                    members = self._form(run.members or [], self._change)
+                    if isinstance(members, str):
+                        return "failed", members, []
+                    run.members = members
                 state, error, codes = run._attempt(attempt)
-                if run._stop.is_set() or state not in ("failed", "reform"):
+                if run._stop.is_set() or state not in ("failed", "reform") or run.members is None:
                     return state, error, codes
                 if state == "failed" and error and error.startswith("timed out"):
                     return state, error, codes
@@ -80,9 +80,9 @@ class Membership:
                     self.lose(node, why)
                 if state == "reform" or left:  # a host came back with room for it, or nodes were lost:
                     # a membership change, not a failure
-                    change = {"why": error.splitlines()[0] if error else "re-formed"}
+                    self._change = {"why": error.splitlines()[0] if error else "re-formed"}
                     if left:
-                        change["lost"] = {run.hosts[n]: why for n, why in left.items()}
+                        self._change["lost"] = {run.hosts[n]: why for n, why in left.items()}
                     continue
                 if failures >= spec.max_restarts:
                     return state, error, codes
@@ -91,16 +91,25 @@ class Membership:
                 job.update_status(restarts=failures, restart_errors=causes)
                 self.announce(f"[sdp_jupyter] restart {failures} of {spec.max_restarts} after: "
                               f"{(error or '').splitlines()[0]}\n")
-                change = {"why": f"restart {failures} of {spec.max_restarts}"}
+                self._change = {"why": f"restart {failures} of {spec.max_restarts}"}
         finally:
             run._membership = None
+            run.elastic_ended(state)
             with self._lock:
                 self._trying.clear()  # the retry threads end at their next look
+
+    def formed(self) -> list[int]:
+        """The first formation of a target that opened its links inside its attempt (its preflight done)."""
+        members = self._form([], self._change)
+        return members if isinstance(members, list) else list(range(len(self.run.conns)))
 
     def _form(self, previous: list[int], change: dict):
         """The next formation (indexes of run.conns, node order), or the error when fewer than MIN nodes
         are usable within --elastic-wait."""
         run, spec = self.run, self.spec
+        for node, why in run.preflight_missing.items():  # hosts the first preflight found unusable
+            self.lose(node, why)
+        run.preflight_missing = {}
         if self.missing and previous:  # give the hosts lost just now a moment to come back
             deadline = time.monotonic() + REFORM_GRACE
             while self.missing and time.monotonic() < deadline and not run._stop.is_set():
@@ -225,6 +234,7 @@ class Membership:
             return None
         link.last_heard = time.monotonic()
         link.inbox = run.inbox
+        run.rejoined(node, link)
         run.conns[node] = link
         with self._lock:
             left = self.missing.pop(node, None)

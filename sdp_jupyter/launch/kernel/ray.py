@@ -393,38 +393,61 @@ class RayRun(remote.RemoteRun):
         ppn = spec.procs_per_node or (max(1, int(min(n["Resources"].get("GPU", 0) for n in alive))) if gpus else 1)
         bundle = {"CPU": float(ppn)} | ({"GPU": float(ppn)} if gpus else {})
         fit = [n for n in alive if all(n["Resources"].get(k, 0) >= v for k, v in bundle.items())]
-        if len(fit) < spec.nodes:
+        count = min(len(fit), spec.nodes) if spec.elastic and len(fit) >= spec.min_nodes else spec.nodes
+        if len(fit) < count:
             need = " and ".join(f"{v:g} {k}" for k, v in bundle.items())
             raise SpecError("--nodes", f"{spec.nodes} node(s) with {need} each asked, and the Ray cluster at "
                                        f"{self.address} has {len(fit)} such node(s) of {len(alive)}: "
                                        f"{_describe_nodes(alive)}. Fix: --nodes {max(1, len(fit))}"
                                        + (" or fewer --procs-per-node" if spec.procs_per_node else ""))
         self.spec = spec.replace(procs_per_node=ppn)
-        self.pg = placement_group([dict(bundle) for _ in range(spec.nodes)], strategy="STRICT_SPREAD",
+        # an elastic job's bundles: as many as the cluster has nodes for, up to MAX; Ray places a bundle whose
+        # node died on another node when one is free, where a new agent actor then starts (reopen)
+        self.pg = placement_group([dict(bundle) for _ in range(count)], strategy="STRICT_SPREAD",
                                   name=f"sdp-{spec.name}")
         try:
             ray.get(self.pg.ready(), timeout=PLACEMENT_TIMEOUT)
         except Exception:
             remove_placement_group(self.pg)
             self.pg = None
-            raise SpecError("--nodes", f"the Ray cluster at {self.address} could not place {spec.nodes} bundle(s) "
+            raise SpecError("--nodes", f"the Ray cluster at {self.address} could not place {count} bundle(s) "
                                        f"of {bundle} on distinct nodes within {PLACEMENT_TIMEOUT} s (busy with other "
                                        f"work?); it has {_describe_nodes(alive)}") from None
         # asked again now: a node that joined since `alive` was read (a restarted one) may hold a bundle
         by_id = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
         placed = placement_group_table(self.pg).get("bundles_to_node_id", {})
-        self.node_ids = [placed.get(i) for i in range(spec.nodes)]
-        self.hosts = [by_id.get(placed.get(i), f"ray-node-{i}") for i in range(spec.nodes)]
-        actor_cls = ray.remote(AgentActor)
-        links = []
-        for node in range(spec.nodes):
-            actor = actor_cls.options(
-                num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_concurrency=1,
-                name=f"sdp-agent-{spec.name}-{node}",
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=node),
-            ).remote()
-            links.append(RayLink(node, self.hosts[node], actor, self.inbox))
-        return links
+        self.node_ids = [placed.get(i) for i in range(count)]
+        self.hosts = [by_id.get(placed.get(i), f"ray-node-{i}") for i in range(count)]
+        self._bundle = bundle
+        return [self._link(node, self.inbox) for node in range(count)]
+
+    def _link(self, node: int, inbox, again: int = 0) -> "RayLink":
+        """An agent actor in bundle `node` of the job's placement group (`again`: a later one there)."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        bundle = self._bundle
+        actor = ray.remote(AgentActor).options(
+            num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_concurrency=1,
+            name=f"sdp-agent-{self.spec.name}-{node}" + (f"-{again}" if again else ""),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=node),
+        ).remote()
+        return RayLink(node, self.hosts[node], actor, inbox)
+
+    def reopen(self, node: int, inbox) -> "RayLink | None":
+        """An elastic job's lost node: a new agent actor in its bundle, which Ray places again once a node
+        is free for it (the same node restarted, or a spare)."""
+        if self.pg is None:
+            return None
+        self._reopened = getattr(self, "_reopened", 0) + 1
+        return self._link(node, inbox, again=self._reopened)
+
+    def rejoined(self, node: int, link) -> None:
+        """Where the bundle's new actor runs (maybe another Ray node): the job names that host now; its
+        ranks start cold (the warm pool belonged to the node that left)."""
+        self.hosts[node] = link.host = link.hello.get("addr") or link.host
+        if node < len(self.node_ids):
+            self.node_ids[node] = None
 
     def pool_key(self, node: int) -> tuple | None:
         node_id = self.node_ids[node] if node < len(self.node_ids) else None

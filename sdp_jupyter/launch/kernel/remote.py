@@ -207,6 +207,13 @@ class RemoteRun(supervise.Run):
         None where the target cannot reach a lost node again (an elastic job then goes on without it)."""
         return None
 
+    def elastic_ended(self, state: str) -> None:
+        """An elastic job's last formation ended with `state` (the Slurm target releases its allocation)."""
+
+    def rejoined(self, node: int, link: "Link") -> None:
+        """An elastic job's reopened link to conns[node] said hello and takes its place (a target whose
+        new link may reach another machine names it here)."""
+
     def pool_key(self, node: int) -> tuple | None:
         """The key of node's host's warm pool (launch/host/warm.py), None where the target has none."""
         return None

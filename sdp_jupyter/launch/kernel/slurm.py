@@ -164,7 +164,10 @@ def run(argv: list[str], timeout: float = COMMAND_TIMEOUT, stdin: str | None = N
 
 def sbatch_argv(spec: JobSpec, name: str, test_only: bool = False) -> list[str]:
     options = slurm_options(spec)
-    argv = ["sbatch", "--parsable", f"--job-name=sdp-{name}", f"--nodes={spec.nodes}", "--ntasks-per-node=1",
+    # An elastic job asks for MAX nodes and keeps its allocation when one of them fails (--no-kill). Not
+    # --nodes=MIN-MAX: Slurm's cons_tres selector then allocates MIN nodes even when MAX are free.
+    nodes = [f"--nodes={spec.nodes}"] + (["--no-kill"] if spec.elastic else [])
+    argv = ["sbatch", "--parsable", f"--job-name=sdp-{name}", *nodes, "--ntasks-per-node=1",
             "--output=/dev/null", "--open-mode=append"]
     for key, flag in (("partition", "--partition"), ("account", "--account"), ("time", "--time")):
         if options.get(key):
@@ -285,7 +288,9 @@ class SlurmLink(SSHLink):
 
 
 class SlurmRun(remote.RemoteRun):
-    """One allocation per attempt: submitted (or the one we are in), waited for, used, released."""
+    """One allocation per attempt: submitted (or the one we are in), waited for, used, released. An
+    elastic job keeps its allocation from one formation to the next: a node Slurm takes out of it
+    (set down, its slurmd gone) is left out, and the job ends the allocation when it ends."""
 
     option = "--nodes"
     warm_after_job = False
@@ -299,7 +304,14 @@ class SlurmRun(remote.RemoteRun):
     def open_links(self) -> list[remote.Link]:
         return [SlurmLink(node, host, self, self.inbox) for node, host in enumerate(self.hosts)]
 
+    def reopen(self, node: int, inbox: queue.Queue) -> remote.Link:
+        """An elastic job's lost node, tried again in the same allocation (srun refuses a node Slurm took
+        out of it: tried again later, the job goes on without it)."""
+        return SlurmLink(node, self.hosts[node], self, inbox)
+
     def _attempt(self, attempt: int) -> tuple[str, str | None, list]:
+        if self.spec.elastic and self.conns:  # a re-formation in the same allocation
+            return super()._attempt(attempt)
         job = self.job
         hosts = self._allocation(attempt)
         if hosts is None:
@@ -308,6 +320,7 @@ class SlurmRun(remote.RemoteRun):
         if isinstance(hosts, str):
             return "failed", hosts, []
         state = "failed"  # until the attempt says otherwise (an exception, a refused preflight)
+        keep = False  # an elastic job's allocation stays for its next formation (elastic_ended releases it)
         try:
             self.hosts = hosts[:self.spec.nodes]
             self.conns = []
@@ -319,10 +332,15 @@ class SlurmRun(remote.RemoteRun):
                 return "failed", str(e), []
             job.update_status(hosts=self.hosts, host_names=[c.hello.get("hostname") for c in self.conns],
                               slurm_state="RUNNING", pending_reason=None)
+            if self._membership is not None:
+                self.members = self._membership.formed()
             state, error, codes = super()._attempt(attempt)
+            keep = self._membership is not None
         finally:
-            self.close_all()
-            ended = self._release(state)
+            ended = None
+            if not keep:
+                self.close_all()
+                ended = self._release(state)
         if state == "failed" and ended:
             error = f"Slurm ended allocation {self.slurm_id}: {ended}" + (f"\n{error}" if error else "")
         return state, error, codes
@@ -400,6 +418,10 @@ class SlurmRun(remote.RemoteRun):
                 return state or "ENDED"
             time.sleep(0.1)
         return state
+
+    def elastic_ended(self, state: str) -> None:
+        self.close_all()
+        self._release(state)
 
     def kill_now(self) -> None:
         super().kill_now()
