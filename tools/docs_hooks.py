@@ -5,7 +5,7 @@ point out of docs/ work in the site as they do on GitHub.
   the executed copy stored in the repository, `notebooks/outputs/<name>.ipynb` (kept current by
   `python tools/executed.py refresh`; a test fails when one is older than its notebook), else from the
   executed copy a local run left in `notebooks/executed/<name>.ipynb` (the notebook tests leave one for
-  every notebook, 07_slurm and 09_ssh included, which need root to run), else from the stored notebook
+  every notebook, 07_slurm, 09_ssh and 11_elastic included, which need root to run), else from the stored notebook
   with a note that outputs are not included. Nothing is executed at build time.
 - In every page (docs and notebooks alike), a relative link is resolved from where the page lives in
   the repository: to a notebook, it becomes a link to the notebook's page; to a page under docs/, a

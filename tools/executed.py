@@ -39,7 +39,7 @@ NOTEBOOKS = REPO / "notebooks"
 EXECUTED = NOTEBOOKS / "executed"
 OUTPUTS = NOTEBOOKS / "outputs"
 # The notebooks whose executed copies are stored in OUTPUTS: those that run on any Linux machine without
-# root, in a few minutes each. Left out: 07_slurm and 09_ssh start their test hosts in network
+# root, in a few minutes each. Left out: 07_slurm, 09_ssh and 11_elastic start their test hosts in network
 # namespaces (root; the notebook tests run them and leave their copies in EXECUTED).
 PUBLISHED = ("01_quickstart.ipynb", "02_job_setup.ipynb", "03_monitoring.ipynb", "04_sagemaker.ipynb",
              "05_model_parallel.ipynb", "06_ray.ipynb", "08_interactive_session.ipynb",

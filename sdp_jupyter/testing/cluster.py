@@ -78,12 +78,13 @@ def netem_available() -> bool:
 class Cluster:
     """N hosts in network namespaces behind a bridge; see the module docstring."""
 
-    def __init__(self, hosts: int = 2, rate: str | None = "2gbit", burst: str = "256kb", latency: str = "5ms"):
+    def __init__(self, hosts: int = 2, rate: str | None = "2gbit", burst: str = "256kb", latency: str = "5ms",
+                 run_id: str | None = None):
         if not 1 <= hosts <= 200:
             raise ValueError("hosts must be between 1 and 200")
         self.n = hosts
         self.rate, self.burst, self.latency = rate, burst, latency
-        self.run_id = secrets.token_hex(3)
+        self.run_id = run_id or secrets.token_hex(3)
         self.name = f"{PREFIX}{self.run_id}"
         self.dir = STATE_ROOT / self.name
         self.bridge_ns = f"{self.name}-br"
@@ -92,6 +93,14 @@ class Cluster:
         self.addresses = [f"{SUBNET}.{i + 1}" for i in range(hosts)]
         self._procs: list[subprocess.Popen] = []
         self._up = False
+
+    @classmethod
+    def existing(cls, name: str, hosts: int) -> "Cluster":
+        """The running cluster another process started (its `name`): its links can be cut and healed
+        and its processes seen from here; start() and close() stay with its owner."""
+        if not name.startswith(PREFIX) or not (STATE_ROOT / name).is_dir():
+            raise ValueError(f"no test cluster named {name!r} runs here")
+        return cls(hosts, rate=None, run_id=name[len(PREFIX):])
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> "Cluster":

@@ -12,8 +12,9 @@ never AWS, even where credentials exist.
 
 07_slurm's kernel runs on h0 of the Slurm test cluster (the `slurm_hosts` fixture), as a notebook's
 kernel on a login node would: Slurm's commands reach slurmctld only from the test hosts' network, and
-SLURM_CONF is the kernel's environment, not the notebook's. 09_ssh uses the suite's `ssh_hosts` (sshd
-on h1..h3) instead of starting hosts of its own: its parameters cell is followed by one naming them.
+SLURM_CONF is the kernel's environment, not the notebook's. 09_ssh and 11_elastic use the suite's
+`ssh_hosts` (sshd on h1..h3) instead of starting hosts of its own: its parameters cell is followed by one
+naming them (and, for 11_elastic, which cuts h3's link, the running test hosts' name).
 """
 from __future__ import annotations
 
@@ -74,12 +75,16 @@ def _run(path: Path, request) -> NotebookRun:
                 mp.setenv(key, value)
             mp.delenv("SLURM_JOB_ID", raising=False)  # the kernel submits, as on a login node
             km = hosts.cluster.kernel_manager(0, folder, cwd=path.parent)
-        if path.name == "09_ssh.ipynb":
+        if path.name in ("09_ssh.ipynb", "11_elastic.ipynb"):
             hosts = request.getfixturevalue("ssh_hosts")
             config = hosts.outside_config()
             prepare = lambda nb: inject_parameters(  # noqa: E731
-                nb, f"HOSTS = {','.join(hosts.hosts)!r}\nSSH_CONFIG = {str(config)!r}")
-        nb = execute(path, EXECUTED, km=km, prepare=prepare)  # raises CellExecutionError naming the cell
+                nb, f"HOSTS = {','.join(hosts.hosts)!r}\nSSH_CONFIG = {str(config)!r}\nCLUSTER = {hosts.cluster.name!r}")
+        try:
+            nb = execute(path, EXECUTED, km=km, prepare=prepare)  # raises CellExecutionError naming the cell
+        finally:
+            if path.name == "11_elastic.ipynb":  # it cuts a link of the shared test hosts: healed whatever happened
+                hosts.cluster.heal(3)
     left = wait_no_processes(jobs)
     assert left == [], f"a job process outlived {path.name}'s kernel: {[p.cmdline() for p in left]}"
     return NotebookRun(nb, jobs, hosts)

@@ -111,7 +111,7 @@ def test_a_cut_node_is_left_out_and_rejoins_once_healed(ssh_hosts, hosts, tmp_pa
     # the summary (the job view's text) and the dashboard's markers show each change
     assert "(3 of 2:3 node(s) x 1 proc(s) on ssh" in out["summary"], out["summary"]
     assert "membership: " in out["summary"] and "node h3 lost: " in out["summary"]
-    assert "host h3 is reachable again" in out["summary"]
+    assert "host h3 is reachable again and joins: 3 node(s) from then (h1, h2, h3)" in out["summary"]
     from sdp_jupyter.monitor import reader
 
     frame = reader.read(out["dir"])

@@ -4,7 +4,7 @@ scrubbed, is kept as notebooks/executed/<name>.ipynb. The executed copies stored
 its notebook's current cells by the current sdp_jupyter version, and names nothing of the machine that
 made it.
 
-The runs themselves (the kernel's environment, the test hosts 07_slurm and 09_ssh run on, the check for
+The runs themselves (the kernel's environment, the test hosts 07_slurm, 09_ssh and 11_elastic run on, the check for
 leftover processes) are helpers.notebooks.notebook_run: a notebook that test_newcomer_path.py already
 ran in this session is not run again. What each notebook must have shown is checked here.
 """
@@ -37,6 +37,8 @@ def test_notebook_runs(path: Path, request):
         check_slurm(nb, jobs, run.hosts)
     if path.name == "09_ssh.ipynb":
         check_ssh(nb, jobs, run.hosts)
+    if path.name == "11_elastic.ipynb":
+        check_elastic(nb, run.hosts)
     if path.name == "04_sagemaker.ipynb":
         check_rehearsal(nb)
     if path.name == "05_model_parallel.ipynb":  # tp x pp with --backend smddp: no gloo group at all
@@ -96,6 +98,18 @@ def check_slurm(nb, jobs: Path, slurm_hosts):
     assert (jobs / "slurm-quickstart" / "result.pkl").is_file()
     assert any((jobs / "slurm-quickstart" / "metrics").glob("rank-*.jsonl")), "sdp_jupyter.report() wrote no metrics"
     assert slurm_hosts.wait_clean(30) == {}, "a rank, an agent or a Slurm job outlived the notebook"
+
+
+def check_elastic(nb, ssh_hosts):
+    """A cut link costs a re-formation, not the job: the notebook's own asserts checked the formations and
+    the accuracy; here, that it ran on the suite's hosts, said so, and left nothing running there."""
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert any("injected-parameters" in c.metadata.get("tags", []) for c in code), "the suite's hosts were not used"
+    all_text = "".join(o.get("text", "") for c in code for o in c.outputs)
+    assert "s later the job goes on with h1, h2; lost: {'h3': " in all_text, all_text[-3000:]
+    assert "attempt 1: 2 ranks, rank 0 on h1, from step " in all_text and "attempt 2: 3 ranks" in all_text
+    assert "test accuracy on 450 held-out digits: 0." in all_text
+    assert ssh_hosts.wait_clean(30) == {}
 
 
 def check_ssh(nb, jobs: Path, ssh_hosts):

@@ -451,8 +451,7 @@ class Job(Shown):
         lines = []
         for entry in self._read_status().get("membership", [])[1:]:
             at = time.strftime("%H:%M:%S", time.localtime(entry.get("t", 0)))
-            if "returned" in entry:
-                lines.append(f"{at} host {entry['returned']} is reachable again")
+            if "returned" in entry:  # in the status; the formation it joins says it
                 continue
             lost = "; ".join(f"node {h} lost: {why}" for h, why in (entry.get("lost") or {}).items())
             lines.append(f"{at} {lost or entry.get('why')}: {entry.get('nodes')} node(s) from then "
