@@ -115,6 +115,29 @@ def test_a_cut_node_is_left_out_and_rejoins_once_healed(ssh_hosts, hosts, tmp_pa
     from sdp_jupyter.monitor import reader
 
     frame = reader.read(out["dir"])
-    assert [label for _, label in frame.changes] == ["h3 lost: 2 nodes", "host h3 is reachable again and joins: 3 nodes"]
+    assert [label for _, label in frame.changes] == ["h3 lost: 2 nodes",
+                                                     "host h3 is reachable again and joins: 3 nodes"]
     print(f"cut to a 2-node formation: {went_on:.1f} s")
+    assert ssh_hosts.wait_clean(20) == {}
+
+
+@pytest.mark.slow
+def test_below_min_the_job_waits_then_names_each_missing_host_and_why(ssh_hosts, hosts, tmp_path):
+    jobs = tmp_path / "jobs"
+    # a host that fails the check before the start is left out while MIN others pass it
+    d = _drive(ssh_hosts, jobs, "el-min", elastic_wait=4, env={"STEPS": "400", "STEP_SLEEP": "0.15"},
+               ssh={"hosts": ["h1", "h2", "nosuchhost"], "config": str(ssh_hosts.config)})
+    assert "running" in next_line(d)
+    hosts.cut(2)  # h2 goes silent: one node left of MIN 2
+    tell(d, "wait")
+    out = next_line(d, timeout=120)
+    assert out["state"] == "failed", out
+    err = out["error"]
+    assert err.startswith("fewer than 2 node(s) (--nodes 2:3) were usable for 4 s (--elastic-wait); missing: "), err
+    assert "h2 (since " in err and "nosuchhost (since " in err, err
+    assert "ssh cannot reach it" in err or "not reachable" in err, err  # why nosuchhost was left out
+    formations = [f["hosts"] for f in out["status"]["membership"] if "hosts" in f]
+    assert formations == [["h1", "h2"]], out["status"]["membership"]
+    logs = _logs(out)
+    assert "1 node(s) usable, the job needs 2: waiting up to 4 s (--elastic-wait) for hosts to return" in logs
     assert ssh_hosts.wait_clean(20) == {}

@@ -83,7 +83,8 @@ def start_job(run: "RemoteRun", push_bytes: bytes | None, **status) -> Job:
     """Preflight `run`, make the job directory, start the run; nothing is left open on failure."""
     try:
         spec = run.preflight()
-        job = create_job(spec, push_bytes, hosts=run.hosts, host_names=[c.hello.get("hostname") for c in run.conns],
+        names = [(c.hello or {}).get("hostname") for c in run.conns]  # an elastic job may start without some
+        job = create_job(spec, push_bytes, hosts=run.hosts, host_names=names,
                          **status)
     except BaseException:
         run.close_all()

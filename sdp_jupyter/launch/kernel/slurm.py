@@ -330,7 +330,7 @@ class SlurmRun(remote.RemoteRun):
                 self.preflight()
             except SpecError as e:
                 return "failed", str(e), []
-            job.update_status(hosts=self.hosts, host_names=[c.hello.get("hostname") for c in self.conns],
+            job.update_status(hosts=self.hosts, host_names=[(c.hello or {}).get("hostname") for c in self.conns],
                               slurm_state="RUNNING", pending_reason=None)
             if self._membership is not None:
                 self.members = self._membership.formed()
