@@ -66,11 +66,15 @@ class Membership:
             while True:
                 if run.conns:  # else the target makes its links in its attempt (a Slurm allocation), then formed()
                     members = self._form(run.members or [], self._change)
-                    if isinstance(members, str):
-                        return "failed", members, []
+                    if isinstance(members, str):  # below MIN for --elastic-wait, or stopped while waiting
+                        state = "stopped" if run._stop.is_set() else "failed"
+                        return state, members, []
                     run.members = members
                 state, error, codes = run._attempt(attempt)
-                if run._stop.is_set() or state not in ("failed", "reform") or run.members is None:
+                if run._stop.is_set() and state != "succeeded":
+                    state = "stopped"
+                    return state, run._stop_reason, codes
+                if state not in ("failed", "reform") or run.members is None:
                     return state, error, codes
                 if state == "failed" and error and error.startswith("timed out"):
                     return state, error, codes
@@ -93,7 +97,11 @@ class Membership:
                               f"{(error or '').splitlines()[0]}\n")
                 self._change = {"why": f"restart {failures} of {spec.max_restarts}"}
         finally:
-            run._membership = None
+            run._membership = None  # the retry threads end at their next look, closing what they opened
+            with self._lock:
+                self._trying.clear()
+            while (node := self._take_returned(timeout=0)) is not None:
+                pass  # a host that answered as the job ended: in run.conns, so close_all says bye to it
             run.elastic_ended(state)
             with self._lock:
                 self._trying.clear()  # the retry threads end at their next look
@@ -202,6 +210,9 @@ class Membership:
                     self._trying.discard(node)
                 return
             hello = self._await_hello(link, inbox, link.connect_timeout + run.hello_timeout)
+            if run._membership is not self:  # the job ended meanwhile
+                link.close(wait=1.0)
+                return
             if hello is not None and hello.get("version") == channel.version():
                 link.hello = hello
                 self._returned.put((node, link))
