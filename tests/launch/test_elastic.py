@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -53,6 +54,81 @@ def test_min_max_nodes_parse_and_are_refused_where_no_node_can_leave():
         JobSpec(code="x", nodes="1:2", target="ssh", elastic_wait="soon")
     with pytest.raises(SpecError, match="SDP_ELASTIC is set by the launcher"):
         JobSpec(code="x", env={"SDP_ELASTIC": "1"})
+
+
+class _Run:
+    """A remote run as elastic.Membership sees it: three links, and attempts that end as scripted."""
+
+    def __init__(self, outcomes, max_restarts=1):
+        import queue
+        import threading
+
+        self.spec = JobSpec(code="x", nodes="2:3", target="ssh", ssh={"hosts": "a,b,c"}, max_restarts=max_restarts,
+                            procs_per_node=1)
+        self.hosts = ["a", "b", "c"]
+        self.conns = [type("Link", (), {"node": n, "host": h, "last_heard": time.monotonic(), "inbox": None,
+                                        "close": lambda self, wait=0: None})() for n, h in enumerate(self.hosts)]
+        self.inbox, self._stop, self._stop_reason = queue.Queue(), threading.Event(), None
+        self.members, self._left, self.preflight_missing, self._membership = None, {}, {}, None
+        self.heartbeat_timeout, self.hello_timeout = 10.0, 1.0
+        self.status, self.outcomes, self.formed = {}, list(outcomes), []
+        self.job = type("Job", (), {"update_status": lambda _, **kw: self.status.update(kw), "dir": Path("job")})()
+        self.markers = []  # what the dashboard would read
+        self._mirror_files = type("Mirror", (), {"append": lambda _, path, text: self.markers.append(json.loads(text))})()
+        self.ended = None
+
+    def _attempt(self, attempt):
+        self.formed.append([self.hosts[n] for n in self.members])
+        state, error, left = self.outcomes.pop(0)
+        self._left = left
+        return state, error, []
+
+    def reopen(self, node, inbox):
+        return None  # a lost host stays lost
+
+    def _eof_reason(self, node, message):
+        return "gone"
+
+    def rejoined(self, node, link):
+        pass
+
+    def elastic_ended(self, state):
+        self.ended = state
+
+
+def test_a_failure_counts_a_restart_and_a_lost_node_does_not(monkeypatch):
+    from sdp_jupyter.launch.kernel import elastic
+
+    monkeypatch.setattr(elastic, "REFORM_GRACE", 0.1)
+    said = []
+    run = _Run([("failed", "rank 1 exited with code 1", {}),            # a failure: restart 1 of 1
+                ("failed", "host c (node 2): gone", {2: "its link ended"}),  # a lost node: no restart spent
+                ("succeeded", None, {})])
+    assert elastic.Membership(run, said.append).attempts() == ("succeeded", None, [])
+    assert run.formed == [["a", "b", "c"], ["a", "b", "c"], ["a", "b"]]
+    assert run.status["restarts"] == 1 and run.ended == "succeeded"
+    timeline = run.status["membership"]
+    assert [e["why"] for e in timeline] == ["started", "restart 1 of 1", "host c (node 2): gone"]
+    assert timeline[2]["lost"] == {"c": "its link ended"} and timeline[2]["world_size"] == 2
+    assert any("node c lost: its link ended; the job goes on with 2 node(s): a, b" in s for s in said), said
+    assert [m["label"] for m in run.markers] == ["restart 1 of 1: 3 nodes", "c lost: 2 nodes"]
+    # a second failure with no restart left ends the job; a lost node below MIN waits, then names it
+    run = _Run([("failed", "rank 0 exited with code 1", {}), ("failed", "rank 0 exited with code 1", {})])
+    assert elastic.Membership(run, said.append).attempts()[0:2] == ("failed", "rank 0 exited with code 1")
+    run = _Run([("failed", "host b: gone", {1: "cut", 2: "cut"})])
+    run.spec = run.spec.replace(elastic_wait=0.3)
+    state, error, _ = elastic.Membership(run, said.append).attempts()
+    assert state == "failed" and "fewer than 2 node(s)" in error and "b (since " in error and "c (since " in error
+
+
+def test_a_spare_takes_the_place_of_a_lost_node_and_a_survivor_is_node_0(monkeypatch):
+    from sdp_jupyter.launch.kernel import elastic
+
+    monkeypatch.setattr(elastic, "REFORM_GRACE", 0.1)
+    run = _Run([("failed", "host a: gone", {0: "dead"}), ("succeeded", None, {})])
+    run.spec = run.spec.replace(nodes=2)  # a, b in the job; c a spare
+    assert elastic.Membership(run, lambda s: None).attempts()[0] == "succeeded"
+    assert run.formed == [["a", "b"], ["b", "c"]]  # b (held the checkpoint) is node 0 now; the spare joins
 
 
 # ---------------------------------------------------------------------------------- real hosts
