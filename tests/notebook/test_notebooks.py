@@ -38,7 +38,7 @@ def test_notebook_runs(path: Path, request):
     if path.name == "09_ssh.ipynb":
         check_ssh(nb, jobs, run.hosts)
     if path.name == "11_elastic.ipynb":
-        check_elastic(nb, run.hosts)
+        check_elastic(nb, jobs, run.hosts)
     if path.name == "04_sagemaker.ipynb":
         check_rehearsal(nb)
     if path.name == "05_model_parallel.ipynb":  # tp x pp with --backend smddp: no gloo group at all
@@ -100,7 +100,7 @@ def check_slurm(nb, jobs: Path, slurm_hosts):
     assert slurm_hosts.wait_clean(30) == {}, "a rank, an agent or a Slurm job outlived the notebook"
 
 
-def check_elastic(nb, ssh_hosts):
+def check_elastic(nb, jobs: Path, ssh_hosts):
     """A cut link costs a re-formation, not the job: the notebook's own asserts checked the formations and
     the accuracy; here, that it ran on the suite's hosts, said so, and left nothing running there."""
     code = [c for c in nb.cells if c.cell_type == "code"]
@@ -109,6 +109,16 @@ def check_elastic(nb, ssh_hosts):
     assert "s later the job goes on with h1, h2; lost: {'h3': " in all_text, all_text[-3000:]
     assert "attempt 1: 2 ranks, rank 0 on h1, from step " in all_text and "attempt 2: 3 ranks" in all_text
     assert "test accuracy on 450 held-out digits: 0." in all_text
+    # the summary (the job view's text) and the dashboard's markers show each change
+    from sdp_jupyter.launch import Job
+    from sdp_jupyter.monitor import reader
+
+    job = Job.open(next(d for d in jobs.iterdir() if (d / "status.json").is_file()))
+    summary = job.summary()
+    assert "(3 of 2:3 node(s) x 1 proc(s) on ssh" in summary and "membership: " in summary, summary
+    assert "node h3 lost: " in summary and "host h3 is reachable again and joins: 3 node(s) from then" in summary
+    labels = [label for _, label in reader.read(job.dir).changes]
+    assert labels == ["h3 lost: 2 nodes", "host h3 is reachable again and joins: 3 nodes"], labels
     assert ssh_hosts.wait_clean(30) == {}
 
 
