@@ -155,6 +155,31 @@ def test_a_killed_node_is_back_in_the_next_formation_and_the_job_resumes(ssh_hos
 
 
 @pytest.mark.slow
+def test_a_frozen_node_is_lost_at_its_heartbeat_and_a_new_agent_takes_its_place(ssh_hosts, hosts, tmp_path):
+    jobs = tmp_path / "jobs"
+    d = _drive(ssh_hosts, jobs, "el-stop", env={"STEPS": "60", "STEP_SLEEP": "0.15"})
+    assert "running" in next_line(d)
+    frozen = _agent_and_ranks(ssh_hosts, 3)
+    for pid in frozen:  # SIGSTOP: alive, silent, holding its sockets (a hung host, a long GC pause, a VM paused)
+        os.kill(pid, signal.SIGSTOP)
+    tell(d, "wait")
+    try:
+        out = next_line(d, timeout=150)
+    finally:
+        for pid in frozen:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+    assert out["state"] == "succeeded", out["error"]
+    formations = [e for e in out["status"]["membership"] if "hosts" in e]
+    assert [f["hosts"] for f in formations] == [["h1", "h2", "h3"], ["h1", "h2", "h3"]], formations
+    assert formations[1]["lost"] == {"h3": "has not answered for 10 s: its link or the host is down"}
+    # once thawed, the old agent finds its channel closed and stops its ranks: nothing is left
+    assert ssh_hosts.wait_clean(30) == {}
+
+
+@pytest.mark.slow
 def test_below_min_the_job_waits_then_names_each_missing_host_and_why(ssh_hosts, hosts, tmp_path):
     jobs = tmp_path / "jobs"
     # a host that fails the check before the start is left out while MIN others pass it
