@@ -1,7 +1,7 @@
 """What every remote target shares: one agent per node (launch/host/agent.py) reached over a link.
 
 The SSH target's link is an ssh client's stdin/stdout; the Ray target's is an actor that runs the
-agent. Either way the notebook side is this module: start every node's agent at once and check its
+agent (launch/kernel/link.py). Either way the notebook side is this module: start every node's agent at once and check its
 hello (version, GPUs) before anything starts; then, per attempt, ask node 0 for a port, send each
 agent its `start`, mirror output, metrics and the result into the job directory, and name a rank
 that fails or a node that goes silent (HEARTBEAT_TIMEOUT). Stop, restarts and the exit hook work as
@@ -9,7 +9,6 @@ for local jobs (launch/kernel/supervise.py).
 """
 from __future__ import annotations
 
-import collections
 import queue
 import secrets
 import sys
@@ -26,57 +25,14 @@ from sdp_jupyter.launch.kernel.job import Job
 from sdp_jupyter.launch.kernel.preparation import create_job
 from sdp_jupyter import backends
 from sdp_jupyter.launch.spec import JobSpec, SpecError
+# a Link, what a target subclasses, and its names: in launch/kernel/link.py, named here too for the targets
+from sdp_jupyter.launch.kernel.link import CONNECT_TIMEOUT, Link, install_fix  # noqa: F401
 
-CONNECT_TIMEOUT = 10       # seconds for a link to reach its node
 # seconds from opening a link to the agent's hello (connect + interpreter start; on Ray also the actor's
 # worker process): a full suite run on a slow 2-core day saw all 4 Ray test hosts miss 30 s while the
 # first --warm job started a pool and an agent actor on each (issue 40's final run)
 HELLO_TIMEOUT = 60
 HEARTBEAT_TIMEOUT = 10.0   # a node silent this long is lost (the agent pings every second)
-
-
-def install_fix(version: str, where: str) -> str:
-    """The fix for a host that lacks this sdp_jupyter: no package index serves it, so a checkout or a
-    wheel built from one (docs/install.md, "On SSH hosts, Ray nodes and Slurm nodes")."""
-    return (f"install sdp_jupyter {version} {where} from a checkout (pip install .) or a wheel built with "
-            "pip wheel (docs/install.md)")
-
-
-class Link:
-    """One node's agent as the notebook side sees it. Frames go into `inbox` as (node, message); when
-    the link ends, (node, {"type": "eof", "why", "code"}). `connected` is set once the node is reached
-    (before the interpreter starts); `stderr` keeps the link's and the agent's last words."""
-
-    kind = "link"
-    connect_timeout = CONNECT_TIMEOUT  # seconds from opening the link until `connected` must be set
-
-    def __init__(self, node: int, host: str, inbox: queue.Queue):
-        self.node, self.host, self.inbox = node, host, inbox
-        self.hello: dict | None = None
-        self.last_heard = time.monotonic()
-        self.stderr = collections.deque(maxlen=40)
-        self.connected = threading.Event()
-
-    def heard(self, message: dict) -> None:
-        self.last_heard = time.monotonic()
-        self.inbox.put((self.node, message))
-
-    def send(self, message: dict) -> bool:
-        raise NotImplementedError
-
-    def close(self, wait: float = 5.0) -> None:
-        raise NotImplementedError
-
-    def unreachable(self) -> str:
-        return f"not reachable within {CONNECT_TIMEOUT} s"
-
-    def diagnose(self, code, python: str) -> str:
-        """What went wrong before the agent said hello, and the fix."""
-        said = " ".join(line for line in self.stderr if line)[-400:]
-        if "No module named" in said and "sdp_jupyter" in said:
-            return (f"sdp_jupyter is not installed for {python} there. Fix: "
-                    + install_fix(channel.version(), f"for that Python on {self.host}"))
-        return f"the agent did not start (exit {code}: {said or 'no output'})"
 
 
 def start_job(run: "RemoteRun", push_bytes: bytes | None, **status) -> Job:

@@ -33,7 +33,7 @@ from sdp_jupyter.launch.kernel import remote
 from sdp_jupyter.launch.kernel.job import Job
 from sdp_jupyter.launch.kernel.preparation import prepared
 from sdp_jupyter.launch.kernel.push import pickle_push
-from sdp_jupyter.launch.kernel.remote import CONNECT_TIMEOUT
+from sdp_jupyter.launch.kernel.link import CONNECT_TIMEOUT
 from sdp_jupyter.launch.spec import JobSpec, SpecError
 
 CONNECTED = "sdp-agent-connected"
