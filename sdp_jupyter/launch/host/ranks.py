@@ -144,7 +144,7 @@ def environment(spec, *, rank: int, world_size: int, job_dir: str, job_name: str
     })
     if spec.min_nodes is not None:  # an elastic job (sdp_jupyter.checkpoint keeps a copy on every node)
         env["SDP_ELASTIC"] = "1"
-        env.setdefault("SM_CHANNEL_TRAIN", os.path.join(job_dir, jobdir.TRAIN_CHANNEL))
+    env.setdefault("SM_CHANNEL_TRAIN", os.path.join(job_dir, jobdir.TRAIN_CHANNEL))
     if split_gpus and gpus >= spec.world_size and "CUDA_VISIBLE_DEVICES" not in spec.env:
         parent = os.environ.get("CUDA_VISIBLE_DEVICES")
         ids = [v.strip() for v in parent.split(",")] if parent else [str(i) for i in range(gpus)]
