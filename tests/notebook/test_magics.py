@@ -42,7 +42,7 @@ def test_help_lists_every_option(ip):
     doc = ip.find_cell_magic("sdp_train").__doc__
     for opt in all_options():
         assert opt.flag in doc, opt.flag
-    assert "one process per rank" in doc and "%%sdp_train [--nodes N]" in doc
+    assert "one process per rank" in doc and "%%sdp_train [--nodes N|MIN:MAX]" in doc
 
 
 @pytest.mark.parametrize("cell, fragment", [
