@@ -107,7 +107,8 @@ def check_elastic(nb, jobs: Path, ssh_hosts):
     assert any("injected-parameters" in c.metadata.get("tags", []) for c in code), "the suite's hosts were not used"
     all_text = "".join(o.get("text", "") for c in code for o in c.outputs)
     assert "s later the job goes on with h1, h2; lost: {'h3': " in all_text, all_text[-3000:]
-    assert "attempt 1: 2 ranks, rank 0 on h1, from step " in all_text and "attempt 2: 3 ranks" in all_text
+    # the 2-node attempt may be cut short by h3's return before rank 0 prints; the 3-node one resumes
+    assert re.search(r"attempt 2: 3 ranks, rank 0 on h1, from step [1-9]", all_text), all_text[-3000:]
     assert "test accuracy on 450 held-out digits: 0." in all_text
     # the summary (the job view's text) and the dashboard's markers show each change
     from sdp_jupyter.launch import Job
