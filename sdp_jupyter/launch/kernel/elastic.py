@@ -32,6 +32,7 @@ from typing import Callable
 
 from sdp_jupyter import jobdir
 from sdp_jupyter.launch import channel
+from sdp_jupyter.launch.kernel import supervise
 
 REFORM_GRACE = 8.0   # seconds a re-formation waits for lost hosts being tried again
 RETRY_EVERY = 5.0    # seconds between tries to reach a missing host again
@@ -91,10 +92,7 @@ class Membership:
                 if failures >= spec.max_restarts:
                     return state, error, codes
                 failures += 1
-                causes.append(error)
-                job.update_status(restarts=failures, restart_errors=causes)
-                self.announce(f"[sdp_jupyter] restart {failures} of {spec.max_restarts} after: "
-                              f"{(error or '').splitlines()[0]}\n")
+                supervise.count_restart(job, failures, spec.max_restarts, error, causes, self.announce)
                 self._change = {"why": f"restart {failures} of {spec.max_restarts}"}
         finally:
             run._membership = None  # the retry threads end at their next look, closing what they opened

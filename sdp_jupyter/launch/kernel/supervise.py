@@ -84,11 +84,16 @@ def with_restarts(job, attempt: Callable[[int], tuple], announce: Callable[[str]
         if state == "failed" and n < job.spec.max_restarts and not stopped.is_set() \
                 and error and not error.startswith(final):
             n += 1
-            announce(f"[sdp_jupyter] restart {n} of {job.spec.max_restarts} after: {error.splitlines()[0]}\n")
-            causes.append(error)
-            job.update_status(restarts=n, restart_errors=causes)
+            count_restart(job, n, job.spec.max_restarts, error, causes, announce)
             continue
         return state, error, codes
+
+
+def count_restart(job, n: int, of: int, error: str, causes: list, announce: Callable[[str], None]) -> None:
+    """Restart `n` of `of` (--max-restarts) after `error`: in the job's status and every rank's log."""
+    announce(f"[sdp_jupyter] restart {n} of {of} after: {(error or '').splitlines()[0]}\n")
+    causes.append(error)
+    job.update_status(restarts=n, restart_errors=causes)
 
 
 @atexit.register
