@@ -162,18 +162,16 @@ class Cluster:
         if not self._up:
             return
         self._up = False
-        for p in self._procs:
-            if p.poll() is None:
-                try:
-                    p.terminate()
-                except OSError:
-                    pass
+        # _teardown signals every process in the hosts' namespaces, those started by popen() included
+        # (nsenter execs the command, in the namespace): one SIGTERM each, as a machine shutting down
+        # sends. A second SIGTERM could land after Python's exit has put the default handler back,
+        # and kill a process that was ending cleanly on the first.
         _teardown(self.name)
-        for p in self._procs:
+        for p in self._procs:  # one not yet in its namespace when the hosts were emptied is killed here
             try:
                 p.wait(timeout=5)
             except subprocess.TimeoutExpired:
-                pass
+                p.kill()
         _LIVE.discard(self)
         if not _LIVE and _TERM_BEFORE and _is_main_thread():
             before = _TERM_BEFORE.pop()
