@@ -47,10 +47,14 @@ class SlurmHosts:
         """An environment whose Slurm commands talk to this cluster."""
         env = dict(base if base is not None else os.environ)
         env["SLURM_CONF"] = str(self.conf)
+        # the agents' job folders (node-N of each job, checkpoints included) live with this cluster and go
+        # with it, never in the machine's ~/.cache, where a later run of a job's name would resume from them
+        env["SDP_AGENT_DIR"] = str(self.agent_root)
         return env
 
-    def agent_dir(self, host: int) -> Path:
-        return self.root / f"agent-h{host}"
+    @property
+    def agent_root(self) -> Path:
+        return self.root / "agents"
 
     # ------------------------------------------------------------------ start and stop
     def start(self, timeout: float = 60.0) -> None:
@@ -73,8 +77,8 @@ class SlurmHosts:
         self.procs["slurmctld"] = self.cluster.popen(0, ["/usr/sbin/slurmctld", "-D", "-i", "-f", str(self.conf)],
                                                      env=self.env(), stdout=subprocess.DEVNULL,
                                                      stderr=open(r / "log" / "slurmctld.out", "ab"))
+        self.agent_root.mkdir(mode=0o700, exist_ok=True)
         for i, name in zip(self.nodes, self.names):
-            self.agent_dir(i).mkdir(mode=0o700, exist_ok=True)
             self.procs[name] = self.cluster.popen(i, ["/usr/sbin/slurmd", "-D", "-N", name, "-f", str(self.conf)],
                                                   env=self.env(), stdout=subprocess.DEVNULL,
                                                   stderr=open(r / "log" / f"slurmd-{name}.out", "ab"))

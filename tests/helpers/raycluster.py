@@ -49,8 +49,11 @@ class RayHosts:
                 "--object-store-memory", str(80 << 20), "--temp-dir", str(self.root / f"h{i}"),
                 "--disable-usage-stats", "--block"]
         self.node_env[i] = env
+        # the agents' job folders (checkpoints included) stay with these hosts: in the machine's ~/.cache a
+        # later run of a test's job name would resume from them (Ray's workers inherit the node's environment)
+        agents = {"SDP_AGENT_DIR": str(self.root / f"agents-h{i}")}
         with open(self.root / f"ray-h{i}.log", "ab") as log:
-            self.starts[i] = self.cluster.popen(i, argv, env={**self.env, **(env or {})}, stdout=log,
+            self.starts[i] = self.cluster.popen(i, argv, env={**self.env, **agents, **(env or {})}, stdout=log,
                                                 stderr=subprocess.STDOUT)
 
     def restart_node(self, i: int, env: dict | None = None) -> None:

@@ -72,7 +72,8 @@ STEP
 # A long job (STEP_SLEEP set) prints {"running"} once rank 0 is at step 2, then reads a command on
 # stdin: "stop" stops the job, anything else waits for it. Every job ends with {"state", ...}.
 LAUNCH = r'''
-import json, sys, time, sdp_jupyter
+import faulthandler, json, signal, sys, time, sdp_jupyter
+faulthandler.register(signal.SIGUSR1)  # next_line asks a driver that hangs for its threads' stacks
 from sdp_jupyter.launch import SpecError
 args = json.loads(sys.argv[1])
 t0 = time.time()
@@ -102,8 +103,10 @@ def drive(cluster, launch_args: dict, env: dict | None = None) -> subprocess.Pop
     open for commands."""
     full = dict(env or os.environ)
     full["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), full.get("PYTHONPATH")]))
-    return cluster.popen(0, [sys.executable, "-c", DRIVER, json.dumps({"code": TRAIN, **launch_args})], env=full,
+    proc = cluster.popen(0, [sys.executable, "-c", DRIVER, json.dumps({"code": TRAIN, **launch_args})], env=full,
                          text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.jobs_dir = launch_args.get("jobs_dir")  # what next_line shows of the job when the driver goes quiet
+    return proc
 
 
 def tell(proc, command: str) -> None:
@@ -122,11 +125,25 @@ def next_line(proc, timeout: float = 120.0) -> dict:
                 return json.loads(line)
             if not line:
                 break
-    if proc.poll() is None:  # a driver that hangs: its threads' stacks (CELLS_DRIVER registers SIGUSR1)
+    if proc.poll() is None:  # a driver that hangs: its threads' stacks (the drivers register SIGUSR1)
         proc.send_signal(signal.SIGUSR1)
         time.sleep(1.0)
     proc.kill()
-    raise AssertionError(f"the driver said nothing more; its stderr: {proc.stderr.read()[-3000:]}")
+    raise AssertionError(f"the driver said nothing more; its stderr: {proc.stderr.read()[-3000:]}"
+                         + _job_record(getattr(proc, "jobs_dir", None)))
+
+
+def _job_record(jobs_dir) -> str:
+    """What the driver's jobs left on disk: each one's status.json and the end of every rank's log."""
+    if not jobs_dir or not Path(jobs_dir).is_dir():
+        return ""
+    said = []
+    for job in sorted(p for p in Path(jobs_dir).iterdir() if p.is_dir()):
+        status = job / "status.json"
+        said.append(f"\n--- {job.name}/status.json:\n" + (status.read_text()[-3000:] if status.exists() else "(none)"))
+        for log in sorted((job / "logs").glob("*.log")):
+            said.append(f"\n--- {job.name}/logs/{log.name}:\n" + "\n".join(log.read_text(errors="replace").splitlines()[-15:]))
+    return "".join(said)
 
 
 # A notebook's session on h0: jobs [name, start, env] run one after another in one process (so the
