@@ -48,6 +48,7 @@ REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(REPO, "tests"))
 from _spawn import bench_parser, machine_info, write_results  # noqa: E402
+from sdp_jupyter.testing.cluster import signal_all  # noqa: E402
 
 SCENARIOS = {
     "A": ("rank crash, elastic 2:3, --max-restarts 1", {"nodes": "2:3", "max_restarts": 1}, "rank"),
@@ -152,11 +153,7 @@ def one_round(cluster, hosts, jobs: Path, key: str, i: int, rng: random.Random, 
             else:  # every rank-side process and the agent, as tests/launch/test_elastic.py kills a node
                 pids = hosts.processes(3) + hosts.processes(3, "sdp_jupyter.launch.host.agent")
             t_fail = time.time()
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            signal_all(pids, signal.SIGKILL)
             row["killed"] = len(pids)
         row["time_to_failure_from_launch_s"] = round(t_fail - t_launch, 2)
         fail_attempt, _, fail_step, _ = _progress(_read_log(log))
@@ -198,11 +195,7 @@ def one_round(cluster, hosts, jobs: Path, key: str, i: int, rng: random.Random, 
         left = hosts.wait_clean(30)
         if left:
             for pids in left.values():
-                for pid in pids:
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
+                signal_all(pids, signal.SIGKILL)
             row["leftovers"] = {str(k): len(v) for k, v in left.items()}
 
 

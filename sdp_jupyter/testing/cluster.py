@@ -241,7 +241,7 @@ class Cluster:
         """Send `sig` to every process running on `host` (a host losing power, as far as its
         processes are concerned). Returns the PIDs signalled."""
         pids = self.pids(host)
-        _signal_all(pids, sig)
+        signal_all(pids, sig)
         return pids
 
     # ------------------------------------------------------------------ links
@@ -290,7 +290,8 @@ def _pids(namespaces: list[str]) -> list[int]:
     return [int(pid) for ns in namespaces for pid in _sh("ip", "netns", "pids", ns, check=False).stdout.split()]
 
 
-def _signal_all(pids: list[int], sig: int) -> None:
+def signal_all(pids: list[int], sig: int) -> None:
+    """Send `sig` to each of `pids`; one that has ended since it was listed is skipped."""
     for pid in pids:
         try:
             os.kill(pid, sig)
@@ -304,7 +305,7 @@ def _teardown(name: str, grace: float = 2.0) -> None:
     mine = [n for n in netns if n.startswith(name + "-")]
     # as a machine shuts down: SIGTERM first, so that what a process removes on its way out (a warm
     # pool's socket folder, in the /tmp the hosts share with this machine) goes; SIGKILL after `grace`
-    _signal_all(_pids(mine), signal.SIGTERM)
+    signal_all(_pids(mine), signal.SIGTERM)
     deadline = time.monotonic() + grace
     while _pids(mine) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -312,7 +313,7 @@ def _teardown(name: str, grace: float = 2.0) -> None:
         pids = _pids(mine)
         if not pids:
             break
-        _signal_all(pids, signal.SIGKILL)
+        signal_all(pids, signal.SIGKILL)
         time.sleep(0.2)
     for ns in mine:
         _sh("ip", "netns", "del", ns, check=False)

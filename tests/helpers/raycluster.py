@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from sdp_jupyter.testing.cluster import signal_all
 
 
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -62,11 +63,7 @@ class RayHosts:
         and the old one is gone from the cluster's view (a killed raylet stays 'Alive' to the head until
         its health checks fail, so counting alive nodes alone can return before the new node exists)."""
         old = {node for ip, node in self._alive() if ip == self.cluster.addresses[i]}
-        for pid in self.ray_pids(i):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        signal_all(self.ray_pids(i), signal.SIGKILL)
         if i in self.starts:
             self.starts[i].wait()
         self.retries[i] = 0
@@ -142,11 +139,7 @@ class RayHosts:
                 p.kill()
         time.sleep(0.5)
         for host in range(self.cluster.n):  # and by PID what outlived it
-            for pid in self.ray_pids(host):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            signal_all(self.ray_pids(host), signal.SIGKILL)
         shutil.rmtree(self.root, ignore_errors=True)
 
 

@@ -17,6 +17,7 @@ import pytest
 
 from helpers.remote_jobs import ELASTIC_TRAIN, drive, next_line, tell
 from sdp_jupyter.launch import JobSpec, SpecError
+from sdp_jupyter.testing.cluster import signal_all
 
 
 def _drive(hosts, jobs, name, **launch_args):
@@ -136,8 +137,7 @@ def test_a_killed_node_is_back_in_the_next_formation_and_the_job_resumes(ssh_hos
     assert "running" in next_line(d)
     killed = _agent_and_ranks(ssh_hosts, 3)
     assert killed
-    for pid in killed:  # the host stays up (sshd answers): its agent and ranks die at once
-        os.kill(pid, signal.SIGKILL)
+    signal_all(killed, signal.SIGKILL)  # the host stays up (sshd answers): its agent and ranks die at once
     t_kill = time.time()
     tell(d, "wait")
     out = next_line(d, timeout=150)
@@ -160,17 +160,13 @@ def test_a_frozen_node_is_lost_at_its_heartbeat_and_a_new_agent_takes_its_place(
     d = _drive(ssh_hosts, jobs, "el-stop", env={"STEPS": "60", "STEP_SLEEP": "0.15"})
     assert "running" in next_line(d)
     frozen = _agent_and_ranks(ssh_hosts, 3)
-    for pid in frozen:  # SIGSTOP: alive, silent, holding its sockets (a hung host, a long GC pause, a VM paused)
-        os.kill(pid, signal.SIGSTOP)
+    # SIGSTOP: alive, silent, holding its sockets (a hung host, a long GC pause, a VM paused)
+    signal_all(frozen, signal.SIGSTOP)
     tell(d, "wait")
     try:
         out = next_line(d, timeout=150)
     finally:
-        for pid in frozen:
-            try:
-                os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
+        signal_all(frozen, signal.SIGCONT)
     assert out["state"] == "succeeded", out["error"]
     formations = [e for e in out["status"]["membership"] if "hosts" in e]
     assert [f["hosts"] for f in formations] == [["h1", "h2", "h3"], ["h1", "h2", "h3"]], formations

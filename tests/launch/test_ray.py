@@ -16,6 +16,7 @@ import pytest
 from helpers.remote_jobs import TRAIN, drive, drive_cells, drive_session, next_line, tell
 from sdp_jupyter.launch import JobSpec, SpecError
 from sdp_jupyter.launch.kernel import remote
+from sdp_jupyter.testing.cluster import signal_all
 
 
 def _drive(rh, jobs, **launch_args):
@@ -215,11 +216,7 @@ def test_a_lost_node_is_named_within_ten_seconds(ray_hosts, tmp_path):
         # the Ray node on h2 loses power, as far as its processes are concerned: Ray's and the job's
         victims = ray_hosts.ray_pids(2) + _ranks_and_agents(c, 2)
         killed_at = time.time()
-        for pid in victims:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        signal_all(victims, signal.SIGKILL)
         out = next_line(d, timeout=60)
         assert out.get("state") == "failed"
         assert "(node " in out["error"] and "10.213.0.3" in out["error"], out["error"]
@@ -255,11 +252,7 @@ def test_an_elastic_job_goes_on_without_a_lost_ray_node_and_takes_the_spare(ray_
     victim = next(h for h in range(1, c.n) if c.addresses[h] in first)
     spare = next(a for a in c.addresses if a not in first)
     try:
-        for pid in ray_hosts.ray_pids(victim) + _ranks_and_agents(c, victim):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        signal_all(ray_hosts.ray_pids(victim) + _ranks_and_agents(c, victim), signal.SIGKILL)
         t_kill = time.monotonic()
         two = wait_for(lambda: [f for f in formations() if len(f["hosts"]) == 2], timeout=60, every=0.3,
                        what="a 2-node formation")

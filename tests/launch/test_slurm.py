@@ -17,6 +17,7 @@ import pytest
 from helpers.remote_jobs import LAUNCH, REPO, TRAIN, drive_cells, next_line
 from sdp_jupyter.launch import Job, JobSpec, SpecError
 from sdp_jupyter.launch.kernel import slurm
+from sdp_jupyter.testing.cluster import signal_all
 
 # Plays the notebook on h0 (the login node): launches, says {"job": name}, then obeys commands on
 # stdin: "status" -> {"status"}, "stop" -> {"stopped_in"}, "wait" -> the end {"state", ...}.
@@ -190,8 +191,8 @@ def test_a_lost_node_is_named_and_the_time_limit_is_reported_as_such(slurm_hosts
     _until(d, lambda x: x["state"] == "running" and x["status"].get("host_names"))
     time.sleep(2)
     killed = time.monotonic()
-    for pid in slurm_hosts.processes(3, "sdp_jupyter.launch.host.agent") + slurm_hosts.processes(3):
-        os.kill(pid, signal.SIGKILL)  # the node's part of the job is gone (slurmd stays: Slurm did not see it)
+    # the node's part of the job is gone (slurmd stays: Slurm did not see it)
+    signal_all(slurm_hosts.processes(3, "sdp_jupyter.launch.host.agent") + slurm_hosts.processes(3), signal.SIGKILL)
     end = _say(d, "wait", timeout=60)
     assert end["state"] == "failed" and "host h3 (node 2)" in end["error"], end
     assert time.monotonic() - killed < HEARTBEAT_TIMEOUT + 5
@@ -229,11 +230,7 @@ def test_an_elastic_job_goes_on_in_its_allocation_when_a_node_is_set_down(slurm_
         # at once, so the test ends them as a dead machine would)
         p = slurm_hosts.run(["scontrol", "update", "NodeName=h3", "State=DOWN", "Reason=elastic-test"])
         assert p.returncode == 0, p.stderr
-        for pid in slurm_hosts.processes(3, "sdp_jupyter.launch.host.agent") + slurm_hosts.processes(3):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:  # a rank that ended when its agent did, between the listing and here
-                pass
+        signal_all(slurm_hosts.processes(3, "sdp_jupyter.launch.host.agent") + slurm_hosts.processes(3), signal.SIGKILL)
         end = _say(d, "wait", timeout=150)
     finally:
         slurm_hosts.run(["scontrol", "update", "NodeName=h3", "State=RESUME"])
