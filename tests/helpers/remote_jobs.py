@@ -137,12 +137,14 @@ def _job_record(jobs_dir) -> str:
     """What the driver's jobs left on disk: each one's status.json and the end of every rank's log."""
     if not jobs_dir or not Path(jobs_dir).is_dir():
         return ""
+    from sdp_jupyter import jobdir
+
     said = []
     for job in sorted(p for p in Path(jobs_dir).iterdir() if p.is_dir()):
-        status = job / "status.json"
-        said.append(f"\n--- {job.name}/status.json:\n" + (status.read_text()[-3000:] if status.exists() else "(none)"))
-        for log in sorted((job / "logs").glob("*.log")):
-            said.append(f"\n--- {job.name}/logs/{log.name}:\n" + "\n".join(log.read_text(errors="replace").splitlines()[-15:]))
+        status = job / jobdir.STATUS
+        said.append(f"\n--- {job.name}/{jobdir.STATUS}:\n" + (status.read_text()[-3000:] if status.exists() else "(none)"))
+        for log in sorted((job / jobdir.LOGS).glob("*.log")):
+            said.append(f"\n--- {job.name}/{jobdir.LOGS}/{log.name}:\n" + jobdir.read_log(log, tail=15))
     return "".join(said)
 
 

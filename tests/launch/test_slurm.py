@@ -57,8 +57,10 @@ def _drive(sh, jobs, code=TRAIN, prefix=(), env=None, **args):
     full["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), full.get("PYTHONPATH")]))
     full.pop("SLURM_JOB_ID", None)
     spec = {"code": code, "target": "slurm", "jobs_dir": str(jobs), **args}
-    return sh.cluster.popen(0, list(prefix) + [sys.executable, "-c", DRIVER, json.dumps(spec)], env=full, text=True,
+    proc = sh.cluster.popen(0, list(prefix) + [sys.executable, "-c", DRIVER, json.dumps(spec)], env=full, text=True,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.jobs_dir = str(jobs)  # next_line shows the jobs' status and logs when the driver goes quiet
+    return proc
 
 
 def _say(proc, command: str, timeout: float = 120.0) -> dict:
