@@ -199,6 +199,12 @@ class MetricsEcho:
         self._thread = threading.Thread(target=self._loop, name="sdp-metrics-echo", daemon=True)
 
     def start(self) -> "MetricsEcho":
+        # the script's lines reach the descriptor whole, a line at a time (see _write_line); also
+        # under PYTHONUNBUFFERED, which the training images set and which writes each piece of a
+        # print through at once
+        reconfigure = getattr(sys.stdout, "reconfigure", None)
+        if reconfigure is not None:
+            reconfigure(line_buffering=True, write_through=False)
         self._thread.start()
         return self
 
@@ -211,7 +217,7 @@ class MetricsEcho:
 
         with self._lock:
             for record in self.tail.records():
-                print(format_log_line(record, self.last_t), flush=True)
+                _write_line(format_log_line(record, self.last_t))
                 if record.get("kind") == "step" and isinstance(record.get("t"), (int, float)):
                     self.last_t = record["t"]
 
@@ -221,6 +227,22 @@ class MetricsEcho:
         if reporter is not None:
             reporter.flush()  # held automatic step fields
         self.drain()
+
+
+def _write_line(line: str) -> None:
+    """Writes one whole line to stdout with a single write to its descriptor. The echo thread runs
+    beside the script, whose `print` writes its text and its newline separately; printing through
+    the shared `sys.stdout` could put a metrics line between the two, and CloudWatch's parser would
+    then miss it. The script's stdout is line-buffered while the echo runs (`MetricsEcho.start`), so
+    its unfinished line waits in its buffer and reaches the descriptor whole, after or before ours."""
+    data = (line + "\n").encode()
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # a replaced stdout: no descriptor to share
+        print(line, flush=True)
+        return
+    while data:
+        data = data[os.write(fd, data):]
 
 
 def _write_failure(exc: BaseException, env=os.environ) -> None:

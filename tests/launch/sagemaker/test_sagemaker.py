@@ -279,3 +279,40 @@ def test_final_request_gate_blocks_a_bad_request(aws, tmp_path):
     gate.remove(boto)
     with pytest.raises(sm.SageMakerRequestError, match=r"RoleArn \(--role\): is required"):
         sm.validate_request({"TrainingJobName": "ok", "OutputDataConfig": {"S3OutputPath": "s3://b/o"}})
+
+
+ECHO_BESIDE_PRINTS = r'''
+import json, os, sys, threading
+from sdp_jupyter.launch.rank.sagemaker_entry import MetricsEcho
+from sdp_jupyter import jobdir
+
+sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter allows
+job = sys.argv[1]
+path = jobdir.rank_metrics_path(job, 0)
+path.parent.mkdir(parents=True)
+echo = MetricsEcho(job, 0, interval=0.0005).start()
+with open(path, "a") as f:
+    for step in range(400):
+        f.write(json.dumps({"kind": "step", "rank": 0, "step": step, "loss": 1.0, "t": 1.0 + step}) + "\n")
+        f.flush()
+        print("script line", step, "x" * 40)
+echo.stop()
+'''
+
+
+@pytest.mark.parametrize("unbuffered", ["1", None], ids=["PYTHONUNBUFFERED", "buffered"])
+def test_metrics_lines_stay_whole_beside_the_scripts_prints(tmp_path, unbuffered):
+    """The echo thread's `[sdp-metrics]` lines share stdout with the script's prints; a line cut by a
+    print would be lost to CloudWatch's parser (CI run 47 lost one)."""
+    import subprocess
+    import sys as _sys
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    if unbuffered:
+        env["PYTHONUNBUFFERED"] = unbuffered
+    out = subprocess.run([_sys.executable, "-c", ECHO_BESIDE_PRINTS, str(tmp_path / "job")], capture_output=True,
+                         text=True, timeout=120, check=True, env=env).stdout
+    lines = out.splitlines()
+    events = [cloudwatch.parse_log_line(line) for line in lines if "[sdp-metrics]" in line]
+    assert [e and e["step"] for e in events] == list(range(400))
+    assert [line for line in lines if line.startswith("script line")] == \
+        [f"script line {s} {'x' * 40}" for s in range(400)]
