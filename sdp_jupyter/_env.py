@@ -171,8 +171,10 @@ VARIABLES: dict[str, Var] = {v.name: v for v in (
         "where `sdp_jupyter.checkpoint` saves and finds checkpoints (--checkpoint-dir)"),
     Var("SDP_RESTART", "int", "0", "rank", "attempt number: 0, then 1, 2, ... after each --max-restarts restart "
         "or elastic re-formation", internal=True),
-    Var("SDP_ELASTIC", "flag", "unset", "rank", "set to 1 in an elastic job (--nodes MIN:MAX): "
-        "`sdp_jupyter.checkpoint` keeps a copy on every node and load() gives every rank node 0's", internal=True),
+    Var("SDP_ELASTIC", "flag", "unset", "rank", "set to 1 in an elastic job (--nodes MIN:MAX)", internal=True),
+    Var("SDP_CHECKPOINT_PER_NODE", "flag", "unset", "rank", "set to 1 in a job whose nodes run on hosts of their "
+        "own (SSH, Ray, Slurm, more than one node) and in every elastic job: `sdp_jupyter.checkpoint` keeps a "
+        "copy on every node and load() gives every rank node 0's", internal=True),
     Var("SDP_SCRIPT", "str (path)", "set per job", "rank", "the script the worker runs", internal=True),
     Var("SDP_LAUNCHER_PID", "int", "set per job", "rank",
         "the launching process: a worker or sampler whose parent is not this pid exits at once", internal=True),

@@ -8,7 +8,10 @@ The directory is SDP_CHECKPOINT_DIR (set by the launcher: --checkpoint-dir, defa
 <job dir>/checkpoints; it survives restarts of the job and re-runs with the same --name). Only rank 0
 writes (every rank holds the same replica in data-parallel training); the file is written to a
 temporary name and renamed, so a rank killed mid-save never leaves a torn checkpoint. Call load()
-before the first collective, so every rank reads the same file before rank 0 writes a newer one.
+on every rank before the first collective, so every rank reads the same file before rank 0 writes a
+newer one. Where the nodes run on hosts of their own (SSH, Ray, Slurm) or the job is elastic, the
+default folder is each host's own: local rank 0 of every node writes its copy, and load(), called
+after init_process_group, gives every rank node 0's by a broadcast.
 Objects are stored with torch.save when torch is importable, else with pickle.
 
 Preemption (a spot host reclaimed, a Slurm job preempted, `scancel`): what arrives is SIGTERM, on the
@@ -56,17 +59,20 @@ def _torch():
     return torch
 
 
-def _elastic() -> bool:
-    """In an elastic job (--nodes MIN:MAX) any node may be node 0 after a re-formation."""
-    return bool(env_str("SDP_ELASTIC"))
+def _per_node() -> bool:
+    """Every node keeps a copy and load() gives every rank node 0's: set by the launcher where the
+    nodes run on hosts of their own (a restarted rank reads its own host's folder) and in elastic
+    jobs (any node may be node 0 after a re-formation)."""
+    return bool(env_str("SDP_CHECKPOINT_PER_NODE"))
 
 
 def save(obj, name: str = DEFAULT_NAME, *, all_ranks: bool = False) -> Path | None:
-    """Write `obj` to <checkpoint dir>/<name> atomically; only rank 0 writes unless all_ranks. In an
-    elastic job (--nodes MIN:MAX) local rank 0 of every node writes, so each host keeps a copy and
-    the job resumes from it whichever node leaves."""
+    """Write `obj` to <checkpoint dir>/<name> atomically; only rank 0 writes unless all_ranks. Where
+    the nodes run on hosts of their own (SSH, Ray, Slurm) and in elastic jobs, local rank 0 of every
+    node writes, so each host keeps a copy and a restart or re-formation resumes from it whichever
+    node is node 0 then."""
     writes = all_ranks or os.environ.get("RANK", "0") == "0" \
-        or (_elastic() and os.environ.get("LOCAL_RANK", "0") == "0")
+        or (_per_node() and os.environ.get("LOCAL_RANK", "0") == "0")
     if not writes:
         return None
     directory = checkpoint_dir()
@@ -90,10 +96,11 @@ def load(name: str = DEFAULT_NAME, default=None, map_location="cpu", *, weights_
     `weights_only=False` only for a checkpoint you wrote yourself that holds other objects (an
     older checkpoint with a pickled optimizer class, say).
 
-    In an elastic job, called after init_process_group, every rank gets node 0's copy (a broadcast):
-    a host that rejoins the job may hold an older one. Before init_process_group each rank reads its
-    own host's copy."""
-    dist = _group() if _elastic() else None
+    Where the nodes run on hosts of their own (SSH, Ray, Slurm) and in elastic jobs, called after
+    init_process_group on every rank, every rank gets node 0's copy (a broadcast): the other hosts'
+    copies may be older (a host that rejoins, a node that died mid-save). Before init_process_group
+    each rank reads its own host's copy."""
+    dist = _group() if _per_node() else None
     if dist is not None and dist.get_world_size() > 1:
         box = [_read(name, default, map_location, weights_only) if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(box, src=0)

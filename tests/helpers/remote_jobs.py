@@ -22,14 +22,11 @@ _STEP = """    loss = torch.nn.functional.mse_loss(model(x), y)
     opt.step()
 """
 
-# Seeded: the same job gives the same parameters on any target. STEPS / STEP_SLEEP make it long,
-# FAIL_FIRST makes the last rank fail in attempt 0 (for restarts).
+# Seeded: the same job gives the same parameters on any target. STEPS / STEP_SLEEP make it long.
 TRAIN = r'''
 import os, socket, time, torch, torch.distributed as dist
 dist.init_process_group("smddp")
 rank, world = dist.get_rank(), dist.get_world_size()
-if int(os.environ.get("FAIL_FIRST", "0")) and os.environ["SDP_RESTART"] == "0" and rank == world - 1:
-    raise SystemExit(f"rank {rank} fails on purpose in attempt 0")
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Tanh(), torch.nn.Linear(512, 8))
 opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -44,8 +41,9 @@ dist.all_gather_object(names, (socket.gethostname(), os.environ["SDP_BIND_ADDR"]
 {"hosts": names, "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()])}
 '''.replace("STEP\n", _STEP)
 
-# An elastic job's script (--nodes MIN:MAX): it resumes from its checkpoint, saved every step, and says
-# with how many ranks each attempt starts ("attempt A world W from step S"). STEPS / STEP_SLEEP as above.
+# A checkpointed script (elastic jobs, restarts): it resumes from its checkpoint, saved every step, and
+# says with how many ranks each attempt starts ("attempt A world W from step S"). STEPS / STEP_SLEEP as
+# above; FAIL_AT=S makes the last rank fail in attempt 0 once step S is saved.
 ELASTIC_TRAIN = r'''
 import os, time, torch, torch.distributed as dist
 from sdp_jupyter import checkpoint
@@ -65,6 +63,8 @@ for step in range(start, int(os.environ.get("STEPS", "6"))):
 STEP
     checkpoint.save({"step": step, "model": model.state_dict(), "opt": opt.state_dict()})
     print(f"step {step} loss {loss.item():.4f}", flush=True)
+    if step == int(os.environ.get("FAIL_AT", "-1")) and os.environ["SDP_RESTART"] == "0" and rank == world - 1:
+        raise SystemExit(f"rank {rank} fails on purpose in attempt 0 after step {step}")
     time.sleep(float(os.environ.get("STEP_SLEEP", "0")))
 {"world": world, "attempt": int(os.environ["SDP_RESTART"])}
 '''.replace("STEP\n", _STEP)

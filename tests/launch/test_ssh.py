@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import signal
 import time
 
 import pytest
 
-from helpers.remote_jobs import REPO, TRAIN, drive, drive_session, next_line, tell
+from helpers.remote_jobs import ELASTIC_TRAIN, REPO, TRAIN, drive, drive_session, next_line, tell
 from sdp_jupyter.launch import JobSpec, SpecError
 from sdp_jupyter.launch import channel
 from sdp_jupyter.launch.kernel import remote
@@ -333,11 +334,16 @@ def test_stop_and_a_killed_notebook_leave_nothing_anywhere(ssh_hosts, hosts, tmp
 
 @pytest.mark.slow
 def test_a_failed_rank_restarts_the_job_on_every_host(ssh_hosts, hosts, tmp_path):
-    d = _drive(ssh_hosts, tmp_path, env={"FAIL_FIRST": "1"}, max_restarts=1)
+    # the default checkpoint folder is each host's own: every rank resumes from node 0's copy
+    d = _drive(ssh_hosts, tmp_path, code=ELASTIC_TRAIN, env={"FAIL_AT": "2"}, max_restarts=1)
     out = next_line(d)
     assert out.get("state") == "succeeded" and out["restarts"] == 1, out
-    log = open(os.path.join(out["dir"], "logs", "rank-2.log")).read()
-    assert "fails on purpose in attempt 0" in log and "[sdp_jupyter] restart 1 of 1 after: rank 2 (node 2 on host h3" in log
+    logs = [open(os.path.join(out["dir"], "logs", f"rank-{r}.log")).read() for r in range(3)]
+    assert "fails on purpose in attempt 0" in logs[2]
+    # the restart names a failed rank and its host: rank 2, or whichever rank's exit (its collective with
+    # rank 2 failed) reached the launcher first
+    assert re.search(r"\[sdp_jupyter\] restart 1 of 1 after: rank \d \(node \d on host h[1-3]", logs[2]), logs[2]
+    assert all("attempt 1 world 3 from step 3" in log for log in logs), logs
     assert ssh_hosts.wait_clean(5) == {}
 
 

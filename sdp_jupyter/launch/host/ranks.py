@@ -142,8 +142,12 @@ def environment(spec, *, rank: int, world_size: int, job_dir: str, job_name: str
         "SDP_BIND_ADDR": bind_addr, "SDP_NUM_NODES": str(spec.nodes), "SDP_BACKEND": spec.backend,
         "SDP_RESTART": str(attempt), "SDP_LAUNCHER_PID": str(os.getpid()),
     })
-    if spec.min_nodes is not None:  # an elastic job (sdp_jupyter.checkpoint keeps a copy on every node)
+    if spec.min_nodes is not None:
         env["SDP_ELASTIC"] = "1"
+    if spec.min_nodes is not None or (spec.nodes > 1 and not split_gpus):
+        # nodes on hosts of their own: a restart or re-formation reads each host's default checkpoint
+        # folder, so every node keeps a copy and load() gives every rank node 0's (sdp_jupyter.checkpoint)
+        env["SDP_CHECKPOINT_PER_NODE"] = "1"
     env.setdefault("SM_CHANNEL_TRAIN", os.path.join(job_dir, jobdir.TRAIN_CHANNEL))
     if split_gpus and gpus >= spec.world_size and "CUDA_VISIBLE_DEVICES" not in spec.env:
         parent = os.environ.get("CUDA_VISIBLE_DEVICES")
