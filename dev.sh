@@ -85,7 +85,7 @@ case "${1:-}" in
         install_test_hosts
         install_toolchains
         shift
-        exec "$VENV/bin/python" -m pytest -ra "$@"
+        exec "$VENV/bin/python" -m pytest -ra --durations=40 "$@"  # the slowest 40: where the suite's time goes
         ;;
     notebooks)
         bootstrap test  # 04 runs on the moto stand-in and the SageMaker SDK, 06 on Ray: the test extra has them

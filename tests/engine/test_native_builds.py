@@ -31,7 +31,7 @@ def test_engine_under_address_and_undefined_behaviour_sanitizers():
            # Python itself leaks by design at exit; everything else must be clean.
            "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=1:halt_on_error=1",
            "UBSAN_OPTIONS": "halt_on_error=1:print_stacktrace=1",
-           "SDP_TEST_MISMATCH_SECONDS": "8", "SDP_FUZZ_SECONDS": "6"}
+           "SDP_TEST_MISMATCH_SECONDS": "5", "SDP_FUZZ_SECONDS": "4"}
     p = run_pytest(root, ENGINE_TESTS + ["-k", "not large and not kernels_match"], env=env, timeout=900)
     report = p.stdout[-4000:] + p.stderr[-4000:]
     assert p.returncode == 0, report
