@@ -381,3 +381,19 @@ def test_the_help_shows_every_option_s_text_as_written():
     for opt in all_options():
         if opt.flag not in NOTEBOOK_ONLY:
             assert "".join(opt.help.split()) in shown, opt.flag
+
+
+def test_the_cause_of_a_failure_is_the_rank_whose_error_is_its_own():
+    from sdp_jupyter.launch.kernel.supervise import first_cause, others_failed
+
+    lost_2 = "Traceback ...\nsdp_jupyter.torch.work.SmddpBackendError: rank 2 (node 2 at 10.0.0.3) shut down its process group"
+    gloo = "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.0.0.3]:4000."
+    own = "ValueError: bad batch"
+    # the peers' exits came first: the rank whose error is not a lost peer is the cause
+    assert first_cause([0, 1, 2], {0: lost_2, 1: gloo, 2: own}) == 2
+    # every error is a lost peer (the cause was killed, its log ends mid-output): the failed rank they name
+    assert first_cause([0, 2], {0: lost_2, 2: "step 4 loss 0.1\n" + lost_2.replace("rank 2", "rank 0")}) == 2
+    # the rank they name did not fail (it hangs): the first to end
+    assert first_cause([1, 0], {0: lost_2, 1: lost_2}) == 1
+    assert first_cause([3], {}) == 3
+    assert others_failed(2, [1, 2, 0]).startswith("\n(rank(s) 0, 1 failed too, after it") and others_failed(2, [2]) == ""

@@ -108,6 +108,27 @@ def test_two_torch_jobs_at_once_torchrun_style(tmp_path, jobs_dir):
     assert json.loads((a.dir / "status.json").read_text())["state"] == "succeeded"
 
 
+@pytest.mark.parametrize("backend", ["smddp", "gloo"])
+def test_the_error_names_the_rank_that_failed_not_the_peers_it_took_down(tmp_path, jobs_dir, backend):
+    """Rank 2 raises after step 2; ranks 0 and 1 fail in their next all_reduce and, having less to
+    tear down, usually end first. The job's error names rank 2 (every time, before: rank 0 or 1)."""
+    script = write(tmp_path / "peer.py", f"""
+        import os, torch, torch.distributed as dist
+        dist.init_process_group("{backend}")
+        rank, world = dist.get_rank(), dist.get_world_size()
+        for step in range(6):
+            dist.all_reduce(torch.ones(1000))
+            if step == 2 and rank == world - 1:
+                raise SystemExit(f"rank {{rank}} fails on purpose after step {{step}}")
+    """)
+    job = launch(script, nodes=3, backend=backend, name=f"peer-{backend}")
+    assert job.wait(120) == "failed"
+    first, last_line = job.error.splitlines()[:2]
+    assert first == "rank 2 (node 2, local rank 0) exited with code 1; its last lines:", job.error
+    assert last_line == "rank 2 fails on purpose after step 2", job.error
+    assert "(rank(s) 0, 1 failed too, after it: their collectives lost a peer." in job.error
+
+
 def test_failed_rank_stops_the_others_with_escalating_signals(tmp_path, jobs_dir):
     script = write(tmp_path / "fail.py", """
         import os, signal, sys, time

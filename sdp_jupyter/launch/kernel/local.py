@@ -153,22 +153,45 @@ class LocalRun(supervise.Run):
             if self.spec.timeout and time.monotonic() - started > self.spec.timeout:
                 codes = self._terminate()
                 return "failed", f"timed out after {self.spec.timeout:g} s (--timeout)", codes
-            try:
-                rank, code = node.exits.get(timeout=0.1)
-            except queue.Empty:
+            ended = self._next_exit(node, codes, 0.1)
+            if ended is None:
                 continue
-            codes[rank] = code
-            self._live.discard(rank)
+            rank, code = ended
             if code != 0:
-                node.last_lines(rank)  # its last lines, for the error
                 if self._session:  # the session replaces it (replace_rank) and goes on
                     self._lost[rank] = ranks.failure_message(self.job, rank, f"rank {rank}", code)
                     continue
-                error = self._failure_message(rank, code)
+                failed = self._settle(node, codes, rank)
+                cause = supervise.first_cause(failed, {r: self.job.logs(r, tail=ranks.LAST_LINES) for r in failed})
+                error = self._failure_message(cause, codes[cause]) + supervise.others_failed(cause, failed)
                 codes = self._terminate(codes)
                 return "failed", error, codes
         self._cleanup_groups()
         return "succeeded", None, codes
+
+    def _settle(self, node: NodeRanks, codes: list, first: int) -> list[int]:
+        """The ranks that failed, `first` and those whose exits follow within supervise.SETTLE_S (their
+        last lines read), in the order they ended."""
+        failed = [first]
+        deadline = time.monotonic() + supervise.SETTLE_S
+        while self._live and time.monotonic() < deadline:
+            ended = self._next_exit(node, codes, 0.05)
+            if ended is not None and ended[1] != 0:
+                failed.append(ended[0])
+        return failed
+
+    def _next_exit(self, node: NodeRanks, codes: list, timeout: float) -> tuple[int, int] | None:
+        """The next rank to end (its code recorded; a failed rank's last lines read, for the error), or
+        None when none ends within `timeout`."""
+        try:
+            rank, code = node.exits.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        codes[rank] = code
+        self._live.discard(rank)
+        if code != 0:
+            node.last_lines(rank)
+        return rank, code
 
     def _spawn(self, argv: list, env: dict):
         """A rank's process: forked by the warm pool (launch/host/warm.py) or started cold; same contract."""

@@ -293,10 +293,13 @@ class RemoteRun(supervise.Run):
         codes: list = [None] * world
         done: set[int] = set()  # indexes of self.conns whose node ended
         members = {conn.node: position for position, conn in enumerate(nodes)}
-        failure: str | None = None
+        failed: list[int] = []  # ranks that failed, in the order their exits came
+        settled = 0.0  # when the first failure's peers have had supervise.SETTLE_S to end too
         next_check = 0.0
         while len(done) < len(nodes):
             now = time.monotonic()
+            if failed and (now >= settled or None not in codes):
+                return self._fail(self._cause(failed, codes), codes, done)
             if now >= next_check:
                 next_check = now + channel.HEARTBEAT_EVERY
                 for conn in nodes:
@@ -311,7 +314,7 @@ class RemoteRun(supervise.Run):
             if self._stop.is_set():
                 self._stop_all(done)
                 return "stopped", self._stop_reason, codes
-            if spec.timeout and now - started > spec.timeout and failure is None:
+            if spec.timeout and now - started > spec.timeout and not failed:
                 return self._fail(f"timed out after {spec.timeout:g} s (--timeout)", codes, done)
             try:
                 node, message = self.inbox.get(timeout=0.1)
@@ -332,9 +335,9 @@ class RemoteRun(supervise.Run):
                 if code != 0 and self._replace:  # the session replaces it (replace_rank)
                     self._lost[rank] = ranks.failure_message(self.job, rank, self._who(rank), code)
                     continue
-                if code != 0 and failure is None:
-                    failure = self._failure_message(rank, code)
-                    return self._fail(failure, codes, done)
+                if code != 0:
+                    settled = settled or time.monotonic() + supervise.SETTLE_S
+                    failed.append(rank)
             elif kind == "result":
                 self._mirror_files.replace(job.dir / jobdir.RESULT, channel.unb64(message["data"]))
             elif kind == "done":
@@ -347,7 +350,14 @@ class RemoteRun(supervise.Run):
                 done.add(node)
                 self._left[node] = self._eof_reason(node, message)
                 return self._fail(f"host {self.hosts[node]} (node {members[node]}): {self._left[node]}", codes, done)
+        if failed:
+            return self._fail(self._cause(failed, codes), codes, done)
         return "succeeded", None, codes
+
+    def _cause(self, failed: list[int], codes: list) -> str:
+        """The job's error for ranks that failed: the cause (supervise.first_cause), then the others."""
+        cause = supervise.first_cause(failed, {r: self.job.logs(r, tail=ranks.LAST_LINES) for r in failed})
+        return self._failure_message(cause, codes[cause]) + supervise.others_failed(cause, failed)
 
     def _eof_reason(self, node: int, message: dict) -> str:
         conn = self.conns[node]

@@ -1,15 +1,26 @@
-"""What every target's supervisor does the same way: restarts, and stopping what runs at exit.
+"""What every target's supervisor does the same way: restarts, naming the rank that caused a
+failure, and stopping what runs at exit.
 
 A run (LocalRun, SSHRun) registers itself while it runs; at interpreter exit every registered run's
 `kill_now()` is called and its job marked stopped. `with_restarts` is the attempt loop behind
-`--max-restarts`.
+`--max-restarts`. When one rank fails, its peers' collectives fail too, and their exits often reach
+the supervisor first: each run waits up to SETTLE_S for the other exits, then `first_cause` picks the
+rank the job's error names.
 """
 from __future__ import annotations
 
 import atexit
+import re
 import threading
 import time
 from typing import Callable
+
+SETTLE_S = 1.0  # after a rank's failure: how long the other ranks' exits are awaited before naming the cause
+
+# The last line of a rank that failed because a peer went away: smddp names the peer's rank; gloo
+# and the c10d errors name only an address.
+_LOST_A_PEER = re.compile(r"SmddpBackendError: (?:.*?\brank (\d+)\b)?"
+                          r"|Connection (?:closed|reset) by peer|gloo/transport/.*Read error|DistBackendError")
 
 _ACTIVE: set = set()
 _LOCK = threading.Lock()
@@ -94,6 +105,39 @@ def count_restart(job, n: int, of: int, error: str, causes: list, announce: Call
     announce(f"[sdp_jupyter] restart {n} of {of} after: {(error or '').splitlines()[0]}\n")
     causes.append(error)
     job.update_status(restarts=n, restart_errors=causes)
+
+
+def lost_a_peer(tail: str) -> tuple[bool, int | None]:
+    """Whether a failed rank's last lines end with a collective that failed because of a peer, and the
+    peer's rank where the error names one."""
+    last = next((line for line in reversed(tail.splitlines()) if line.strip()), "")
+    m = _LOST_A_PEER.search(last)
+    if m is None:
+        return False, None
+    return True, int(m.group(1)) if m.group(1) else None
+
+
+def first_cause(failed: list[int], tails: dict[int, str]) -> int:
+    """Of the ranks that failed (in the order their exits arrived), the one to name as the cause: the
+    first whose error is its own (not a collective that lost a peer); else the first failed peer the
+    others' errors name; else the first to exit."""
+    blamed = []
+    for rank in failed:
+        lost, peer = lost_a_peer(tails.get(rank, ""))
+        if not lost:
+            return rank
+        if peer is not None:
+            blamed.append(peer)
+    return next((peer for peer in blamed if peer in failed), failed[0])
+
+
+def others_failed(cause: int, failed: list[int]) -> str:
+    """The line the job's error adds for the ranks that failed after the cause ('' when none did)."""
+    others = sorted(r for r in failed if r != cause)
+    if not others:
+        return ""
+    return (f"\n(rank(s) {', '.join(map(str, others))} failed too, after it: their collectives lost a peer. "
+            "Their logs are in the job's logs/.)")
 
 
 @atexit.register
