@@ -129,6 +129,24 @@ def test_the_error_names_the_rank_that_failed_not_the_peers_it_took_down(tmp_pat
     assert "(rank(s) 0, 1 failed too, after it: their collectives lost a peer." in job.error
 
 
+def test_a_rank_stopped_by_sigstop_is_killed_and_named_long_before_the_timeout(tmp_path, jobs_dir, monkeypatch):
+    monkeypatch.setenv("SDP_STOPPED_RANK_S", "2")
+    script = write(tmp_path / "frozen.py", """
+        import os, signal, torch, torch.distributed as dist
+        dist.init_process_group("smddp")
+        for step in range(6):
+            if step == 3 and dist.get_rank() == 1:
+                os.kill(os.getpid(), signal.SIGSTOP)  # alive, silent, holding its connections
+            dist.all_reduce(torch.ones(1000))
+    """)
+    t0 = time.monotonic()
+    job = launch(script, nodes=2, name="frozen", env={"SDP_TIMEOUT": "120"})
+    assert job.wait(60) == "failed"
+    assert time.monotonic() - t0 < 40  # not SDP_TIMEOUT's 120 s
+    assert job.error.startswith("rank 1 (node 1, local rank 0) was killed by signal SIGKILL"), job.error
+    assert "was stopped by a signal (SIGSTOP) for 2 s: killed" in job.error, job.error
+
+
 def test_failed_rank_stops_the_others_with_escalating_signals(tmp_path, jobs_dir):
     script = write(tmp_path / "fail.py", """
         import os, signal, sys, time

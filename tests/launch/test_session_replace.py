@@ -91,3 +91,25 @@ def test_a_rank_killed_inside_a_cell_is_started_again_and_the_others_keep_their_
         assert [after.value(r) for r in range(2)] == [([2.0, 2.0], None, True), ([2.0, 2.0], 11, False)]
     finally:
         s.stop()
+
+
+def test_a_rank_stopped_inside_a_cell_is_killed_and_started_again(jobs_dir, monkeypatch):
+    """SIGSTOP: alive and silent, the rank would hold the others' all_reduce until SDP_TIMEOUT; it is
+    killed after SDP_STOPPED_RANK_S and replaced like a rank that died."""
+    monkeypatch.setenv("SDP_STOPPED_RANK_S", "2")
+    s = sessions.Session.start(JobSpec(code="pass", nodes=2))
+    try:
+        s.run("import os, signal, torch, torch.distributed as dist\nkept = dist.get_rank() + 10")
+        t0 = time.monotonic()
+        stopped = s.run("if dist.get_rank() == 1:\n    os.kill(os.getpid(), signal.SIGSTOP)\n"
+                        "dist.all_reduce(torch.ones(2))")
+        text = stopped.message()
+        assert time.monotonic() - t0 < 30, text
+        assert text.startswith("rank(s) 1 died during the cell"), text
+        assert "was stopped by a signal (SIGSTOP) for 2 s: killed" in text, text
+        after = s.run("import torch, torch.distributed as dist\nt = torch.ones(2)\ndist.all_reduce(t)\n"
+                      "(t.tolist(), globals().get('kept'), sdp_replaced)", want="gather")
+        assert after.failed == [], after.message()
+        assert [after.value(r) for r in range(2)] == [([2.0, 2.0], 10, False), ([2.0, 2.0], None, True)]
+    finally:
+        s.stop()

@@ -345,6 +345,27 @@ def test_a_failed_rank_restarts_the_job_on_every_host(ssh_hosts, hosts, tmp_path
     assert ssh_hosts.wait_clean(5) == {}
 
 
+FROZEN = r'''
+import os, signal, torch, torch.distributed as dist
+dist.init_process_group("smddp")
+for step in range(6):
+    if step == 2 and dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)  # alive, silent, holding its connections; its agent runs on
+    dist.all_reduce(torch.ones(1000))
+'''
+
+
+@pytest.mark.slow
+def test_a_rank_stopped_by_sigstop_is_killed_by_its_agent_and_named(ssh_hosts, hosts, tmp_path):
+    t0 = time.monotonic()
+    d = _drive(ssh_hosts, tmp_path, code=FROZEN, env={"SDP_TIMEOUT": "120"})
+    out = next_line(d, timeout=90)
+    assert out.get("state") == "failed" and time.monotonic() - t0 < 60, out  # SDP_STOPPED_RANK_S (10 s), not 120 s
+    assert out["error"].startswith("rank 1 (node 1 on host h2, local rank 0) was killed by signal SIGKILL"), out["error"]
+    assert "was stopped by a signal (SIGSTOP) for 10 s: killed" in out["error"], out["error"]
+    assert ssh_hosts.wait_clean(5) == {}
+
+
 @pytest.mark.slow
 def test_sdp_train_in_a_terminal_runs_on_the_ssh_hosts(ssh_hosts, tmp_path):
     import sys

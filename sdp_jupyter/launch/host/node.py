@@ -2,6 +2,9 @@
 lives on this host) and by the per-host agent (its node of a remote job): each rank's output read in
 pieces of at most jobdir.LINE_CAP bytes, every byte into the rank's log, each piece handed on; each
 exit put on one queue; and the ranks stopped together (ranks.stop: SIGINT, SIGTERM, SIGKILL).
+A rank stopped by a signal (SIGSTOP: state T) for SDP_STOPPED_RANK_S holds every collective of its
+peers until their SDP_TIMEOUT: it is killed, with a line in its log that says so, and ends as a
+death does (the job fails or restarts, an elastic job re-forms, a session replaces it).
 
     node = NodeRanks(job_dir, on_piece, name="sdp-job-x")
     node.add(rank, proc)             # a Popen, or a warm pool's WarmProcess: same contract
@@ -10,12 +13,24 @@ exit put on one queue; and the ranks stopped together (ranks.stop: SIGINT, SIGTE
 from __future__ import annotations
 
 import queue
+import signal
 import threading
+import time
 from pathlib import Path
 from typing import Callable
 
 from sdp_jupyter import jobdir
+from sdp_jupyter._env import env_float
 from sdp_jupyter.launch.host import ranks
+
+
+def stopped(pid: int) -> bool:
+    """Whether a process is stopped by a signal (state T; a debugger's tracing stop, t, is not)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rpartition(b")")[2].split()[0] == b"T"
+    except (OSError, IndexError):
+        return False
 
 
 class ViewCut:
@@ -48,6 +63,9 @@ class NodeRanks:
         self.exits: queue.Queue = queue.Queue()
         self._readers: dict[int, threading.Thread] = {}
         self._index: dict[int, int] = {}  # rank -> its place in procs
+        self.stopped_limit = env_float("SDP_STOPPED_RANK_S", 10.0, min=0.0)  # 0: never
+        self._watch: threading.Thread | None = None
+        self._watch_lock = threading.Lock()
 
     def add(self, rank: int, proc) -> None:
         """Watch `proc` as `rank`; a rank added again (a replacement after its process ended) takes the
@@ -62,6 +80,34 @@ class NodeRanks:
         self._readers[rank] = reader
         threading.Thread(target=lambda: self.exits.put((rank, proc.wait())), daemon=True,
                          name=f"{self.name}-wait{rank}").start()
+        with self._watch_lock:
+            if self.stopped_limit and (self._watch is None or not self._watch.is_alive()):
+                self._watch = threading.Thread(target=self._watch_stopped, daemon=True, name=f"{self.name}-stopped")
+                self._watch.start()
+
+    def _watch_stopped(self) -> None:
+        """Once a second while a rank lives: a rank stopped for `stopped_limit` seconds is killed."""
+        since: dict[int, float] = {}  # rank -> when it was first seen stopped
+        while True:
+            time.sleep(1.0)
+            with self._watch_lock:
+                live = [(rank, self.procs[i]) for rank, i in self._index.items() if self.procs[i].poll() is None]
+                if not live:
+                    self._watch = None
+                    return
+            now = time.monotonic()
+            for rank, proc in live:
+                if not stopped(proc.pid):
+                    since.pop(rank, None)
+                elif now - since.setdefault(rank, now) >= self.stopped_limit:
+                    since.pop(rank)
+                    note = (f"[sdp_jupyter] rank {rank} (pid {proc.pid}) was stopped by a signal (SIGSTOP) for "
+                            f"{self.stopped_limit:g} s: killed, as a rank that does not run holds every collective "
+                            "of its peers (SDP_STOPPED_RANK_S; 0 never kills)\n").encode()
+                    with jobdir.open_private(jobdir.log_path(self.job_dir, rank)) as log:
+                        log.write(note)
+                    self.on_piece(rank, note)
+                    ranks.signal_group(proc.pid, signal.SIGKILL)
 
     @property
     def pids(self) -> list[int]:
