@@ -159,11 +159,10 @@ class LocalRun(supervise.Run):
             rank, code = ended
             if code != 0:
                 if self._session:  # the session replaces it (replace_rank) and goes on
-                    self._lost[rank] = ranks.failure_message(self.job, rank, f"rank {rank}", code)
+                    self._lost[rank] = ranks.failure_message(self.job, rank, self._who(rank), code)
                     continue
                 failed = self._settle(node, codes, rank)
-                cause = supervise.first_cause(failed, {r: self.job.logs(r, tail=ranks.LAST_LINES) for r in failed})
-                error = self._failure_message(cause, codes[cause]) + supervise.others_failed(cause, failed)
+                error = supervise.job_error(self.job, failed, codes, self._who, lambda _rank: socket.gethostname())
                 codes = self._terminate(codes)
                 return "failed", error, codes
         self._cleanup_groups()
@@ -207,10 +206,9 @@ class LocalRun(supervise.Run):
             self.job.update_status(start="cold")
         return ranks.spawn(env)
 
-    def _failure_message(self, rank: int, code: int) -> str:
-        self.job.update_status(first_failure={"rank": rank, "code": code, "host": socket.gethostname()})  # the flight recorder's cause
+    def _who(self, rank: int) -> str:
         node, local_rank = divmod(rank, self.spec.procs_per_node)
-        return ranks.failure_message(self.job, rank, f"rank {rank} (node {node}, local rank {local_rank})", code)
+        return f"rank {rank} (node {node}, local rank {local_rank})"
 
     def _line(self, rank: int, text: str) -> None:
         with jobdir.open_private(jobdir.log_path(self.job.dir, rank), "a") as log:

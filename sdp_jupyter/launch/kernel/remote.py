@@ -299,7 +299,7 @@ class RemoteRun(supervise.Run):
         while len(done) < len(nodes):
             now = time.monotonic()
             if failed and (now >= settled or None not in codes):
-                return self._fail(self._cause(failed, codes), codes, done)
+                return self._fail(supervise.job_error(self.job, failed, codes, self._who, self._host), codes, done)
             if now >= next_check:
                 next_check = now + channel.HEARTBEAT_EVERY
                 for conn in nodes:
@@ -351,13 +351,8 @@ class RemoteRun(supervise.Run):
                 self._left[node] = self._eof_reason(node, message)
                 return self._fail(f"host {self.hosts[node]} (node {members[node]}): {self._left[node]}", codes, done)
         if failed:
-            return self._fail(self._cause(failed, codes), codes, done)
+            return self._fail(supervise.job_error(self.job, failed, codes, self._who, self._host), codes, done)
         return "succeeded", None, codes
-
-    def _cause(self, failed: list[int], codes: list) -> str:
-        """The job's error for ranks that failed: the cause (supervise.first_cause), then the others."""
-        cause = supervise.first_cause(failed, {r: self.job.logs(r, tail=ranks.LAST_LINES) for r in failed})
-        return self._failure_message(cause, codes[cause]) + supervise.others_failed(cause, failed)
 
     def _eof_reason(self, node: int, message: dict) -> str:
         conn = self.conns[node]
@@ -469,10 +464,8 @@ class RemoteRun(supervise.Run):
             return
         self._mirror_files.append(self.job.dir / jobdir.METRICS / name, str(message.get("lines", "")))
 
-    def _failure_message(self, rank: int, code: int) -> str:
-        self.job.update_status(first_failure={"rank": rank, "code": code,  # the flight recorder's cause
-                                              "host": self.nodes()[rank // self.spec.procs_per_node].host})
-        return ranks.failure_message(self.job, rank, self._who(rank), code)
+    def _host(self, rank: int) -> str:
+        return self.nodes()[rank // self.spec.procs_per_node].host
 
     def _who(self, rank: int) -> str:
         node, local_rank = divmod(rank, self.spec.procs_per_node)

@@ -15,6 +15,8 @@ import threading
 import time
 from typing import Callable
 
+from sdp_jupyter.launch.host import ranks
+
 SETTLE_S = 1.0  # after a rank's failure: how long the other ranks' exits are awaited before naming the cause
 
 # The last line of a rank that failed because a peer went away: smddp names the peer's rank; gloo
@@ -129,6 +131,15 @@ def first_cause(failed: list[int], tails: dict[int, str]) -> int:
         if peer is not None:
             blamed.append(peer)
     return next((peer for peer in blamed if peer in failed), failed[0])
+
+
+def job_error(job, failed: list[int], codes: list, who: Callable[[int], str], host: Callable[[int], str]) -> str:
+    """The job's error for ranks that failed, on every target: the cause (`first_cause`, recorded in
+    status.json for the flight recorder), its exit and last lines, then the others. `who(rank)` names a
+    rank the target's way; `host(rank)` is the host it ran on."""
+    cause = first_cause(failed, {r: job.logs(r, tail=ranks.LAST_LINES) for r in failed})
+    job.update_status(first_failure={"rank": cause, "code": codes[cause], "host": host(cause)})
+    return ranks.failure_message(job, cause, who(cause), codes[cause]) + others_failed(cause, failed)
 
 
 def others_failed(cause: int, failed: list[int]) -> str:
