@@ -378,21 +378,22 @@ class SdpMagics(Magics):
 
     # ------------------------------------------------------------------ interactive sessions
     @magic_arguments.magic_arguments()
-    @magic_arguments.argument("action", choices=("start", "stop", "status"),
+    @magic_arguments.argument("action", choices=("start", "stop", "status", "shrink"),
                               help="start ranks that keep their process group and variables between cells; "
-                                   "stop them; show them")
+                                   "stop them; show them; go on without the ranks lost with their host")
     @line_magic
     def sdp_session(self, line: str = ""):
         """%sdp_session start [any %%sdp_train option: --nodes, --target, --procs-per-node, --backend,
-        --hosts, --address, --env, --push ...] | stop | status
+        --hosts, --address, --env, --push ...] | stop | status | shrink
 
         A session's ranks run every %%sdp_px cell in a namespace each keeps until the session stops
-        (docs/session.md). It ends with the kernel, like a job."""
+        (docs/session.md). It ends with the kernel, like a job. When a host is gone for good, a cell's error
+        says which ranks it took; `shrink` makes the process group again of the ranks left."""
         from sdp_jupyter.launch.kernel import session as sessions
 
         action, _, rest = line.strip().partition(" ")
-        if action not in ("start", "stop", "status"):
-            raise UsageError("%sdp_session start [options] | stop | status (see %sdp_session?)")
+        if action not in ("start", "stop", "status", "shrink"):
+            raise UsageError("%sdp_session start [options] | stop | status | shrink (see %sdp_session?)")
         if action == "start":
             try:
                 args = parse_line(self.sdp_train, rest)
@@ -417,6 +418,13 @@ class SdpMagics(Magics):
             return None
         if action == "stop":
             print(f"session {live.job.name}: {live.stop()}")
+            return None
+        if action == "shrink":
+            inside = [r for r in live.still_inside() if r not in live.stranded]
+            if inside:  # interrupted now; inside a collective with a silent lost rank they leave it at its deadline
+                print(f"rank(s) {', '.join(map(str, inside))} are still in the last cell: interrupted; a collective "
+                      f"with a lost rank ends at the group's deadline (SDP_TIMEOUT, {live.group_timeout():g} s)")
+            print("\n".join(live.shrink().notes))
             return None
         return _SessionStatus(live.status())
 

@@ -408,6 +408,18 @@ def reconnect_all(generation: int, default_only: bool = False) -> None:
             pg.reconnect()
 
 
+def forget_groups() -> None:
+    """Close every smddp group of this process and forget it (reconnect_all will not touch it again): what
+    an interactive session does before it makes a group of fewer ranks (a host gone for good). A model that
+    still holds an old group raises on its next collective."""
+    for pg in list(_LIVE):
+        try:
+            pg.comm.close()
+        except Exception:  # noqa: BLE001 - an engine the loss broke
+            pass
+    _LIVE.clear()
+
+
 def register_name_carrier(pg: dist.ProcessGroup, rank: int, world_size: int) -> None:
     # torch keeps a group's name (and answers pg.group_name, _resolve_process_group, DeviceMesh)
     # through the group's per-device backend objects, which must be C++ `c10d::Backend`s; that

@@ -58,7 +58,7 @@ def test_a_rank_killed_inside_a_cell_is_started_again_and_the_others_keep_their_
         killed = s.run(KILL)
         text = killed.message()
         assert text.startswith("rank(s) 2 died during the cell; it failed on rank(s) 0, 1, 3\n"
-                               "rank 2 died:\nrank 2 was killed by signal SIGKILL"), text
+                               "rank 2 died:\nrank 2 (node 2, local rank 0) was killed by signal SIGKILL"), text
         assert "rank 2 was started again and joined the process group: every variable it had is gone" in text
         assert text.endswith("The session is still up."), text
 
@@ -74,7 +74,7 @@ def test_a_rank_killed_inside_a_cell_is_started_again_and_the_others_keep_their_
         assert [(x["rank"], x["cell"]) for x in status["replacements"]] == [(2, killed.n)], status
         assert status["replacements"][0]["pid"] == values[2][4] and "SIGKILL" in status["replacements"][0]["why"]
         assert s.job.status["replacements"][0]["rank"] == 2 and s.job.state == "running"
-        assert f"rank 2 started again in cell {killed.n} (pid {values[2][4]}) after: rank 2 was killed by signal " \
+        assert f"rank 2 started again in cell {killed.n} (pid {values[2][4]}) after: rank 2 (node 2, local rank 0) was killed by signal " \
                "SIGKILL" in sessions.describe(status)  # %sdp_session status
         assert s.stop() == "succeeded"
 

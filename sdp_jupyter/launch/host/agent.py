@@ -282,7 +282,7 @@ class Agent:
         jobdir.write_private(folder / name, unb64(m["data"]))
 
     def _respawn(self, rank: int, join: str) -> None:
-        """A session's rank that died, started again (cold) to join the group at `join` (generation:cell)."""
+        """A session's rank that died, started again (cold) to join the group at `join` (generation:cell:members)."""
         from sdp_jupyter.launch.host import ranks
 
         if rank not in self._envs or rank in self._live or self._node is None:

@@ -23,6 +23,7 @@ from sdp_jupyter.launch.host.node import ViewCut
 from sdp_jupyter.launch.kernel import supervise
 from sdp_jupyter.launch.kernel.job import Job
 from sdp_jupyter.launch.kernel.preparation import create_job
+from sdp_jupyter.launch.kernel.remote_session import SessionChannel
 from sdp_jupyter import backends
 from sdp_jupyter.launch.spec import JobSpec, SpecError
 # a Link, what a target subclasses, and its names: in launch/kernel/link.py, named here too for the targets
@@ -51,7 +52,7 @@ def start_job(run: "RemoteRun", push_bytes: bytes | None, **status) -> Job:
     return job
 
 
-class RemoteRun(supervise.Run):
+class RemoteRun(SessionChannel, supervise.Run):
     """The supervisor of one remote job: its links (one agent per node), attempts, restarts and stop.
 
     A target subclasses it with `open_links()` (start every node's agent; the links put frames into
@@ -78,6 +79,7 @@ class RemoteRun(supervise.Run):
         self.session = False  # an interactive session's job: the agents send the ranks' answers back
         self._replace = False  # a session's job that replaces its dead ranks
         self._lost: dict[int, str] = {}  # the session's dead ranks waiting for replace_rank: {rank: why}
+        self._gone: dict[int, str] = {}  # the session's ranks lost with their host: {rank: why}
         self.members: list[int] | None = None  # an elastic job's formation: indexes of self.conns, node order
         self._left: dict[int, str] = {}  # an elastic job's nodes lost in this attempt: {index of conns: why}
         self._membership = None  # an elastic job's elastic.Membership, while it runs
@@ -307,7 +309,8 @@ class RemoteRun(supervise.Run):
                         done.add(conn.node)  # lost: nobody to wait for there (its agent stops its own ranks)
                         why = f"has not answered for {HEARTBEAT_TIMEOUT:g} s: its link or the host is down"
                         self._left[conn.node] = why
-                        return self._fail(f"host {conn.host} (node {members[conn.node]}) {why}", codes, done)
+                        if not self._host_gone(members[conn.node], why):
+                            return self._fail(self._host_lost(conn.host, members[conn.node], why), codes, done)
                 if self.members is not None and self._membership.grow_now(len(nodes)):
                     self._stop_all(done)  # a host came back: the job re-forms with it (not a failure)
                     return "reform", self._membership.grow_reason(), codes
@@ -349,7 +352,8 @@ class RemoteRun(supervise.Run):
             elif kind == "eof":
                 done.add(node)
                 self._left[node] = self._eof_reason(node, message)
-                return self._fail(f"host {self.hosts[node]} (node {members[node]}): {self._left[node]}", codes, done)
+                if not self._host_gone(members[node], self._left[node]):
+                    return self._fail(self._host_lost(self.hosts[node], members[node], self._left[node]), codes, done)
         if failed:
             return self._fail(supervise.job_error(self.job, failed, codes, self._who, self._host), codes, done)
         return "succeeded", None, codes
@@ -424,28 +428,6 @@ class RemoteRun(supervise.Run):
         name = str(message.get("name", ""))
         if jobdir.is_session_answer(name):  # never a path: only the names a session's rank writes
             self._mirror_files.replace(jobdir.session_dir(self.job.dir) / name, channel.unb64(message["data"]))
-
-    # ---------------------------------------------------------------- an interactive session's channel
-    def open_session(self, replace: bool = False) -> None:
-        self._replace = replace
-        self.session = True  # links made later (a Slurm allocation's) hear it in their start frame
-        for conn in self.conns:
-            conn.send({"type": "session"})
-
-    def lost_ranks(self) -> dict:
-        return dict(self._lost)
-
-    def replace_rank(self, rank: int, join: str) -> None:
-        self._lost.pop(rank)
-        self.nodes()[rank // self.spec.procs_per_node].send({"type": "respawn", "rank": rank, "join": join})
-
-    def put_session_file(self, name: str, data: bytes) -> None:
-        for conn in self.nodes():
-            conn.send({"type": "session", "name": name, "data": channel.b64(data)})
-
-    def interrupt_ranks(self) -> None:
-        for conn in self.nodes():
-            conn.send({"type": "interrupt"})
 
     def request_flight(self) -> None:
         """Job.flight(): every host's ranks write their flight recorders' rings (they come back as metrics do)."""

@@ -12,7 +12,12 @@ ranks still running and reconnects the process group on every rank (launch/rank/
 that keeps). The session stays up. On smddp a rank that dies is started again by its supervisor (the
 local run, or its host's agent): it joins the group the others reconnect, with an empty namespace, and
 the cell's error says what it lost. On another backend (a gloo collective can wait on a dead peer until
-its timeout) and for a lost host, a death ends the session (the job fails, naming the rank).
+its timeout), a death ends the session (the job fails, naming the rank).
+
+A host gone for good (its agent's link ended or went silent) takes its ranks and their variables; the
+cell's error says so, and the session waits for a choice: `shrink()` (`%sdp_session shrink`) makes the
+process group again of the ranks left, which keep their variables and their session numbers, or `stop()`.
+Node 0's host holds the session's store: without it the session ends.
 """
 from __future__ import annotations
 
@@ -109,6 +114,10 @@ class Session:
         self.ready: dict[int, dict] = {}
         self.generation = 0  # the process group's rendezvous generation: one more per reconnect
         self.replacements: list[dict] = []  # {rank, cell, why, pid}: ranks that died and were started again
+        self.members = list(range(job.world_size))  # the ranks cells run on; fewer after shrink()
+        self.stranded: dict[int, str] = {}  # rank -> why: lost with their host, until shrink()
+        self.left: dict[int, str] = {}  # rank -> why: left the session by shrink()
+        self._pending: list[int] = []  # ranks that died on a live host while others were stranded
 
     # ------------------------------------------------------------------ life
     @classmethod
@@ -198,6 +207,7 @@ class Session:
             for r, a in self.last.answers.items():
                 rss[r] = a.get("rss", rss.get(r, 0))
         return {"name": self.job.name, "state": self.job.state, "alive": self.alive, "world_size": self.job.world_size,
+                "members": list(self.members), "stranded": dict(self.stranded), "left": dict(self.left),
                 "hosts": {r: info.get("host") for r, info in self.ready.items()}, "rss": rss,
                 "cells": self.n, "generation": self.generation, "replacements": list(self.replacements),
                 "last_cell": None if self.last is None else {
@@ -223,18 +233,19 @@ class Session:
         the session has ended; a cell that failed returns a result whose `failed` is not empty.
         KeyboardInterrupt while waiting interrupts the cell on every rank, then re-raises."""
         self._check_alive()
-        world = self.job.world_size
+        if self.stranded:
+            raise SessionError(f"session {self.job.name}: {self._stranded_text()}", self.job)
         if ranks is not None:
-            bad = [r for r in ranks if not 0 <= r < world]
+            bad = [r for r in ranks if r not in self.members]
             if bad:
-                raise SpecError("--ranks", f"rank {bad[0]} is not in this session (ranks 0-{world - 1})")
+                raise SpecError("--ranks", f"rank {bad[0]} is not in this session (ranks {_ranks(self.members)})")
             ranks = sorted(set(ranks))
         push = pickle_push(push_names or [], values or {})
         import pickle
 
         n = self._put({"kind": "run", "code": code, "ranks": ranks, "want": want, "label": label,
                        "push": pickle.loads(push) if push else None})
-        result = CellResult(n, list(range(world)) if ranks is None else ranks)
+        result = CellResult(n, list(self.members) if ranks is None else ranks)
         started = time.monotonic()
         try:
             self._collect(result, on_wait)
@@ -256,13 +267,12 @@ class Session:
         that rank. `give_up`: seconds after which the ones missing stay missing."""
         failed_at = None
         started = time.monotonic()
-        world = self.job.world_size
         while True:
             for rank in self._read_answers(result) + self._read_deaths(result):
                 if not result.answers[rank].get("ok"):
                     result.causes.append(rank)
                     failed_at = failed_at or time.monotonic()
-            if len(result.answers) == world:
+            if set(self.members) <= set(result.answers):
                 return
             now = time.monotonic()
             if failed_at is not None and now - failed_at > FAILED_GRACE:
@@ -278,7 +288,7 @@ class Session:
     def _read_answers(self, result: CellResult) -> list:
         """Load the answers to `result`'s cell that arrived since the last look; the ranks that answered."""
         new = []
-        for rank in range(self.job.world_size):
+        for rank in self.members:
             if rank not in result.answers:
                 path = jobdir.session_done_path(self.folder, result.n, rank)
                 if path.exists():
@@ -291,7 +301,7 @@ class Session:
         when _mend asks): each gets an answer that says so."""
         new = []
         for rank, why in sorted(self.job.supervisor.lost_ranks().items()):
-            if rank not in result.answers:
+            if rank in self.members and rank not in result.answers:
                 result.answers[rank] = {"ok": False, "died": True, "error": why}
                 new.append(rank)
         return new
@@ -306,28 +316,44 @@ class Session:
         """After a failed cell: reconnect the process group when a rank is missing or the ranks'
         groups issued different numbers of collectives (a collective left half done)."""
         answers = result.answers
-        missing = [r for r in range(self.job.world_size) if r not in answers]
+        missing = [r for r in self.members if r not in answers]
         counts = {repr(a.get("counts")) for a in answers.values()}
         died = sorted(r for r, a in answers.items() if a.get("died"))
+        gone = self.job.supervisor.gone_ranks()
+        if any(r in gone for r in died):  # no host to start them on: the user chooses (shrink or stop)
+            self.stranded = {r: gone[r] for r in died if r in gone}
+            self._pending = [r for r in died if r not in gone]
+            result.notes.append(self._stranded_text())
+            return
         if not died and not missing and len(counts) == 1 and "{}" not in counts:
             result.notes.append("every rank issued the same collectives: the process group is intact")
             return
         why = (f"rank(s) {died} died" if died else f"rank(s) {missing} were still inside the cell" if missing else
                "the ranks issued different numbers of collectives, so one was left half done")
         self.generation += 1
-        for rank in died:  # started again now: each joins the group the others make again in the next cell
-            self.job.supervisor.replace_rank(rank, f"{self.generation}:{self.n}")
-        n = self._put({"kind": "reconnect", "generation": self.generation, "replaced": died})
-        rec = CellResult(n, list(range(self.job.world_size)))
-        wait = 60 + (60 if died else 0)  # a replacement starts its interpreter and torch first
+        rec = self._remake({"kind": "reconnect", "generation": self.generation, "replaced": died}, died, result, why)
+        survivor = next(r for r in self.members if r not in died)
+        result.notes.append(f"process group reconnected ({why}): {rec.answers[survivor].get('note')}")
+        self._replaced(died, result, rec, survivor, result.notes)
+
+    def _remake(self, cell: dict, died: list, result: CellResult, why: str, longer: float = 0.0) -> CellResult:
+        """Send `cell` (reconnect or shrink) after `result`'s failed cell, with the ranks in `died` started
+        again to join it; wait (60 s, 120 s with replacements, plus `longer`) until every member answered
+        both. Raises SessionError when the group cannot be made again."""
+        n = self.n
+        for rank in died:  # started again now: each joins the group the others make again in cell n
+            self.job.supervisor.replace_rank(rank, f"{self.generation}:{n}:{','.join(map(str, self.members))}")
+        self._put(cell)
+        rec = CellResult(n, list(self.members))
+        wait = 60 + (60 if died else 0) + longer  # a replacement starts its interpreter and torch first
         deadline_result = time.monotonic() + wait
         # the stuck ranks answer the failed cell first (their collective fails once the others reconnect)
-        while len(answers) < self.job.world_size or len(rec.answers) < self.job.world_size:
+        while not set(self.members) <= set(result.answers) or not set(self.members) <= set(rec.answers):
             self._check_alive()
             self._read_answers(result)
             self._read_answers(rec)
             if self._read_deaths(rec) or time.monotonic() > deadline_result:
-                lost = self.job.supervisor.lost_ranks()
+                lost = {r: w for r, w in self.job.supervisor.lost_ranks().items() if r in self.members}
                 more = f"; rank {min(lost)} died again: {lost[min(lost)]}" if lost else ""
                 raise SessionError(f"session {self.job.name}: the process group could not be made again within "
                                    f"{wait} s ({why}){more}; stop the session (%sdp_session stop) and start a "
@@ -337,20 +363,79 @@ class Session:
         if broken:
             raise SessionError(f"session {self.job.name}: rank {broken[0]}: {rec.answers[broken[0]].get('error')}; "
                                "stop the session (%sdp_session stop) and start a new one", self.job)
-        survivor = next(r for r in range(self.job.world_size) if r not in died)
-        result.notes.append(f"process group reconnected ({why}): {rec.answers[survivor].get('note')}")
+        return rec
+
+    def _replaced(self, died: list, result: CellResult, rec: CellResult, survivor: int, notes: list) -> None:
+        """Record the ranks in `died` (in `result`, the cell they died in), started again and joined in
+        `rec`; a note for each in `notes`."""
+        answers = result.answers
         for rank in died:
             joined = rec.answers[rank]
             self.ready[rank] = {**self.ready.get(rank, {}), "pid": joined.get("pid"), "host": joined.get("host")}
             self.replacements.append({"rank": rank, "cell": result.n, "why": answers[rank]["error"].splitlines()[0],
                                       "pid": joined.get("pid"), "at": time.time()})
-            result.notes.append(
+            notes.append(
                 f"rank {rank} was started again and joined the process group: every variable it had is gone "
                 f"(the other ranks kept theirs). On it `sdp_replaced` is True: rebuild what it needs there "
                 f"(%%sdp_px --ranks {rank}) and copy state from a live rank, e.g. "
                 f"sdp_jupyter.checkpoint.broadcast_state(model, optimizer, src={survivor}) on every rank")
         if died:  # the job's status keeps the same record (the job view, a reopened job)
             self.job.update_status(replacements=list(self.replacements))
+
+    # ------------------------------------------------------------------ a host gone for good
+    def _stranded_text(self) -> str:
+        lost = ", ".join(f"rank {r}: {why.splitlines()[0]}" for r, why in sorted(self.stranded.items()))
+        left = [r for r in self.members if r not in self.stranded]
+        return (f"rank(s) {_ranks(sorted(self.stranded))} were lost with their host, and every variable they had "
+                f"with them ({lost}). The other ranks kept theirs, but their process group still counts the lost "
+                f"ones. `%sdp_session shrink` (Session.shrink()) goes on with the {len(left)} rank(s) left "
+                f"({_ranks(left)}); `%sdp_session stop` ends the session")
+
+    def group_timeout(self) -> float:
+        """The ranks' collective deadline (SDP_TIMEOUT as the session's --env sets it, else its default)."""
+        from sdp_jupyter._env import VARIABLES, env_float
+
+        default = float(VARIABLES["SDP_TIMEOUT"].default)
+        try:
+            return env_float("SDP_TIMEOUT", default, min=0.001, environ=self.job.spec.env)
+        except ValueError:
+            return default
+
+    def still_inside(self) -> list:
+        """The members that have not answered the last cell (inside a collective, or a long computation)."""
+        return [] if self.last is None else [r for r in self.members if r not in self.last.answers]
+
+    def shrink(self) -> CellResult:
+        """Go on without the ranks lost with their host: every rank left makes the process group again of
+        the ranks left (launch/rank/session.py: shrink), keeping its variables and its session number."""
+        self._check_alive()
+        if not self.stranded:
+            raise SessionError(f"session {self.job.name}: no rank was lost with its host, so there is nothing to "
+                               "shrink (a rank that died on a live host was started again)", self.job)
+        lost, died = dict(self.stranded), list(self._pending)
+        self.members = [r for r in self.members if r not in lost]
+        if not self.members:
+            raise SessionError(f"session {self.job.name}: no rank is left; %sdp_session stop", self.job)
+        last = self.last  # the cell the host was lost in (stranded is set only after one)
+        if not set(self.members) <= set(last.answers):  # some are still inside it
+            self.job.supervisor.interrupt_ranks()
+        self.job.supervisor.drop_ranks(list(lost))
+        self.generation += 1
+        why = f"rank(s) {_ranks(sorted(lost))} lost with their host"
+        # a rank inside a collective with a lost one whose link went silent (no error reaches it) leaves it
+        # at the group's deadline, and reads the shrink only then
+        rec = self._remake({"kind": "shrink", "generation": self.generation, "members": self.members}, died, last, why,
+                           longer=self.group_timeout())
+        self.stranded, self._pending = {}, []
+        self.left.update(lost)
+        rec.notes.append(f"{len(self.members)} rank(s) go on ({_ranks(self.members)}): {rec.answers[self.members[0]].get('note')}")
+        self._replaced(died, last, rec, self.members[0], rec.notes)
+        self.job.update_status(session_members=list(self.members), session_left=dict(self.left))
+        return rec
+
+
+def _ranks(ranks: list) -> str:
+    return ", ".join(map(str, ranks))
 
 
 def describe(status: dict) -> str:
@@ -359,7 +444,13 @@ def describe(status: dict) -> str:
     lines = [f"session {s['name']}: {s['state']}, {s['world_size']} ranks, {s['cells']} cell(s) run"]
     for rank in range(s["world_size"]):
         rss = s["rss"].get(rank, 0) / 2 ** 20
-        lines.append(f"  rank {rank}: on {s['hosts'].get(rank, '?')}, {rss:.0f} MiB resident")
+        where = f"on {s['hosts'].get(rank, '?')}"
+        if rank in s.get("left", {}):
+            lines.append(f"  rank {rank}: left the session ({where}): {s['left'][rank].splitlines()[0]}")
+        elif rank in s.get("stranded", {}):
+            lines.append(f"  rank {rank}: lost with its host ({where}); %sdp_session shrink goes on without it")
+        else:
+            lines.append(f"  rank {rank}: {where}, {rss:.0f} MiB resident")
     if last is not None:
         failed = f", failed on {last['failed']}" if last["failed"] else ""
         lines.append(f"  last cell: {last['n']} on ranks {last['ranks']}, {last['seconds']:.3f} s{failed}")

@@ -77,9 +77,17 @@ class Run:
         one rank again end the session instead (the job fails) and return {}."""
         return {}
 
+    def gone_ranks(self) -> dict:
+        """A session's ranks lost with their host (its agent's link ended or went silent), which no
+        replace_rank can start again: {rank: why}. Only a remote target loses a host."""
+        return {}
+
+    def drop_ranks(self, ranks: list) -> None:
+        """The session goes on without these ranks (they were lost with their host): forget them."""
+
     def replace_rank(self, rank: int, join: str) -> None:
-        """Start a session's dead rank again, with SDP_SESSION_JOIN=`join` (generation:cell) added to its
-        environment (the session records the replacement, launch/kernel/session.py)."""
+        """Start a session's dead rank again, with SDP_SESSION_JOIN=`join` (generation:cell:members) added
+        to its environment (the session records the replacement, launch/kernel/session.py)."""
         raise NotImplementedError
 
     def kill_now(self) -> None:

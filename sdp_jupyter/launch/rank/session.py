@@ -9,8 +9,9 @@ runs the cells meant for it and answers with a `done` file (which the agents sen
 not sockets: the same path on every target, and nothing listens.
 
     ready-R.pkl        rank R has its process group: {pid, host, rss}
-    cell-N.pkl         cell N: {kind: run | reconnect | stop, code, ranks, want: none | result | gather, push,
-                               generation and replaced (reconnect)}
+    cell-N.pkl         cell N: {kind: run | reconnect | shrink | stop, code, ranks, want: none | result |
+                               gather, push, generation and replaced (reconnect), generation and members
+                               (shrink)}
     done-N-R.pkl       rank R's answer to cell N: {ok, error, interrupted, value, seconds, counts, rss}
 
 A cell is interrupted with SIGUSR2 (a KeyboardInterrupt inside the cell, nothing between cells);
@@ -19,10 +20,17 @@ the smddp backend then builds its engine connections anew under the same group o
 model made before keeps working; another backend's default group is destroyed and made again
 (objects built on the old one must be made again, which the answer says).
 
-A rank that dies is started again by its supervisor with SDP_SESSION_JOIN=<generation>:<cell>: it
-connects at that generation while the others reconnect in that cell, answers it, and serves the cells
+A rank that dies is started again by its supervisor with SDP_SESSION_JOIN=<generation>:<cell>:<members>:
+it connects at that generation while the others reconnect in that cell, answers it, and serves the cells
 after it, with an empty namespace but for `sdp_replaced = True`. Such a session's store runs in a
 process of its own (SDP_SESSION_STORE=1, launch/host/session_store.py), so rank 0 can die too.
+
+A rank keeps its session number (RANK: its files, its output, --ranks) for the session's life. The
+process group is made over the session's `members`, in order: at first every rank, so a rank's number
+in the group is its session number. When a host is gone for good the notebook may send `shrink` with
+the members left: every one of them leaves the old group and makes a new one of the members only, at a
+new generation, numbered 0..len(members)-1 in the order of their session numbers (`sdp_members` in the
+namespace lists them; torch's get_rank() gives the number in the group).
 """
 from __future__ import annotations
 
@@ -63,8 +71,8 @@ class RankSession:
     def __init__(self, namespace: dict, job_dir: str):
         self.ns = namespace
         self.folder = jobdir.session_dir(job_dir)
-        self.rank = int(os.environ.get("RANK", "0"))
-        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))  # the session's number for this rank: never changes
+        self.members = list(range(int(os.environ.get("WORLD_SIZE", "1"))))  # the ranks the group is made of
         self.backend = backends.job_backend()
         self.generation = 0
         self._store = None
@@ -84,7 +92,7 @@ class RankSession:
         # death, rank 0 among them; else rank 0 hosts it
         master = self.rank == 0 and not env_str("SDP_SESSION_STORE")
         self._store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                                    self.world, master,
+                                    len(self.members), master,
                                     timeout=datetime.timedelta(seconds=timeout))
         self._init_group()
 
@@ -99,7 +107,30 @@ class RankSession:
         else:
             prefix = f"session-{self.generation}"
         dist.init_process_group(self.backend, store=dist.PrefixStore(prefix, self._store),
-                                rank=self.rank, world_size=self.world)
+                                rank=self.members.index(self.rank), world_size=len(self.members))
+        self.ns["sdp_members"] = list(self.members)
+
+    def shrink(self, generation: int, members: list) -> str:
+        """Leave the process group and make a new one of `members` only (a host is gone for good): the
+        namespace stays; objects built on the old group (a DistributedDataParallel model, groups from
+        new_group) must be made again."""
+        import torch.distributed as dist
+
+        self._groups.clear()
+        try:
+            dist.destroy_process_group()  # every group: some hold engines connected to the ranks now gone
+        except Exception:  # noqa: BLE001 - a group whose engine the loss broke
+            pass
+        self.generation, self.members = int(generation), [int(r) for r in members]
+        if self.backend == "smddp":  # the engine's keys live under the generation (set in _init_group)
+            from sdp_jupyter.torch.process_group import forget_groups
+
+            forget_groups()
+        self._init_group()
+        old = sorted(set(range(max(self.members) + 1)) - set(self.members))
+        return (f"the process group was made again of the {len(self.members)} ranks left (session ranks "
+                f"{self.members}; in the group 0..{len(self.members) - 1}; rank(s) {old} left): objects built on the "
+                "old group (DistributedDataParallel models, groups from new_group) must be made again")
 
     def reconnect(self, generation: int, replaced: list | None = None) -> str:
         """Make the group usable again after a cell left collectives half done on some ranks, or with
@@ -146,11 +177,11 @@ class RankSession:
         (torch's new_group is collective), once per set of ranks."""
         import torch.distributed as dist
 
-        if ranks is None or len(ranks) == self.world:
+        if ranks is None or list(ranks) == self.members:
             return None
         key = tuple(ranks)
-        if key not in self._groups:
-            self._groups[key] = dist.new_group(list(key))
+        if key not in self._groups:  # new_group counts ranks in the group, not the session
+            self._groups[key] = dist.new_group([self.members.index(r) for r in key])
         return self._groups[key]
 
     # ------------------------------------------------------------------ the cells
@@ -173,11 +204,14 @@ class RankSession:
     def run(self, cell: dict) -> dict:
         ranks = cell.get("ranks")
         answer: dict = {"ok": True, "ran": False}
-        if cell["kind"] == "reconnect":
+        if cell["kind"] in ("reconnect", "shrink"):
             try:
-                answer["note"] = self.reconnect(cell["generation"], cell.get("replaced"))
+                answer["note"] = (self.reconnect(cell["generation"], cell.get("replaced")) if cell["kind"] == "reconnect"
+                                  else self.shrink(cell["generation"], cell["members"]))
             except Exception as e:  # noqa: BLE001
                 answer.update(ok=False, error=f"the process group could not be made again: {type(e).__name__}: {e}")
+            return answer
+        if self.rank not in self.members:  # left by a shrink it did not hear (never so on a live host)
             return answer
         group = self.group_for(ranks)
         if ranks is not None and self.rank not in ranks:
@@ -226,13 +260,14 @@ class RankSession:
 
     def serve(self) -> None:
         signal.signal(INTERRUPT, _interrupt)
-        # a replacement for a rank that died (SDP_SESSION_JOIN=generation:cell): it joins the group the
+        # a replacement for a rank that died (SDP_SESSION_JOIN=generation:cell:members): it joins the group the
         # others make again in that cell, answers it, and goes on from the next one
         join = os.environ.pop("SDP_SESSION_JOIN", "")
         n = 0
         if join:
-            generation, n = (int(v) for v in join.split(":"))
-            self.generation = generation
+            generation, n, members = join.split(":")
+            self.generation, n = int(generation), int(n)
+            self.members = [int(r) for r in members.split(",")]
         self.ns["sdp_replaced"] = bool(join)  # a cell can rebuild what only this rank lost
         self.connect()
         self.ready()
