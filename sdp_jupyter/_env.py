@@ -228,7 +228,8 @@ VARIABLES: dict[str, Var] = {v.name: v for v in (
     # --- the agent
     Var("SDP_STOPPED_RANK_S", "float (seconds, >= 0)", "10", "agent",
         "a rank stopped by a signal (SIGSTOP, state T) this long is killed and named, instead of holding its "
-        "peers' collectives until SDP_TIMEOUT; read by the agent, and by the kernel for local jobs (0: never)"),
+        "peers' collectives until SDP_TIMEOUT (0: never); read where the ranks are started (each host's agent, "
+        "the kernel for a local job), from the job's --env first, then that process's environment"),
     Var("SDP_AGENT_DIR", "str (path)", "~/.cache/sdp_jupyter/jobs", "agent",
         "where the per-host agent keeps the job directories of its host"),
     Var("SDP_AGENT_ADDR", "str (address)", "the address this host was reached on over SSH, else its host name's", "agent",

@@ -358,11 +358,12 @@ for step in range(6):
 @pytest.mark.slow
 def test_a_rank_stopped_by_sigstop_is_killed_by_its_agent_and_named(ssh_hosts, hosts, tmp_path):
     t0 = time.monotonic()
-    d = _drive(ssh_hosts, tmp_path, code=FROZEN, env={"SDP_TIMEOUT": "120"})
+    # the job's --env reaches the agents: their limit is the notebook's 4 s, not their own default 10 s
+    d = _drive(ssh_hosts, tmp_path, code=FROZEN, env={"SDP_TIMEOUT": "120", "SDP_STOPPED_RANK_S": "4"})
     out = next_line(d, timeout=90)
-    assert out.get("state") == "failed" and time.monotonic() - t0 < 60, out  # SDP_STOPPED_RANK_S (10 s), not 120 s
+    assert out.get("state") == "failed" and time.monotonic() - t0 < 60, out  # SDP_STOPPED_RANK_S, not 120 s
     assert out["error"].startswith("rank 1 (node 1 on host h2, local rank 0) was killed by signal SIGKILL"), out["error"]
-    assert "was stopped by a signal (SIGSTOP) for 10 s: killed" in out["error"], out["error"]
+    assert "was stopped by a signal (SIGSTOP) for 4 s: killed" in out["error"], out["error"]
     assert ssh_hosts.wait_clean(5) == {}
 
 

@@ -200,7 +200,8 @@ class Agent:
 
             self._store = session_store.start(job_dir, self.addr, int(m["master_port"]))
         node_ranks = NodeRanks(job_dir, lambda rank, raw: self.send(
-            {"type": "out", "rank": rank, "text": raw.decode("utf-8", errors="replace")}), name="sdp-agent")
+            {"type": "out", "rank": rank, "text": raw.decode("utf-8", errors="replace")}), name="sdp-agent",
+            job_env=spec.env)
         for local_rank in range(ppn):
             rank = node * ppn + local_rank
             env = ranks.environment(spec, rank=rank, world_size=world, job_dir=str(job_dir), job_name=name,

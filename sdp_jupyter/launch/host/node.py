@@ -12,6 +12,7 @@ death does (the job fails or restarts, an elastic job re-forms, a session replac
 """
 from __future__ import annotations
 
+import os
 import queue
 import signal
 import threading
@@ -57,13 +58,15 @@ class NodeRanks:
     """The ranks of one attempt on this host. `on_piece(rank, raw)` is called from the rank's reader
     thread for every piece after it is in the log; `exits` gets (rank, exit code) as ranks end."""
 
-    def __init__(self, job_dir: str | Path, on_piece: Callable[[int, bytes], None], name: str = "sdp"):
+    def __init__(self, job_dir: str | Path, on_piece: Callable[[int, bytes], None], name: str = "sdp",
+                 job_env: dict | None = None):
         self.job_dir, self.on_piece, self.name = Path(job_dir), on_piece, name
         self.procs: list = []
         self.exits: queue.Queue = queue.Queue()
         self._readers: dict[int, threading.Thread] = {}
         self._index: dict[int, int] = {}  # rank -> its place in procs
-        self.stopped_limit = env_float("SDP_STOPPED_RANK_S", 10.0, min=0.0)  # 0: never
+        # 0: never. The job's --env first (it reaches every host's agent), then this process's own
+        self.stopped_limit = env_float("SDP_STOPPED_RANK_S", 10.0, min=0.0, environ={**os.environ, **(job_env or {})})
         self._watch: threading.Thread | None = None
         self._watch_lock = threading.Lock()
 

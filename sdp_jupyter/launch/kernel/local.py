@@ -135,7 +135,7 @@ class LocalRun(supervise.Run):
 
         if self.spec.env.get("SDP_SESSION_STORE") and self._store is None:
             self._store = session_store.start(self.job.dir, "127.0.0.1", port)
-        node = self._node = NodeRanks(self.job.dir, shown, name=f"sdp-{self.job.name}")
+        node = self._node = NodeRanks(self.job.dir, shown, name=f"sdp-{self.job.name}", job_env=self.spec.env)
         self._live = set(range(self.world_size))
         for rank in range(self.world_size):
             env = self._rank_env[rank] = self.environment(rank, attempt, port)
