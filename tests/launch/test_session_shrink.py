@@ -18,7 +18,7 @@ from helpers.remote_jobs import REPO, next_line
 from sdp_jupyter.testing.cluster import signal_all
 
 DRIVER = r'''
-import json, sys
+import json, sys, time
 from sdp_jupyter.launch import JobSpec
 from sdp_jupyter.launch.kernel import session as sessions
 say = lambda **kw: print(json.dumps(kw), flush=True)
@@ -29,14 +29,15 @@ say(ready=[r.value(i) for i in range(3)], failed=r.failed)
 sys.stdin.readline()
 say(looping=True)
 r = s.run("for _ in range(600):\n    dist.all_reduce(t)\n    time.sleep(0.05)\n")
-say(failed=r.failed, message=r.message())
+say(failed=r.failed, message=r.message(), seconds=r.seconds)
 try:
     s.run("1")
     say(refused=None)
 except sessions.SessionError as e:
     say(refused=str(e))
+t0 = time.monotonic()
 rec = s.shrink()
-say(notes=rec.notes, members=s.members)
+say(notes=rec.notes, members=s.members, seconds=time.monotonic() - t0)
 r = s.run("t = torch.ones(4)\ndist.all_reduce(t)\n(x, dist.get_rank(), dist.get_world_size(), t[0].item(), sdp_members)",
           want="gather")
 say(after=[r.value(i) for i in s.members], failed=r.failed, shown=sessions.describe(s.status()))
@@ -64,7 +65,8 @@ def test_a_session_goes_on_with_fewer_ranks_after_a_host_is_gone(ssh_hosts, host
         proc.stdin.write("go\n")
         proc.stdin.flush()
         assert next_line(proc)["looping"]
-        time.sleep(random.uniform(0.3, 3.0))  # at some moment inside the cell's collectives
+        delay = random.uniform(0.3, 3.0)
+        time.sleep(delay)  # at some moment inside the cell's collectives
         if how == "killed":  # its agent and rank: the host is gone as far as the session can tell
             doomed = ssh_hosts.processes(3) + ssh_hosts.processes(3, "sdp_jupyter.launch.host.agent")
             assert doomed
@@ -72,6 +74,7 @@ def test_a_session_goes_on_with_fewer_ranks_after_a_host_is_gone(ssh_hosts, host
         else:  # silent: no error reaches anyone; the agent's heartbeat is what tells
             hosts.cut(3)
         line = next_line(proc)
+        print(f"[{how}] the cell ended {line['seconds'] - delay:.1f} s after the loss")
         msg = line["message"]
         assert 2 in line["failed"] and msg.startswith("rank(s) 2 died during the cell"), line
         assert "rank 2 (node 2 on host h3, local rank 0) was lost with its host: " in msg, msg
@@ -80,11 +83,13 @@ def test_a_session_goes_on_with_fewer_ranks_after_a_host_is_gone(ssh_hosts, host
         line = next_line(proc)
         assert "were lost with their host" in line["refused"] and "%sdp_session shrink" in line["refused"], line
         line = next_line(proc, timeout=150)
+        print(f"[{how}] shrink took {line['seconds']:.1f} s")
         assert line["members"] == [0, 1], line
         assert any(n.startswith("2 rank(s) go on (0, 1): the process group was made again") for n in line["notes"]), line
         line = next_line(proc)
         assert line["failed"] == [] and line["after"] == [[0, 0, 2, 2.0, [0, 1]], [10, 1, 2, 2.0, [0, 1]]], line
         shown = line["shown"]
+        assert ": running, 2 of 3 ranks, " in shown.splitlines()[0], shown
         assert "rank 2: left the session (on h3): rank 2 (node 2 on host h3, local rank 0) was lost" in shown, shown
         line = next_line(proc)
         assert line == {"group": [10.0, 10.0], "failed": []}, line

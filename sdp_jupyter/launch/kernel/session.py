@@ -441,7 +441,9 @@ def _ranks(ranks: list) -> str:
 def describe(status: dict) -> str:
     """Session.status() as the lines %sdp_session status prints."""
     s, last = status, status["last_cell"]
-    lines = [f"session {s['name']}: {s['state']}, {s['world_size']} ranks, {s['cells']} cell(s) run"]
+    members = len(s.get("members", range(s["world_size"])))
+    ranks = f"{s['world_size']} ranks" if members == s["world_size"] else f"{members} of {s['world_size']} ranks"
+    lines = [f"session {s['name']}: {s['state']}, {ranks}, {s['cells']} cell(s) run"]
     for rank in range(s["world_size"]):
         rss = s["rss"].get(rank, 0) / 2 ** 20
         where = f"on {s['hosts'].get(rank, '?')}"
