@@ -309,8 +309,10 @@ def test_metrics_lines_stay_whole_beside_the_scripts_prints(tmp_path, unbuffered
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
     if unbuffered:
         env["PYTHONUNBUFFERED"] = unbuffered
-    out = subprocess.run([_sys.executable, "-c", ECHO_BESIDE_PRINTS, str(tmp_path / "job")], capture_output=True,
-                         text=True, timeout=120, check=True, env=env).stdout
+    p = subprocess.run([_sys.executable, "-c", ECHO_BESIDE_PRINTS, str(tmp_path / "job")], capture_output=True,
+                       text=True, timeout=120, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]  # what failed (a fresh-clone run saw exit 1 without it)
+    out = p.stdout
     lines = out.splitlines()
     events = [cloudwatch.parse_log_line(line) for line in lines if "[sdp-metrics]" in line]
     assert [e and e["step"] for e in events] == list(range(400))
