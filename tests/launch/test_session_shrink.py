@@ -86,6 +86,7 @@ def test_a_session_goes_on_with_fewer_ranks_after_a_host_is_gone(ssh_hosts, host
         print(f"[{how}] shrink took {line['seconds']:.1f} s")
         assert line["members"] == [0, 1], line
         assert any(n.startswith("2 rank(s) go on (0, 1): the process group was made again") for n in line["notes"]), line
+        assert any("rank(s) [2] left" in n for n in line["notes"]), line
         line = next_line(proc)
         assert line["failed"] == [] and line["after"] == [[0, 0, 2, 2.0, [0, 1]], [10, 1, 2, 2.0, [0, 1]]], line
         shown = line["shown"]

@@ -121,13 +121,13 @@ class RankSession:
             dist.destroy_process_group()  # every group: some hold engines connected to the ranks now gone
         except Exception:  # noqa: BLE001 - a group whose engine the loss broke
             pass
+        old = [r for r in self.members if r not in members]
         self.generation, self.members = int(generation), [int(r) for r in members]
         if self.backend == "smddp":  # the engine's keys live under the generation (set in _init_group)
             from sdp_jupyter.torch.process_group import forget_groups
 
             forget_groups()
         self._init_group()
-        old = sorted(set(range(max(self.members) + 1)) - set(self.members))
         return (f"the process group was made again of the {len(self.members)} ranks left (session ranks "
                 f"{self.members}; in the group 0..{len(self.members) - 1}; rank(s) {old} left): objects built on the "
                 "old group (DistributedDataParallel models, groups from new_group) must be made again")
