@@ -156,7 +156,9 @@ bool Links::pump_send(Peer& p) {
     ssize_t r = ::sendmsg(p.fd, &mh, MSG_NOSIGNAL);
     if (r < 0) {
       if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return false;
-      const char* why = std::strerror(errno);  // before desc() allocates
+      int err = errno;
+      raise_cause_from(p);  // `p` may have closed right after telling this rank which rank died
+      const char* why = std::strerror(err);  // before desc() allocates
       op_.fail("connection to " + topo_.rank_name(p.rank) + " failed during " + op_.desc() + " (" + why +
                "): that rank exited or its host is unreachable");
     }
@@ -176,6 +178,23 @@ bool Links::pump_send(Peer& p) {
     }
   }
   return true;
+}
+
+void Links::raise_cause_from(Peer& p) {
+  // A peer that fails because a third rank died writes an ERROR frame naming that rank (Engine::fail)
+  // and may exit at once; a send to it then fails (EPIPE) while the frame still waits in this socket's
+  // receive queue. Read on to it: what this rank expects from `p` first, then one frame boundary.
+  for (int frames = 0; frames < 64; ++frames) {
+    if (p.recv_active || p.rhdr_done != 0) {
+      if (!pump_recv(p)) return;  // nothing more there now (it raises on `p`'s end or its ERROR frame)
+      continue;
+    }
+    FrameHeader h{};
+    ssize_t n = ::recv(p.fd, &h, sizeof(h), MSG_PEEK | MSG_DONTWAIT);
+    if (n < ssize_t(sizeof(h)) || h.magic != kFrameMagic || h.type != uint8_t(FrameType::ERROR)) return;
+    pump_recv(p);  // reads and raises the peer's message
+    return;
+  }
 }
 
 void Links::check_frame(const Peer& p) {

@@ -93,6 +93,9 @@ class Links {
   void check_stalled(const std::vector<Peer*>& who);
   bool pump_send(Peer& p);
   bool pump_recv(Peer& p);
+  // A send to `p` failed: raise the ERROR frame `p` wrote before it closed, if one is waiting (the
+  // cause, when `p` failed because a third rank died); returns when there is none.
+  void raise_cause_from(Peer& p);
   void check_frame(const Peer& p);
 
   const Topology& topo_;

@@ -190,7 +190,12 @@ class MetricsEcho:
 
     def __init__(self, job_dir: str, rank: int, interval: float = 0.5):
         from sdp_jupyter import jobdir
+        from sdp_jupyter.monitor.cloudwatch import format_log_line
 
+        # imported here, on the caller's thread: imported first by the echo thread, the package's
+        # import of the reporter could be half done when stop() looks the reporter up (a fresh-clone
+        # run's "partially initialized module ... has no attribute 'flush'", 1 run in 8 here)
+        self._format = format_log_line
         self.tail = jobdir.JsonLinesTail(jobdir.rank_metrics_path(job_dir, rank))
         self.interval = interval
         self.last_t = None
@@ -213,11 +218,9 @@ class MetricsEcho:
             self.drain()
 
     def drain(self) -> None:
-        from sdp_jupyter.monitor.cloudwatch import format_log_line
-
         with self._lock:
             for record in self.tail.records():
-                _write_line(format_log_line(record, self.last_t))
+                _write_line(self._format(record, self.last_t))
                 if record.get("kind") == "step" and isinstance(record.get("t"), (int, float)):
                     self.last_t = record["t"]
 
