@@ -189,6 +189,13 @@ VARIABLES: dict[str, Var] = {v.name: v for v in (
     Var("SDP_SESSION_JOIN", "str (generation:cell:members)", "unset", "rank",
         "set on a session's rank started again after it died: it joins the process group the others "
         "make again in that cell", internal=True),
+    Var("SDP_HEAL", "flag", "unset", "rank", "set to 1 in a --heal job: sdp_jupyter.heal.Healer may run there",
+        internal=True),
+    Var("SDP_HEAL_JOIN", "flag", "unset", "rank", "set to 1 on a --heal job's rank started again after it died: "
+        "its Healer joins the others at their next step boundary", internal=True),
+    Var("SDP_HEAL_WAIT", "float (seconds)", "60", "rank",
+        "how long a --heal job's rank whose collective failed waits for the launcher's next membership record "
+        "before it raises the collective's error"),
     # --- hybrid parallelism (ParallelConfig.env() / from_env())
     Var("SDP_TP", "int", "1", "rank", _PARALLEL + "--tp: tensor-parallel degree"),
     Var("SDP_PP", "int", "1", "rank", _PARALLEL + "--pp: pipeline-parallel degree"),

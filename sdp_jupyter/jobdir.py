@@ -37,6 +37,7 @@ LOGS = "logs"
 METRICS = "metrics"
 CHECKPOINTS = "checkpoints"
 SESSION = "session"  # an interactive session's cells and answers (launch/rank/session.py)
+HEAL = "heal"  # a --heal job's membership records and its ranks' answers (sdp_jupyter.heal)
 MODEL, OUTPUT, DATA = "model", "output", "data"
 TRAIN_CHANNEL = f"{DATA}/train"  # SM_CHANNEL_TRAIN of a job that is not on SageMaker
 # the SageMaker target's own entries: the code channel it uploads, the request it sent, a rehearsal's hosts
@@ -47,7 +48,7 @@ REHEARSAL = "rehearsal"
 # the folder of output.tar.gz that holds it
 CONTAINER_JOB_DIR = "sdp_job"
 # what a job directory may hold; a folder with anything else and no spec.json is not a job's
-KNOWN_ENTRIES = frozenset({SCRIPT, SPEC, STATUS, RESULT, PUSH, LOGS, METRICS, CHECKPOINTS, SESSION, MODEL, OUTPUT, DATA,
+KNOWN_ENTRIES = frozenset({SCRIPT, SPEC, STATUS, RESULT, PUSH, LOGS, METRICS, CHECKPOINTS, SESSION, HEAL, MODEL, OUTPUT, DATA,
                            SAGEMAKER_SOURCE, "flight-request"})
 
 
@@ -149,6 +150,26 @@ def session_done_path(folder: Path, n: int, rank: int) -> Path:
 
 def session_ready_path(folder: Path, rank: int) -> Path:
     return folder / f"ready-{rank}.pkl"
+
+
+def heal_record_path(job_dir: str | os.PathLike, generation: int) -> Path:
+    """A --heal job's membership at `generation`, written by its launcher: {generation, members, joining, left}."""
+    return Path(job_dir) / HEAL / f"members-{generation:06d}.json"
+
+
+def heal_ready_path(job_dir: str | os.PathLike, rank: int) -> Path:
+    """Written by a --heal job's replacement rank once it can join (sdp_jupyter.heal)."""
+    return Path(job_dir) / HEAL / f"ready-{rank}"
+
+
+def heal_finished_path(job_dir: str | os.PathLike) -> Path:
+    """Written by a --heal job's ranks when training ended (Healer.close): a replacement not let in leaves."""
+    return Path(job_dir) / HEAL / "finished"
+
+
+def heal_formed_path(job_dir: str | os.PathLike, generation: int, rank: int) -> Path:
+    """Written by a --heal job's rank once its process group of `generation` is made."""
+    return Path(job_dir) / HEAL / f"formed-{generation:06d}-{rank}"
 
 
 _SESSION_ANSWER = re.compile(r"^(done-\d{6}-\d+|ready-\d+)\.pkl$")

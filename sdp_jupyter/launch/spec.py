@@ -67,6 +67,10 @@ OPTIONS: tuple[Option, ...] = (
            metavar="NAME"),
     Option("--max-restarts", "max_restarts", "restart the whole job up to K times when a rank fails",
            metavar="K"),
+    Option("--heal", "heal", "replace a rank that dies while the others keep their processes: they re-form "
+           "without it and redo the step, and it rejoins at a step boundary with its state from a live peer; "
+           "the script trains through sdp_jupyter.heal.Healer, and --max-restarts K counts the replacements "
+           f"({target_options.sentence(target_options.having('heal'))} target; docs/failures.md)", kind="flag"),
     Option("--elastic-wait", "elastic_wait",
            "an elastic job (--nodes MIN:MAX) with fewer than MIN nodes waits this long for hosts to return, "
            "then fails naming them (default: 120)", metavar="SECONDS"),
@@ -176,6 +180,7 @@ class JobSpec:
     push: list = field(default_factory=list)
     result: str | None = None
     max_restarts: int = 0
+    heal: bool = False
     checkpoint_dir: str | None = None
     timeout: float | None = None
     ranks_output: str = "0"
@@ -198,6 +203,7 @@ class JobSpec:
         if self.procs_per_node is not None:
             self.procs_per_node = parse_whole(_flag("procs_per_node"), self.procs_per_node, 1, "1")
         self.max_restarts = parse_whole(_flag("max_restarts"), self.max_restarts, 0, "2")
+        self._check_heal()
         self.backend = self._choice("backend", self.backend, BACKENDS)
         self.target = self._choice("target", self.target, TARGETS)
         self._check_init_process_group()
@@ -301,6 +307,23 @@ class JobSpec:
             raise SpecError("--nodes", f"MIN:MAX (an elastic job) is for the "
                                        f"{target_options.sentence(elastic)} targets, and on --target "
                                        f"{self.target} {why}. Fix: --nodes {self.nodes} --max-restarts 2")
+
+    def _check_heal(self) -> None:
+        if not isinstance(self.heal, bool):
+            raise SpecError("--heal", f"is a flag (True or False), got {self.heal!r}")
+        if not self.heal:
+            return
+        healing = target_options.having("heal")
+        if self.target not in healing:
+            raise SpecError("--heal", f"healing in place is built for the {target_options.sentence(healing)} "
+                                      f"target so far, and the target is {self.target}. Fix: remove --heal and "
+                                      "use --max-restarts K (the job restarts from its last checkpoint)")
+        if self.min_nodes is not None:
+            raise SpecError("--heal", "replaces ranks in place, and --nodes MIN:MAX re-forms the whole job: "
+                                      f"choose one. Fix: --nodes {self.nodes}")
+        if self.max_restarts < 1:
+            raise SpecError("--heal", "replaces up to --max-restarts dead ranks, and --max-restarts is 0. "
+                                      "Fix: --heal --max-restarts 3")
 
     @property
     def elastic(self) -> bool:

@@ -30,6 +30,7 @@ class Target:
     catalogue: bool = False       # its nodes are instance types of the catalogue (sdp_jupyter.instances), priced
     elastic: bool = False         # --nodes MIN:MAX: a lost node is left out, a returning one rejoins (docs/failures.md)
     elastic_refusal: str | None = None  # why --nodes MIN:MAX is refused there (a target that is not elastic)
+    heal: bool = False            # --heal: a dead rank's peers re-form without restarting (sdp_jupyter.heal)
 
 
 SSH_OPTIONS = (
@@ -64,7 +65,7 @@ SLURM_KEYS = {"partition", "account", "time", "args"}
 
 
 TARGETS: dict[str, Target] = {
-    "local": Target(warm=True, sessions=True, hybrid=True,
+    "local": Target(warm=True, sessions=True, hybrid=True, heal=True,
                     elastic_refusal="every node runs on this one machine, so none can be lost while the others "
                                     "go on"),
     "ssh": Target("ssh", "sdp_jupyter.launch.target_options:SSH_OPTIONS",

@@ -144,6 +144,8 @@ def environment(spec, *, rank: int, world_size: int, job_dir: str, job_name: str
     })
     if spec.min_nodes is not None:
         env["SDP_ELASTIC"] = "1"
+    if spec.heal:  # its ranks train through sdp_jupyter.heal, a client of the launcher's store
+        env["SDP_HEAL"] = "1"
     if spec.min_nodes is not None or (spec.nodes > 1 and not split_gpus):
         # nodes on hosts of their own: a restart or re-formation reads each host's default checkpoint
         # folder, so every node keeps a copy and load() gives every rank node 0's (sdp_jupyter.checkpoint)

@@ -66,6 +66,56 @@ class LocalLauncher:
         return job
 
 
+class HealRecords:
+    """A --heal job's membership, as the launcher decides it and writes it for its ranks (jobdir's heal
+    records, read by sdp_jupyter.heal): generation 0 has every rank; a death makes the next generation
+    without the dead rank; a replacement that said it is ready is let in by the generation after the
+    ranks left have all formed theirs (it then joins at their next step boundary)."""
+
+    def __init__(self, job_dir: Path, world_size: int):
+        self.dir, self.world_size = Path(job_dir), world_size
+        self.generation = -1
+        self.members: list[int] = []
+        self.joining: list[int] = []  # started again, not yet let in
+        self.replaced = 0
+        self.history: list[dict] = []  # each change: {generation, at, members, left | joined}
+
+    def _write(self, members: list[int], joining: list[int], left: dict) -> int:
+        self.generation += 1
+        self.members = members
+        record = {"generation": self.generation, "members": members, "joining": joining,
+                  "left": {str(r): why for r, why in left.items()}}
+        jobdir.write_json_atomic(jobdir.heal_record_path(self.dir, self.generation), record)
+        self.history.append({"generation": self.generation, "at": time.time(), "members": members,
+                             **({"left": record["left"]} if left else {}), **({"joined": joining} if joining else {})})
+        return self.generation
+
+    def begin(self) -> None:
+        jobdir.ensure_private_dir(self.dir / jobdir.HEAL)
+        self._write(list(range(self.world_size)), [], {})
+
+    def leave(self, rank: int, why: str) -> int:
+        """`rank` died: the next generation goes on without it; it is started again (counted)."""
+        self.replaced += 1
+        self.joining = [r for r in self.joining if r != rank] + [rank]
+        jobdir.heal_ready_path(self.dir, rank).unlink(missing_ok=True)
+        if rank not in self.members:  # a replacement that died before it was let in: nothing changes for the others
+            return self.generation
+        return self._write([r for r in self.members if r != rank], [], {rank: why})
+
+    def admit(self) -> None:
+        """Let in the replacements that are ready once every member has formed the current generation."""
+        if jobdir.heal_finished_path(self.dir).exists():  # training ended: nobody is let in any more
+            return
+        ready = [r for r in self.joining if jobdir.heal_ready_path(self.dir, r).exists()]
+        if not ready or not all(jobdir.heal_formed_path(self.dir, self.generation, m).exists() for m in self.members):
+            return
+        for r in ready:
+            jobdir.heal_ready_path(self.dir, r).unlink(missing_ok=True)
+        self.joining = [r for r in self.joining if r not in ready]
+        self._write(self.members + ready, ready, {})
+
+
 class LocalRun(supervise.Run):
     """The supervisor of one local job: spawns, watches, restarts and stops its processes."""
 
@@ -84,6 +134,7 @@ class LocalRun(supervise.Run):
         self._lost: dict[int, str] = {}  # the session's dead ranks waiting for replace_rank: {rank: why}
         self._live: set[int] = set()  # the ranks whose process runs
         self._rank_env: dict[int, dict] = {}  # each rank's environment in this attempt (a replacement's too)
+        self._heal = HealRecords(job.dir, self.world_size) if self.spec.heal else None  # --heal: sdp_jupyter.heal
         supervise.Run.__init__(self, f"sdp-job-{job.name}")
 
     # ------------------------------------------------------------------ environment
@@ -108,8 +159,11 @@ class LocalRun(supervise.Run):
                 for rank in range(self.world_size):
                     self._line(rank, text)
 
-            state, error, codes = supervise.with_restarts(job, lambda n: self._attempt(n, started), announce,
-                                                          self._stop)
+            if self._heal is not None:  # dead ranks are replaced in place; --max-restarts counts them
+                state, error, codes = self._attempt(0, started)
+            else:
+                state, error, codes = supervise.with_restarts(job, lambda n: self._attempt(n, started), announce,
+                                                              self._stop)
         except Exception as e:  # our own bug or an OS error: the job fails with it, nothing left running
             state, error = "failed", f"the launcher failed: {type(e).__name__}: {e}"
             self._terminate()
@@ -133,10 +187,12 @@ class LocalRun(supervise.Run):
             if text is not None:
                 self.job.emit_output(rank, text)
 
-        if self.spec.env.get("SDP_SESSION_STORE") and self._store is None:
+        if (self.spec.env.get("SDP_SESSION_STORE") or self._heal is not None) and self._store is None:
             self._store = session_store.start(self.job.dir, "127.0.0.1", port)
         node = self._node = NodeRanks(self.job.dir, shown, name=f"sdp-{self.job.name}", job_env=self.spec.env)
         self._live = set(range(self.world_size))
+        if self._heal is not None:
+            self._heal.begin()
         for rank in range(self.world_size):
             env = self._rank_env[rank] = self.environment(rank, attempt, port)
             env["SDP_SCRIPT"] = script
@@ -153,6 +209,8 @@ class LocalRun(supervise.Run):
             if self.spec.timeout and time.monotonic() - started > self.spec.timeout:
                 codes = self._terminate()
                 return "failed", f"timed out after {self.spec.timeout:g} s (--timeout)", codes
+            if self._heal is not None:
+                self._heal.admit()
             ended = self._next_exit(node, codes, 0.1)
             if ended is None:
                 continue
@@ -161,12 +219,30 @@ class LocalRun(supervise.Run):
                 if self._session:  # the session replaces it (replace_rank) and goes on
                     self._lost[rank] = ranks.failure_message(self.job, rank, self._who(rank), code)
                     continue
+                if self._heal is not None and self._heal.replaced < self.spec.max_restarts \
+                        and len(self._heal.members) > 1 and not self._stop.is_set():
+                    self._heal_rank(rank, code)
+                    continue
                 failed = self._settle(node, codes, rank)
                 error = supervise.job_error(self.job, failed, codes, self._who, lambda _rank: socket.gethostname())
                 codes = self._terminate(codes)
                 return "failed", error, codes
         self._cleanup_groups()
         return "succeeded", None, codes
+
+    def _heal_rank(self, rank: int, code: int) -> None:
+        """--heal: the others go on without `rank` (a new record), and it starts again to join them."""
+        why = ranks.failure_message(self.job, rank, self._who(rank), code).splitlines()[0]
+        generation = self._heal.leave(rank, why)
+        proc = self._spawn(ranks.WORKER, {**self._rank_env[rank], "SDP_HEAL_JOIN": "1"})
+        self._live.add(rank)
+        self._node.add(rank, proc)
+        n, of = self._heal.replaced, self.spec.max_restarts
+        for r in range(self.world_size):
+            self._line(r, f"[sdp_jupyter] heal {n} of {of}: {why}; the {len(self._heal.members)} ranks left go on "
+                          f"(generation {generation}); rank {rank} started again (pid {proc.pid}) joins them at a "
+                          "step boundary\n")
+        self.job.update_status(pids=self._node.pids, heals=self._heal.history)
 
     def _settle(self, node: NodeRanks, codes: list, first: int) -> list[int]:
         """The ranks that failed, `first` and those whose exits follow within supervise.SETTLE_S (their

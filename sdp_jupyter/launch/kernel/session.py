@@ -130,6 +130,9 @@ class Session:
                                         f"them; {spec.target} runs a batch job (SageMaker training jobs run a "
                                         f"script to its end). Fix: --target {' / '.join(TARGETS)}, or run the "
                                         "cell as a job with %%sdp_train")
+        if spec.heal:
+            raise SpecError("--heal", "is for training jobs (%%sdp_train); a session already replaces a rank "
+                                      "that dies and keeps the others' variables (docs/session.md). Fix: remove --heal")
         if spec.max_restarts:
             raise SpecError("--max-restarts", "restarting every rank would empty every namespace, so a session "
                                               "never restarts its ranks: on smddp a rank that dies is started "

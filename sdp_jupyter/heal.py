@@ -1,0 +1,226 @@
+"""Healing without a restart: a rank that dies costs its peers one redone step, not the job.
+
+In a job started with `--heal --max-restarts K` (the local target), train through a `Healer`:
+
+    from sdp_jupyter.heal import Healer
+    healer = Healer(model, optimizer, wrap=lambda m: DistributedDataParallel(m))  # makes the process group
+    for step in healer.steps(100):
+        def train_step():
+            optimizer.zero_grad()
+            loss = loss_fn(healer.model(x_of(step)), y_of(step))  # healer.model: the wrapped model
+            loss.backward()
+            optimizer.step()
+            return loss.item()
+        loss = healer.run(train_step)
+
+When a rank dies, the collectives of the others fail within milliseconds (the smddp engine names the
+dead rank). Their processes go on: each waits for the launcher's next membership record (the launcher
+saw the death), leaves the old process group, makes a new one of the ranks left, wraps the model again
+and runs the step again with them. The launcher starts the dead rank again at once; that replacement
+builds its model and optimizer, says it is ready, and joins at the next step boundary after the others
+have formed their group: the launcher writes a record with it, every member makes the group again, and
+the replacement receives the model's state, the optimizer's state, the step and `healer.state` from a
+live peer by broadcast, never from disk.
+
+The contract a step function keeps: every collective comes before the optimizer's step (DDP's
+gradient all_reduce runs inside backward), so a step that failed changed no weights and can be run
+again. Use `healer.model`, not a wrapped model kept from before: each membership change wraps it
+anew. `dist.get_rank()` and `dist.get_world_size()` give the position in the current group, so a
+data shard computed from them follows the membership; `healer.rank` is the job's rank, which never
+changes. Replacements count against `--max-restarts`.
+
+The records (jobdir.heal_record_path) are JSON files the launcher writes in the job directory:
+{generation, members, joining, left}; `members` lists the ranks left first, in job order, then those
+joining, so the group's rank 0 is always a rank that lived through the change.
+"""
+from __future__ import annotations
+
+import datetime
+import gc
+import os
+import sys
+import time
+from typing import Any, Callable, Iterator
+
+from sdp_jupyter import backends, jobdir
+from sdp_jupyter._env import env_float, env_str
+
+WAIT_S = 60.0  # how long a rank whose collective failed waits for the launcher's next record (SDP_HEAL_WAIT)
+JOIN_WAIT_S = 600.0  # how long a replacement waits to be let in (a step boundary of the others)
+
+
+class HealError(RuntimeError):
+    """The job cannot heal: not a --heal job, or no membership record came in time."""
+
+
+class Healer:
+    """The process group, the wrapped model and the step of a --heal job's rank; see the module's text."""
+
+    def __init__(self, model, optimizer=None, *, wrap: Callable | None = None, state: dict | None = None,
+                 backend: str | None = None):
+        if not env_str("SDP_HEAL"):
+            raise HealError("Healer needs a job started with --heal (its launcher keeps the membership "
+                            "records and starts dead ranks again). Fix: %%sdp_train --heal --max-restarts 3 ...")
+        import torch.distributed as dist
+
+        self.job_dir = os.environ["SDP_JOB_DIR"]
+        self.rank = int(os.environ["RANK"])  # the job's number for this rank: never changes
+        self.backend = backend or backends.job_backend()
+        if self.backend == "smddp":
+            import sdp_jupyter.torch  # noqa: F401  registers the backend
+        self.base, self.optimizer, self.wrap = model, optimizer, wrap
+        self.model = model
+        self.state: dict = dict(state or {})
+        self.step = 0
+        self.generation = -1
+        self.members: list[int] = []
+        self.joined = bool(env_str("SDP_HEAL_JOIN"))  # a replacement: it joins the others' group
+        self.changes: list[dict] = []  # each membership change this rank went through: {generation, seconds, ...}
+        self.wait_s = env_float("SDP_HEAL_WAIT", WAIT_S, min=0.1)
+        self._store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None, False,
+                                    timeout=datetime.timedelta(seconds=max(self.wait_s, 60.0)))
+        if self.joined:
+            newest = self._newest()
+            jobdir.write_private(jobdir.heal_ready_path(self.job_dir, self.rank), str(os.getpid()))
+            record = self._wait_record(newest["generation"] if newest else -1, JOIN_WAIT_S,
+                                       lambda r: self.rank in r.get("joining", ()))
+            if record is None:
+                raise HealError(f"rank {self.rank} started again but was not let in within {JOIN_WAIT_S:g} s "
+                                "(the other ranks reached no step boundary)")
+            self._form(record, why="joined")
+        else:
+            record = self._newest()
+            if record is None:
+                raise HealError(f"no membership record in {self.job_dir}/{jobdir.HEAL}: was the job started "
+                                "with --heal?")
+            self._form(record, why=None)
+
+    # ------------------------------------------------------------------ the loop
+    def steps(self, total: int) -> Iterator[int]:
+        """The step numbers from where this rank is (a replacement: where its peers are) to `total`."""
+        while self.step < total:
+            yield self.step
+
+    def run(self, fn: Callable[..., Any], *args, **kwargs) -> Any:
+        """Run one step (`fn`) on the current members, at a step boundary first letting a replacement in;
+        when a collective fails because a rank died, re-form without it and run the step again."""
+        while True:
+            newest = self._newest()
+            if newest is not None and newest["generation"] > self.generation:
+                self._form(newest, why="boundary")
+            try:
+                out = fn(*args, **kwargs)
+            except RuntimeError as e:  # torch's DistBackendError and the engine's errors are RuntimeErrors
+                record = self._wait_record(self.generation, self.wait_s)
+                if record is None:
+                    raise
+                self._form(record, why=f"step {self.step} failed: {str(e).splitlines()[0][:300]}")
+                continue
+            self.step += 1
+            return out
+
+    def close(self) -> None:
+        """The end of training: a replacement still waiting to be let in leaves (exit 0); then this rank
+        leaves the process group."""
+        jobdir.write_private(jobdir.heal_finished_path(self.job_dir), str(self.step))
+        self._leave()
+
+    def _check_finished(self) -> None:
+        if self.joined and self.generation < 0 and jobdir.heal_finished_path(self.job_dir).exists():
+            print(f"[sdp_jupyter.heal] rank {self.rank}: training ended before this replacement was let in; "
+                  "it leaves", file=sys.stderr, flush=True)
+            raise SystemExit(0)
+
+    # ------------------------------------------------------------------ membership
+    def _newest(self) -> dict | None:
+        """The launcher's newest record (the records are numbered without gaps)."""
+        g = max(self.generation, 0)
+        if not jobdir.heal_record_path(self.job_dir, g).exists():
+            return None
+        while jobdir.heal_record_path(self.job_dir, g + 1).exists():
+            g += 1
+        return jobdir.read_json(jobdir.heal_record_path(self.job_dir, g))
+
+    def _wait_record(self, after: int, seconds: float, accept: Callable[[dict], bool] = lambda r: True) -> dict | None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            self._check_finished()
+            record = self._newest()
+            if record is not None and record["generation"] > after and accept(record):
+                return record
+            time.sleep(0.005)
+        return None
+
+    def _leave(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - a group whose engine the death broke
+                pass
+        if self.backend == "smddp":
+            from sdp_jupyter.torch.process_group import forget_groups
+
+            forget_groups()
+
+    def _form(self, record: dict, why: str | None) -> None:
+        """Make the group of `record`'s members (again), wrap the model anew and, with a replacement in
+        it, send it the state from the group's rank 0 (a rank that lived through the change)."""
+        import torch.distributed as dist
+
+        started = time.monotonic()
+        while True:
+            generation, members = int(record["generation"]), [int(r) for r in record["members"]]
+            if self.rank not in members:
+                raise HealError(f"rank {self.rank} is not a member of generation {generation} ({members})")
+            self.model = self.base  # the old wrapper goes (its hooks hold the old group)
+            gc.collect()
+            self._leave()
+            if self.backend == "smddp":  # the engine's keys live under the generation
+                from sdp_jupyter.torch.process_group import set_generation
+
+                set_generation(generation)
+                prefix = "heal"
+            else:
+                prefix = f"heal-{generation}"
+            try:
+                dist.init_process_group(self.backend, store=dist.PrefixStore(prefix, self._store),
+                                        rank=members.index(self.rank), world_size=len(members),
+                                        timeout=datetime.timedelta(seconds=max(self.wait_s, 30.0)))
+                joining = [int(r) for r in record.get("joining", ())]
+                if joining:
+                    self._share_state(receive=self.rank in joining)
+                break
+            except RuntimeError:  # another rank died while the group formed: the launcher's next record
+                self._check_finished()
+                newer = self._wait_record(generation, self.wait_s)
+                if newer is None:
+                    raise
+                record = newer
+        self.generation, self.members = generation, members
+        if self.wrap is not None:
+            self.model = self.wrap(self.base)
+        jobdir.write_private(jobdir.heal_formed_path(self.job_dir, generation, self.rank), str(os.getpid()))
+        if why is not None:
+            seconds = time.monotonic() - started
+            self.changes.append({"generation": generation, "members": members, "step": self.step,
+                                 "seconds": seconds, "why": why})
+            left = ", ".join(f"rank {r}: {w}" for r, w in record.get("left", {}).items())
+            print(f"[sdp_jupyter.heal] rank {self.rank}: generation {generation}, {len(members)} ranks "
+                  f"{members} from step {self.step} ({why}; {seconds:.2f} s)" + (f"; left: {left}" if left else ""),
+                  file=sys.stderr, flush=True)
+
+    def _share_state(self, receive: bool) -> None:
+        """The model's tensors, the optimizer's state, the step and `state`, from the group's rank 0."""
+        import torch.distributed as dist
+
+        for tensor in self.base.state_dict().values():
+            dist.broadcast(tensor, 0)
+        box = [None] if receive else [{"step": self.step, "state": self.state,
+                                      "optimizer": self.optimizer.state_dict() if self.optimizer else None}]
+        dist.broadcast_object_list(box, 0)
+        if receive:
+            self.step, self.state = int(box[0]["step"]), dict(box[0]["state"])
+            if self.optimizer is not None and box[0]["optimizer"] is not None:
+                self.optimizer.load_state_dict(box[0]["optimizer"])

@@ -1,0 +1,87 @@
+"""--heal: a rank that dies costs the others a redone step, not their processes (sdp_jupyter.heal)."""
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from sdp_jupyter.launch import launch
+from sdp_jupyter.launch.spec import JobSpec, SpecError
+
+HEAL_JOB = textwrap.dedent("""
+    import os, signal, time
+    import torch, torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from sdp_jupyter.heal import Healer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    X = torch.randn(512, 16, generator=g); Y = X[:, :1] * 2 - X[:, 1:2]
+    healer = Healer(model, opt, wrap=lambda m: DDP(m))
+    print("start", healer.rank, os.getpid(), "joined" if healer.joined else "first", healer.step, flush=True)
+    for step in healer.steps(100):
+        def train_step():
+            if step == 20 and healer.rank == 2 and not healer.joined:
+                os.kill(os.getpid(), signal.SIGKILL)  # mid-step, inside the script, no clean exit
+            r, w = dist.get_rank(), dist.get_world_size()
+            idx = torch.arange(step * 32 + r, step * 32 + 32, w) % 512
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(healer.model(X[idx]), Y[idx])
+            loss.backward()
+            opt.step()
+        healer.run(train_step)
+        if step > 20 and healer.generation < 2:
+            time.sleep(0.25)  # leave the replacement (a cold interpreter) time to start before the end
+    loss = torch.nn.functional.mse_loss(model(X), Y).item()
+    print("end", healer.rank, os.getpid(), repr(loss), [c["generation"] for c in healer.changes], flush=True)
+    healer.close()
+""")
+
+
+def test_a_dead_rank_is_replaced_while_the_others_keep_their_processes(tmp_path, jobs_dir):
+    script = tmp_path / "heal_job.py"
+    script.write_text(HEAL_JOB)
+    job = launch(str(script), nodes=4, heal=True, max_restarts=2, backend="smddp", name="heal", ranks_output="all")
+    assert job.wait(240) == "succeeded", job.summary() + job.logs()
+    lines = {}
+    for rank in range(4):
+        for line in (job.dir / "logs" / f"rank-{rank}.log").read_text().splitlines():
+            if line.startswith(("start ", "end ")):
+                lines.setdefault(rank, []).append(line.split())
+    for rank in (0, 1, 3):  # the survivors: one process from start to end, two membership changes
+        (start, end) = lines[rank]
+        assert start[2] == end[2] and start[3] == "first", lines[rank]
+        assert end[-2:] == ["[1,", "2]"], lines[rank]
+    first, joined, end2 = lines[2]
+    assert first[3] == "first" and joined[3] == "joined" and joined[2] != first[2], lines[2]
+    assert 20 < int(joined[4]) < 100, joined  # let in at a step boundary after the death, with the step from a peer
+    assert end2[2] == joined[2]
+    assert len({lines[r][-1][3] for r in range(4)}) == 1, lines  # the same model everywhere at the end
+    heals = job.status["heals"]
+    assert [h["members"] for h in heals] == [[0, 1, 2, 3], [0, 1, 3], [0, 1, 3, 2]], heals
+    assert "killed by signal SIGKILL" in heals[1]["left"]["2"] and heals[2]["joined"] == [2]
+    log = (job.dir / "logs" / "rank-0.log").read_text()
+    assert "heal 1 of 2: rank 2 (node 2, local rank 0) was killed by signal SIGKILL" in log
+    assert "[sdp_jupyter.heal] rank 0: generation 1, 3 ranks [0, 1, 3] from step 20" in log
+
+
+@pytest.mark.parametrize("kwargs, says", [
+    ({"heal": True}, "--max-restarts is 0. Fix: --heal --max-restarts 3"),
+    ({"heal": True, "max_restarts": 2, "target": "ssh", "ssh": {"hosts": ["a"]}}, "built for the local target"),
+    ({"heal": True, "max_restarts": 2, "nodes": "1:2", "target": "ssh", "ssh": {"hosts": ["a", "b"]}}, "--heal"),
+    ({"heal": "yes", "max_restarts": 2}, "is a flag"),
+])
+def test_heal_refusals_name_the_option_and_the_fix(kwargs, says):
+    with pytest.raises(SpecError) as err:
+        JobSpec(code="pass", **kwargs)
+    assert err.value.option == "--heal" and says in str(err.value)
+
+
+def test_a_healer_outside_a_heal_job_says_how_to_start_one(monkeypatch):
+    from sdp_jupyter.heal import HealError, Healer
+
+    monkeypatch.delenv("SDP_HEAL", raising=False)
+    with pytest.raises(HealError, match=r"--heal --max-restarts 3"):
+        Healer(object())
