@@ -321,6 +321,10 @@ class JobSpec:
         if self.min_nodes is not None:
             raise SpecError("--heal", "replaces ranks in place, and --nodes MIN:MAX re-forms the whole job: "
                                       f"choose one. Fix: --nodes {self.nodes}")
+        if self.init_process_group:
+            raise SpecError("--heal", "makes the process group in the script's Healer (and again at each "
+                                      "membership change), so --init-process-group cannot make it first. "
+                                      "Fix: remove --init-process-group")
         if self.max_restarts < 1:
             raise SpecError("--heal", "replaces up to --max-restarts dead ranks, and --max-restarts is 0. "
                                       "Fix: --heal --max-restarts 3")

@@ -72,6 +72,7 @@ def test_a_dead_rank_is_replaced_while_the_others_keep_their_processes(tmp_path,
     ({"heal": True, "max_restarts": 2, "target": "ssh", "ssh": {"hosts": ["a"]}}, "built for the local target"),
     ({"heal": True, "max_restarts": 2, "nodes": "1:2", "target": "ssh", "ssh": {"hosts": ["a", "b"]}}, "--heal"),
     ({"heal": "yes", "max_restarts": 2}, "is a flag"),
+    ({"heal": True, "max_restarts": 2, "init_process_group": True}, "Fix: remove --init-process-group"),
 ])
 def test_heal_refusals_name_the_option_and_the_fix(kwargs, says):
     with pytest.raises(SpecError) as err:
