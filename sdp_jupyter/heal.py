@@ -80,10 +80,8 @@ class Healer:
         self._store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None, False,
                                     timeout=datetime.timedelta(seconds=max(self.wait_s, 60.0)))
         if self.joined:
-            newest = self._newest()
             jobdir.write_private(jobdir.heal_ready_path(self.job_dir, self.rank), str(os.getpid()))
-            record = self._wait_record(newest["generation"] if newest else -1, JOIN_WAIT_S,
-                                       lambda r: self.rank in r.get("joining", ()))
+            record = self._wait_record(JOIN_WAIT_S, lambda r: self.rank in r.get("joining", ()))
             if record is None:
                 raise HealError(f"rank {self.rank} started again but was not let in within {JOIN_WAIT_S:g} s "
                                 "(the other ranks reached no step boundary)")
@@ -106,12 +104,12 @@ class Healer:
         when a collective fails because a rank died, re-form without it and run the step again."""
         while True:
             newest = self._newest()
-            if newest is not None and newest["generation"] > self.generation:
+            if newest is not None:
                 self._form(newest, why="boundary")
             try:
                 out = fn(*args, **kwargs)
             except RuntimeError as e:  # torch's DistBackendError and the engine's errors are RuntimeErrors
-                record = self._wait_record(self.generation, self.wait_s)
+                record = self._wait_record(self.wait_s)
                 if record is None:
                     raise
                 self._form(record, why=f"step {self.step} failed: {str(e).splitlines()[0][:300]}")
@@ -132,42 +130,37 @@ class Healer:
             raise SystemExit(0)
 
     # ------------------------------------------------------------------ membership
-    def _newest(self) -> dict | None:
-        """The launcher's newest record (the records are numbered without gaps)."""
-        g = max(self.generation, 0)
-        if not jobdir.heal_record_path(self.job_dir, g).exists():
-            return None
+    def _newest(self, after: int | None = None) -> dict | None:
+        """The launcher's newest record after generation `after` (default: this rank's), None when there
+        is none (the records are numbered without gaps): one stat per step while nothing changes."""
+        after = self.generation if after is None else after
+        g = after
         while jobdir.heal_record_path(self.job_dir, g + 1).exists():
             g += 1
-        return jobdir.read_json(jobdir.heal_record_path(self.job_dir, g))
+        return jobdir.read_json(jobdir.heal_record_path(self.job_dir, g)) if g > after else None
 
-    def _wait_record(self, after: int, seconds: float, accept: Callable[[dict], bool] = lambda r: True) -> dict | None:
+    def _wait_record(self, seconds: float, accept: Callable[[dict], bool] = lambda r: True,
+                     after: int | None = None) -> dict | None:
+        """The launcher's newest record after generation `after` (default: this rank's) once one is there
+        that `accept`s; None after `seconds`."""
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
             self._check_finished()
-            record = self._newest()
-            if record is not None and record["generation"] > after and accept(record):
+            record = self._newest(after)
+            if record is not None and accept(record):
                 return record
             time.sleep(0.005)
         return None
 
     def _leave(self) -> None:
-        import torch.distributed as dist
+        from sdp_jupyter.torch.generations import leave_every_group
 
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001 - a group whose engine the death broke
-                pass
-        if self.backend == "smddp":
-            from sdp_jupyter.torch.process_group import forget_groups
-
-            forget_groups()
+        leave_every_group(self.backend)
 
     def _form(self, record: dict, why: str | None) -> None:
         """Make the group of `record`'s members (again), wrap the model anew and, with a replacement in
         it, send it the state from the group's rank 0 (a rank that lived through the change)."""
-        import torch.distributed as dist
+        from sdp_jupyter.torch.generations import make_default_group
 
         started = time.monotonic()
         while True:
@@ -177,24 +170,16 @@ class Healer:
             self.model = self.base  # the old wrapper goes (its hooks hold the old group)
             gc.collect()
             self._leave()
-            if self.backend == "smddp":  # the engine's keys live under the generation
-                from sdp_jupyter.torch.process_group import set_generation
-
-                set_generation(generation)
-                prefix = "heal"
-            else:
-                prefix = f"heal-{generation}"
             try:
-                dist.init_process_group(self.backend, store=dist.PrefixStore(prefix, self._store),
-                                        rank=members.index(self.rank), world_size=len(members),
-                                        timeout=datetime.timedelta(seconds=max(self.wait_s, 30.0)))
+                make_default_group(self.backend, self._store, "heal", generation, members.index(self.rank),
+                                   len(members), timeout=datetime.timedelta(seconds=max(self.wait_s, 30.0)))
                 joining = [int(r) for r in record.get("joining", ())]
                 if joining:
                     self._share_state(receive=self.rank in joining)
                 break
             except RuntimeError:  # another rank died while the group formed: the launcher's next record
                 self._check_finished()
-                newer = self._wait_record(generation, self.wait_s)
+                newer = self._wait_record(self.wait_s, after=generation)
                 if newer is None:
                     raise
                 record = newer

@@ -103,17 +103,19 @@ class HealRecords:
             return self.generation
         return self._write([r for r in self.members if r != rank], [], {rank: why})
 
-    def admit(self) -> None:
-        """Let in the replacements that are ready once every member has formed the current generation."""
-        if jobdir.heal_finished_path(self.dir).exists():  # training ended: nobody is let in any more
-            return
+    def admit(self) -> bool:
+        """Let in the replacements that are ready once every member has formed the current generation
+        (True when a record was written); nothing to look at while none is waiting."""
         ready = [r for r in self.joining if jobdir.heal_ready_path(self.dir, r).exists()]
-        if not ready or not all(jobdir.heal_formed_path(self.dir, self.generation, m).exists() for m in self.members):
-            return
+        if not ready or jobdir.heal_finished_path(self.dir).exists():  # training ended: nobody is let in
+            return False
+        if not all(jobdir.heal_formed_path(self.dir, self.generation, m).exists() for m in self.members):
+            return False
         for r in ready:
             jobdir.heal_ready_path(self.dir, r).unlink(missing_ok=True)
         self.joining = [r for r in self.joining if r not in ready]
         self._write(self.members + ready, ready, {})
+        return True
 
 
 class LocalRun(supervise.Run):
@@ -209,8 +211,8 @@ class LocalRun(supervise.Run):
             if self.spec.timeout and time.monotonic() - started > self.spec.timeout:
                 codes = self._terminate()
                 return "failed", f"timed out after {self.spec.timeout:g} s (--timeout)", codes
-            if self._heal is not None:
-                self._heal.admit()
+            if self._heal is not None and self._heal.admit():  # the job view reads the join mid-job too
+                self.job.update_status(heals=list(self._heal.history))
             ended = self._next_exit(node, codes, 0.1)
             if ended is None:
                 continue
@@ -232,7 +234,8 @@ class LocalRun(supervise.Run):
 
     def _heal_rank(self, rank: int, code: int) -> None:
         """--heal: the others go on without `rank` (a new record), and it starts again to join them."""
-        why = ranks.failure_message(self.job, rank, self._who(rank), code).splitlines()[0]
+        # its first line, without the lead-in to the last lines quoted below it
+        why = ranks.failure_message(self.job, rank, self._who(rank), code).splitlines()[0].removesuffix("; its last lines:")
         generation = self._heal.leave(rank, why)
         proc = self._spawn(ranks.WORKER, {**self._rank_env[rank], "SDP_HEAL_JOIN": "1"})
         self._live.add(rank)
@@ -242,7 +245,7 @@ class LocalRun(supervise.Run):
             self._line(r, f"[sdp_jupyter] heal {n} of {of}: {why}; the {len(self._heal.members)} ranks left go on "
                           f"(generation {generation}); rank {rank} started again (pid {proc.pid}) joins them at a "
                           "step boundary\n")
-        self.job.update_status(pids=self._node.pids, heals=self._heal.history)
+        self.job.update_status(pids=self._node.pids, heals=list(self._heal.history))
 
     def _settle(self, node: NodeRanks, codes: list, first: int) -> list[int]:
         """The ranks that failed, `first` and those whose exits follow within supervise.SETTLE_S (their

@@ -97,36 +97,22 @@ class RankSession:
         self._init_group()
 
     def _init_group(self) -> None:
-        import torch.distributed as dist
+        from sdp_jupyter.torch.generations import make_default_group
 
-        if self.backend == "smddp":  # one store prefix for the session's life; generations are the engine's
-            from sdp_jupyter.torch.process_group import set_generation
-
-            set_generation(self.generation)
-            prefix = "session"
-        else:
-            prefix = f"session-{self.generation}"
-        dist.init_process_group(self.backend, store=dist.PrefixStore(prefix, self._store),
-                                rank=self.members.index(self.rank), world_size=len(self.members))
+        make_default_group(self.backend, self._store, "session", self.generation, self.members.index(self.rank),
+                           len(self.members))
         self.ns["sdp_members"] = list(self.members)
 
     def shrink(self, generation: int, members: list) -> str:
         """Leave the process group and make a new one of `members` only (a host is gone for good): the
         namespace stays; objects built on the old group (a DistributedDataParallel model, groups from
         new_group) must be made again."""
-        import torch.distributed as dist
+        from sdp_jupyter.torch.generations import leave_every_group
 
         self._groups.clear()
-        try:
-            dist.destroy_process_group()  # every group: some hold engines connected to the ranks now gone
-        except Exception:  # noqa: BLE001 - a group whose engine the loss broke
-            pass
+        leave_every_group(self.backend)  # every group: some hold engines connected to the ranks now gone
         old = [r for r in self.members if r not in members]
         self.generation, self.members = int(generation), [int(r) for r in members]
-        if self.backend == "smddp":  # the engine's keys live under the generation (set in _init_group)
-            from sdp_jupyter.torch.process_group import forget_groups
-
-            forget_groups()
         self._init_group()
         return (f"the process group was made again of the {len(self.members)} ranks left (session ranks "
                 f"{self.members}; in the group 0..{len(self.members) - 1}; rank(s) {old} left): objects built on the "
