@@ -23,7 +23,7 @@ HEAL_JOB = textwrap.dedent("""
     print("start", healer.rank, os.getpid(), "joined" if healer.joined else "first", healer.step, flush=True)
     for step in healer.steps(100):
         def train_step():
-            if step == 20 and healer.rank == 2 and not healer.joined:
+            if step == 20 and healer.rank == int(os.environ["DIES"]) and not healer.joined:
                 os.kill(os.getpid(), signal.SIGKILL)  # mid-step, inside the script, no clean exit
             r, w = dist.get_rank(), dist.get_world_size()
             idx = torch.arange(step * 32 + r, step * 32 + 32, w) % 512
@@ -40,31 +40,36 @@ HEAL_JOB = textwrap.dedent("""
 """)
 
 
-def test_a_dead_rank_is_replaced_while_the_others_keep_their_processes(tmp_path, jobs_dir):
+@pytest.mark.parametrize("dies", [2, 0], ids=["rank-2", "rank-0"])
+def test_a_dead_rank_is_replaced_while_the_others_keep_their_processes(tmp_path, jobs_dir, dies):
+    """Rank 0 too: the group's store lives in its own process, and the survivors renumber so the new
+    group's rank 0 is one of them; the replacement gets the state from that live peer."""
     script = tmp_path / "heal_job.py"
     script.write_text(HEAL_JOB)
-    job = launch(str(script), nodes=4, heal=True, max_restarts=2, backend="smddp", name="heal", ranks_output="all")
+    job = launch(str(script), nodes=4, heal=True, max_restarts=2, backend="smddp", name="heal", ranks_output="all",
+                 env={"DIES": str(dies)})
     assert job.wait(240) == "succeeded", job.summary() + job.logs()
     lines = {}
     for rank in range(4):
         for line in (job.dir / "logs" / f"rank-{rank}.log").read_text().splitlines():
             if line.startswith(("start ", "end ")):
                 lines.setdefault(rank, []).append(line.split())
-    for rank in (0, 1, 3):  # the survivors: one process from start to end, two membership changes
+    survivors = [r for r in range(4) if r != dies]
+    for rank in survivors:  # one process from start to end, two membership changes
         (start, end) = lines[rank]
         assert start[2] == end[2] and start[3] == "first", lines[rank]
         assert end[-2:] == ["[1,", "2]"], lines[rank]
-    first, joined, end2 = lines[2]
-    assert first[3] == "first" and joined[3] == "joined" and joined[2] != first[2], lines[2]
+    first, joined, end2 = lines[dies]
+    assert first[3] == "first" and joined[3] == "joined" and joined[2] != first[2], lines[dies]
     assert 20 < int(joined[4]) < 100, joined  # let in at a step boundary after the death, with the step from a peer
     assert end2[2] == joined[2]
     assert len({lines[r][-1][3] for r in range(4)}) == 1, lines  # the same model everywhere at the end
     heals = job.status["heals"]
-    assert [h["members"] for h in heals] == [[0, 1, 2, 3], [0, 1, 3], [0, 1, 3, 2]], heals
-    assert "killed by signal SIGKILL" in heals[1]["left"]["2"] and heals[2]["joined"] == [2]
-    log = (job.dir / "logs" / "rank-0.log").read_text()
-    assert "heal 1 of 2: rank 2 (node 2, local rank 0) was killed by signal SIGKILL" in log
-    assert "[sdp_jupyter.heal] rank 0: generation 1, 3 ranks [0, 1, 3] from step 20" in log
+    assert [h["members"] for h in heals] == [[0, 1, 2, 3], survivors, survivors + [dies]], heals
+    assert "killed by signal SIGKILL" in heals[1]["left"][str(dies)] and heals[2]["joined"] == [dies]
+    log = (job.dir / "logs" / f"rank-{survivors[0]}.log").read_text()
+    assert f"heal 1 of 2: rank {dies} (node {dies}, local rank 0) was killed by signal SIGKILL" in log
+    assert (f"[sdp_jupyter.heal] rank {survivors[0]}: generation 1, 3 ranks {survivors} from step 20") in log
 
 
 @pytest.mark.parametrize("kwargs, says", [
