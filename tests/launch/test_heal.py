@@ -24,7 +24,7 @@ HEAL_JOB = textwrap.dedent("""
     for step in healer.steps(100):
         def train_step():
             if step == 20 and healer.rank == int(os.environ["DIES"]) and not healer.joined:
-                os.kill(os.getpid(), signal.SIGKILL)  # mid-step, inside the script, no clean exit
+                os.kill(os.getpid(), getattr(signal, os.environ["SIG"]))  # mid-step, inside the script
             r, w = dist.get_rank(), dist.get_world_size()
             idx = torch.arange(step * 32 + r, step * 32 + 32, w) % 512
             opt.zero_grad()
@@ -40,14 +40,17 @@ HEAL_JOB = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("dies", [2, 0], ids=["rank-2", "rank-0"])
-def test_a_dead_rank_is_replaced_while_the_others_keep_their_processes(tmp_path, jobs_dir, dies):
+@pytest.mark.parametrize("dies, sig", [(2, "SIGKILL"), (0, "SIGKILL"), (1, "SIGSTOP")],
+                         ids=["rank-2", "rank-0", "rank-1-stopped"])
+def test_a_dead_rank_is_replaced_while_the_others_keep_their_processes(tmp_path, jobs_dir, dies, sig):
     """Rank 0 too: the group's store lives in its own process, and the survivors renumber so the new
-    group's rank 0 is one of them; the replacement gets the state from that live peer."""
+    group's rank 0 is one of them; the replacement gets the state from that live peer. A rank stopped
+    by SIGSTOP holds its peers' collective until the launcher kills it (SDP_STOPPED_RANK_S), then heals
+    as a death does."""
     script = tmp_path / "heal_job.py"
     script.write_text(HEAL_JOB)
     job = launch(str(script), nodes=4, heal=True, max_restarts=2, backend="smddp", name="heal", ranks_output="all",
-                 env={"DIES": str(dies)})
+                 env={"DIES": str(dies), "SIG": sig, "SDP_STOPPED_RANK_S": "2"})
     assert job.wait(240) == "succeeded", job.summary() + job.logs()
     lines = {}
     for rank in range(4):
@@ -67,6 +70,8 @@ def test_a_dead_rank_is_replaced_while_the_others_keep_their_processes(tmp_path,
     heals = job.status["heals"]
     assert [h["members"] for h in heals] == [[0, 1, 2, 3], survivors, survivors + [dies]], heals
     assert "killed by signal SIGKILL" in heals[1]["left"][str(dies)] and heals[2]["joined"] == [dies]
+    if sig == "SIGSTOP":
+        assert "was stopped by a signal (SIGSTOP) for 2 s: killed" in (job.dir / "logs" / f"rank-{dies}.log").read_text()
     log = (job.dir / "logs" / f"rank-{survivors[0]}.log").read_text()
     assert f"heal 1 of 2: rank {dies} (node {dies}, local rank 0) was killed by signal SIGKILL" in log
     assert (f"[sdp_jupyter.heal] rank {survivors[0]}: generation 1, 3 ranks {survivors} from step 20") in log
