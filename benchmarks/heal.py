@@ -35,6 +35,10 @@ opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 g = torch.Generator().manual_seed(1)
 X = torch.randn(2048, 16, generator=g); Y = X[:, :1] * 2 - X[:, 1:2] + 0.1 * torch.randn(2048, 1, generator=g)
 first = os.environ.get("SDP_RESTART", "0") == "0" and not os.environ.get("SDP_HEAL_JOIN")
+PIDS = os.environ.get("PIDS")  # benchmarks/heal_stress.py: where each rank says its pid and step
+if PIDS:
+    with open(os.path.join(PIDS, "rank-" + os.environ["RANK"]), "w") as f:
+        f.write(str(os.getpid()))
 
 def batch(step):
     r, w = dist.get_rank(), dist.get_world_size()
@@ -48,6 +52,9 @@ def one(step, ddp):
     opt.zero_grad()
     torch.nn.functional.mse_loss(ddp(x), y).backward()
     opt.step()
+    if PIDS:
+        with open(os.path.join(PIDS, "step-" + os.environ["RANK"]), "w") as f:
+            f.write(str(step))
     time.sleep(0.02)
 
 if MODE in ("heal", "clean"):  # clean: the same healer path, no death
@@ -67,6 +74,8 @@ else:
         one(step, ddp)
         checkpoint.save({"step": step + 1, "model": model.state_dict(), "opt": opt.state_dict()})
     dist.destroy_process_group()
+if PIDS:  # the same weights on every rank at the end, or the heal went wrong
+    print("final", os.environ["RANK"], repr(float(sum(p.double().sum() for p in model.parameters()))), flush=True)
 float(torch.nn.functional.mse_loss(model(X), Y))
 '''
 

@@ -133,11 +133,7 @@ class Healer:
     def _newest(self, after: int | None = None) -> dict | None:
         """The launcher's newest record after generation `after` (default: this rank's), None when there
         is none (the records are numbered without gaps): one stat per step while nothing changes."""
-        after = self.generation if after is None else after
-        g = after
-        while jobdir.heal_record_path(self.job_dir, g + 1).exists():
-            g += 1
-        return jobdir.read_json(jobdir.heal_record_path(self.job_dir, g)) if g > after else None
+        return jobdir.newest_heal_record(self.job_dir, self.generation if after is None else after)
 
     def _wait_record(self, seconds: float, accept: Callable[[dict], bool] = lambda r: True,
                      after: int | None = None) -> dict | None:

@@ -157,6 +157,15 @@ def heal_record_path(job_dir: str | os.PathLike, generation: int) -> Path:
     return Path(job_dir) / HEAL / f"members-{generation:06d}.json"
 
 
+def newest_heal_record(job_dir: str | os.PathLike, after: int = -1) -> dict | None:
+    """A --heal job's newest membership record after generation `after`; None when there is none. The
+    launcher numbers them without gaps, so this stats one file while nothing changes."""
+    g = after
+    while heal_record_path(job_dir, g + 1).exists():
+        g += 1
+    return read_json(heal_record_path(job_dir, g)) if g > after else None
+
+
 def heal_ready_path(job_dir: str | os.PathLike, rank: int) -> Path:
     """Written by a --heal job's replacement rank once it can join (sdp_jupyter.heal)."""
     return Path(job_dir) / HEAL / f"ready-{rank}"

@@ -37,6 +37,7 @@ HEAL_JOB = textwrap.dedent("""
     loss = torch.nn.functional.mse_loss(model(X), Y).item()
     print("end", healer.rank, os.getpid(), repr(loss), [c["generation"] for c in healer.changes], flush=True)
     healer.close()
+    loss  # the job's result: saved by a rank that lived through every change (rank 1 when rank 0 died)
 """)
 
 
@@ -67,6 +68,7 @@ def test_a_dead_rank_is_replaced_while_the_others_keep_their_processes(tmp_path,
     assert 20 < int(joined[4]) < 100, joined  # let in at a step boundary after the death, with the step from a peer
     assert end2[2] == joined[2]
     assert len({lines[r][-1][3] for r in range(4)}) == 1, lines  # the same model everywhere at the end
+    assert repr(job.result()) == lines[0][-1][3]
     heals = job.status["heals"]
     assert [h["members"] for h in heals] == [[0, 1, 2, 3], survivors, survivors + [dies]], heals
     assert "killed by signal SIGKILL" in heals[1]["left"][str(dies)] and heals[2]["joined"] == [dies]

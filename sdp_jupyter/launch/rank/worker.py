@@ -71,9 +71,12 @@ def main() -> int:
     if watch_backend(spec, backend):
         return 1
     push = load_push(os.path.join(job_dir, jobdir.PUSH))
-    rank0 = os.environ.get("RANK", "0") == "0"
+    from sdp_jupyter._env import env_str
+
+    rank = int(os.environ.get("RANK", "0"))
+    heal = bool(env_str("SDP_HEAL"))
     try:
-        value = run_script(os.environ["SDP_SCRIPT"], script_arguments(spec), push, want_result=rank0)
+        value = run_script(os.environ["SDP_SCRIPT"], script_arguments(spec), push, want_result=rank == 0 or heal)
     except SystemExit as e:
         finish_distributed()
         if e.code is None or isinstance(e.code, int):
@@ -96,10 +99,22 @@ def main() -> int:
         sys.stderr.flush()
         return 1
     code = 0
-    if rank0 and value is not None:
+    if value is not None and rank == _result_rank(job_dir, heal):
         code = save_result(job_dir, value, required=bool(spec.get("result")))
     finish_distributed()
     return code
+
+
+def _result_rank(job_dir: str, heal: bool) -> int:
+    """The rank that saves the script's value: rank 0; in a --heal job the first member of the last
+    membership, a rank that lived through every change (rank 0 unless it died, and then also when its
+    replacement came after training ended and left without training)."""
+    if not heal:
+        return 0
+    from sdp_jupyter import jobdir
+
+    record = jobdir.newest_heal_record(job_dir)
+    return int(record["members"][0]) if record else 0
 
 
 def fast_exit(code: int) -> None:
