@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from helpers.gloo_exit import aborted_at_exit
 from sdp_jupyter._net import free_port
 
 pytestmark = pytest.mark.slow
@@ -96,8 +97,13 @@ def _weights(tmp_path, backend: str, fail: bool) -> tuple[str, str]:
            str(script), backend, str(tmp_path / f"{backend}.pt"), "fail" if fail else "-", "40", "20", "0.1"]
     p = subprocess.run(cmd, env=_env(tmp_path), capture_output=True, text=True, timeout=180, cwd=str(tmp_path))
     out = p.stdout + p.stderr
-    assert p.returncode == 0, f"{backend} under torchrun --max-restarts 1: exit {p.returncode}\n{out[-4000:]}"
     lines = [ln.split(None, 3) for ln in p.stdout.splitlines() if ln.startswith("WEIGHTS")]
+    if backend == "gloo" and not fail and lines and lines[0][1] == "0" and aborted_at_exit(out):
+        # the reference finished attempt 0 (rank 0 prints after the last collective), then torch's gloo
+        # aborted a rank at interpreter exit and torchrun started the group again (helpers/gloo_exit.py)
+        lines = lines[:1]
+    else:
+        assert p.returncode == 0, f"{backend} under torchrun --max-restarts 1: exit {p.returncode}\n{out[-4000:]}"
     assert len(lines) == 1, out[-4000:]
     _, attempt, _world, weights = lines[0]
     return attempt, weights
