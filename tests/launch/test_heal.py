@@ -98,3 +98,22 @@ def test_a_healer_outside_a_heal_job_says_how_to_start_one(monkeypatch):
     monkeypatch.delenv("SDP_HEAL", raising=False)
     with pytest.raises(HealError, match=r"--heal --max-restarts 3"):
         Healer(object())
+
+
+def test_the_result_is_saved_by_the_first_member_of_the_last_membership(tmp_path):
+    """Rank 0 without records; a survivor when rank 0 died, whether its replacement joined or came after
+    training ended (then the last record never lists it)."""
+    from sdp_jupyter import jobdir
+    from sdp_jupyter.launch.rank.worker import _result_rank
+
+    assert _result_rank(str(tmp_path), heal=False) == 0
+    assert _result_rank(str(tmp_path), heal=True) == 0  # no record yet
+    records = [[0, 1, 2, 3], [1, 2, 3], [1, 2, 3, 0]]
+    expected = [0, 1, 1]
+    for generation, (members, first) in enumerate(zip(records, expected)):
+        jobdir.heal_record_path(tmp_path, generation).parent.mkdir(parents=True, exist_ok=True)
+        jobdir.write_json_atomic(jobdir.heal_record_path(tmp_path, generation),
+                                 {"generation": generation, "members": members})
+        assert _result_rank(str(tmp_path), heal=True) == first, members
+    assert jobdir.newest_heal_record(tmp_path, after=2) is None
+    assert jobdir.newest_heal_record(tmp_path, after=0)["members"] == [1, 2, 3, 0]
