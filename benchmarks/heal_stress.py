@@ -1,12 +1,14 @@
 """Many rounds of a rank SIGKILLed or SIGSTOPped at a random moment of a 4-rank DDP job: healing in
 place (--heal) against a checkpoint restart (--max-restarts), the same failure for both, in one run.
 
-    PYTHONPATH=. python benchmarks/heal_stress.py [--rounds 10] [--steps 150] [--seed 0]
+    PYTHONPATH=. python benchmarks/heal_stress.py [--rounds 10] [--steps 150] [--seed 0] [--second 0.5]
                                                  [--out results/heal_stress.json]
 
 Each round draws a rank (rank 0 included), a signal (SIGKILL, or SIGSTOP: the launcher kills a rank
 stopped for SDP_STOPPED_RANK_S, 2 s here), a step and a delay of 0-30 ms into it, and sends the
-signal from outside the job to whichever process is that rank then. benchmarks/heal.py's script
+signal from outside the job to whichever process is that rank then. With --second P, a round has a
+second death with probability P: another rank SIGKILLed 0-1 s after the first signal, while the
+others notice the first, form their group or redo the step. benchmarks/heal.py's script
 runs, its ranks writing their pids and steps. A round is "ok" when the job succeeds and every rank
 ends with the same weights; "failed" when the job fails (its error is kept); "hang" when it has not
 ended after --deadline seconds (then it is stopped). "lost" is a job's wall time minus the clean
@@ -67,6 +69,13 @@ def _round(script: str, work: str, name: str, mode: str, strike: dict | None, a)
     deadline = time.monotonic() + a.deadline
     sent = _strike(pids, strike["rank"], getattr(signal, strike["signal"]), strike["step"], strike["delay"], job,
                    deadline) if strike else {}
+    if sent.get("pid") is not None and strike.get("second_rank") is not None:
+        time.sleep(strike["second_delay"])
+        second = _read(os.path.join(pids, f"rank-{strike['second_rank']}"))
+        try:
+            os.kill(int(second), signal.SIGKILL)
+        except (TypeError, ValueError, ProcessLookupError):
+            pass
     state = job.wait(max(1.0, deadline - time.monotonic()))
     if state not in ("succeeded", "failed", "stopped"):
         job.stop()
@@ -96,6 +105,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--second", type=float, default=0.0,
+                    help="the chance that a round SIGKILLs another rank 0-1 s after the first signal")
     ap.add_argument("--deadline", type=float, default=300.0, help="seconds before a round counts as a hang")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "heal_stress.json"))
     a = ap.parse_args()
@@ -109,19 +120,24 @@ def main() -> None:
     for i in range(a.rounds):
         strike = {"round": i, "rank": rng.randrange(4), "signal": rng.choice(["SIGKILL", "SIGSTOP"]),
                   "step": rng.randrange(5, a.steps - 10), "delay": round(rng.uniform(0, 0.03), 4)}
+        if rng.random() < a.second:
+            strike.update(second_rank=rng.choice([r for r in range(4) if r != strike["rank"]]),
+                          second_delay=round(rng.uniform(0, 1.0), 3))
         for mode in ("heal", "restart"):
             row = _round(script, work, f"{mode}-{i}", mode, strike, a)
             rows.append(row)
+            then = (f", rank {strike['second_rank']} SIGKILL {strike['second_delay'] * 1000:.0f} ms later"
+                    if "second_rank" in strike else "")
             print(f"... round {i} {mode}: rank {strike['rank']} {strike['signal']} at step {strike['step']}"
-                  f"+{strike['delay'] * 1000:.0f} ms: {row['outcome']} in {row['wall_s']} s {row['error']}", flush=True)
+                  f"+{strike['delay'] * 1000:.0f} ms{then}: {row['outcome']} in {row['wall_s']} s {row['error']}", flush=True)
     clean = rows[0]["wall_s"]
-    print(f"\n{'round':>5} {'rank':>4} {'signal':8} {'step':>4} {'heal':>9} {'ranks':>5} {'lost s':>7} {'restart':>9}"
+    print(f"\n{'round':>5} {'rank':>4} {'signal':8} {'step':>4} {'then':>4} {'heal':>9} {'ranks':>5} {'lost s':>7} {'restart':>9}"
           f" {'lost s':>7}")
     pairs = [(h, r) for h, r in zip(rows[1::2], rows[2::2])]
     for h, r in pairs:
         for x in (h, r):
             x["lost_s"] = round(x["wall_s"] - clean, 2)
-        print(f"{h['round']:5} {h['rank']:4} {h['signal']:8} {h['step']:4} {h['outcome']:>9} {h['members_at_end']:5}"
+        print(f"{h['round']:5} {h['rank']:4} {h['signal']:8} {h['step']:4} {str(h.get('second_rank', '-')):>4} {h['outcome']:>9} {h['members_at_end']:5}"
               f" {h['lost_s']:7.2f}"
               f" {r['outcome']:>9} {r['lost_s']:7.2f}")
     for mode in ("heal", "restart"):
@@ -134,7 +150,7 @@ def main() -> None:
         restart_lost = sorted(r for _, r in ok)[len(ok) // 2]
         print(f"median time lost: heal {heal_lost:.2f} s, restart {restart_lost:.2f} s"
               + (f" (restart / heal = {restart_lost / heal_lost:.1f}x)" if heal_lost > 0 else ""))
-    write_results(a.out, machine_info(), rows, steps=a.steps, seed=a.seed, clean_s=clean)
+    write_results(a.out, machine_info(), rows, steps=a.steps, seed=a.seed, second=a.second, clean_s=clean)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,8 @@ In a job started with `--heal --max-restarts K` (the local target), train throug
 When a rank dies, the collectives of the others fail within milliseconds (the smddp engine names the
 dead rank). Their processes go on: each waits for the launcher's next membership record (the launcher
 saw the death), leaves the old process group, makes a new one of the ranks left, wraps the model again
-and runs the step again with them. The launcher starts the dead rank again at once; that replacement
+and runs the step again with them (the members of a generation first meet on the job's store, so a
+member that dies before it gets there sends the others to the next record at once). The launcher starts the dead rank again at once; that replacement
 builds its model and optimizer, says it is ready, and joins at the next step boundary after the others
 have formed their group: the launcher writes a record with it, every member makes the group again, and
 the replacement receives the model's state, the optimizer's state, the step and `healer.state` from a
@@ -51,6 +52,31 @@ JOIN_WAIT_S = 600.0  # how long a replacement waits to be let in (a step boundar
 
 class HealError(RuntimeError):
     """The job cannot heal: not a --heal job, or no membership record came in time."""
+
+
+def refuse_own_groups() -> None:
+    """In a --heal job (the worker calls this before the script runs): the script's own
+    init_process_group, one without the store the Healer passes, fails at once naming the fix. It would
+    clash with the group the Healer makes (rank 0 cannot listen on the port the job's store holds), and a
+    replacement would wait there for peers that never come."""
+    import functools
+
+    import torch.distributed as dist
+
+    init = dist.init_process_group
+    if getattr(init, "_sdp_heal_guard", False):
+        return
+
+    @functools.wraps(init)
+    def guarded(*args, **kwargs):
+        if kwargs.get("store") is None:
+            raise HealError("in a --heal job the Healer makes the process group, and makes it again at each "
+                            "membership change. Fix: remove dist.init_process_group(...) from the script and "
+                            "create Healer(model, optimizer, wrap=...) first (docs/failures.md)")
+        return init(*args, **kwargs)
+
+    guarded._sdp_heal_guard = True
+    dist.init_process_group = guarded
 
 
 class Healer:
@@ -166,6 +192,10 @@ class Healer:
             self.model = self.base  # the old wrapper goes (its hooks hold the old group)
             gc.collect()
             self._leave()
+            newer = self._arrive(generation, members)
+            if newer is not None:  # a member died before it reached this generation: form the next one
+                record = newer
+                continue
             try:
                 make_default_group(self.backend, self._store, "heal", generation, members.index(self.rank),
                                    len(members), timeout=datetime.timedelta(seconds=max(self.wait_s, 30.0)))
@@ -173,7 +203,7 @@ class Healer:
                 if joining:
                     self._share_state(receive=self.rank in joining)
                 break
-            except RuntimeError:  # another rank died while the group formed: the launcher's next record
+            except RuntimeError:  # a member died in the handshake or the state's broadcast: the next record
                 self._check_finished()
                 newer = self._wait_record(self.wait_s, after=generation)
                 if newer is None:
@@ -191,6 +221,26 @@ class Healer:
             print(f"[sdp_jupyter.heal] rank {self.rank}: generation {generation}, {len(members)} ranks "
                   f"{members} from step {self.step} ({why}; {seconds:.2f} s)" + (f"; left: {left}" if left else ""),
                   file=sys.stderr, flush=True)
+
+    def _arrive(self, generation: int, members: list[int]) -> dict | None:
+        """Say on the store that this rank reached `generation`'s formation and wait until every member
+        has (None), or until the launcher writes a newer record (returned): a member that dies before it
+        arrives costs the others milliseconds, where the handshake would wait for its timeout."""
+        keys = [f"heal-arrived/{generation}/{m}" for m in members]
+        self._store.set(keys[members.index(self.rank)], str(os.getpid()))
+        waited = max(self.wait_s, 30.0)
+        deadline = time.monotonic() + waited
+        while not self._store.check(keys):
+            newer = self._newest(after=generation)
+            if newer is not None:
+                return newer
+            self._check_finished()
+            if time.monotonic() > deadline:
+                missing = [m for m, k in zip(members, keys) if not self._store.check([k])]
+                raise HealError(f"rank {self.rank}: ranks {missing} did not reach generation {generation}'s "
+                                f"group within {waited:g} s and the launcher wrote no newer membership")
+            time.sleep(0.005)
+        return None
 
     def _share_state(self, receive: bool) -> None:
         """The model's tensors, the optimizer's state, the step and `state`, from the group's rank 0."""

@@ -19,6 +19,17 @@ HEAL_JOB = textwrap.dedent("""
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     g = torch.Generator().manual_seed(1)
     X = torch.randn(512, 16, generator=g); Y = X[:, :1] * 2 - X[:, 1:2]
+    if os.environ.get("SECOND") == os.environ["RANK"] and not os.environ.get("SDP_HEAL_JOIN"):
+        import sdp_jupyter.torch.generations as G
+        leave, calls = G.leave_every_group, []
+
+        def leave_then_die(backend):  # its second leave begins generation 1's formation: it dies there
+            calls.append(backend)
+            if len(calls) == 2:
+                time.sleep(1.5)  # the survivors wait in that formation by now
+                os.kill(os.getpid(), signal.SIGKILL)
+            leave(backend)
+        G.leave_every_group = leave_then_die
     healer = Healer(model, opt, wrap=lambda m: DDP(m))
     print("start", healer.rank, os.getpid(), "joined" if healer.joined else "first", healer.step, flush=True)
     for step in healer.steps(100):
@@ -32,7 +43,7 @@ HEAL_JOB = textwrap.dedent("""
             loss.backward()
             opt.step()
         healer.run(train_step)
-        if step > 20 and healer.generation < 2:
+        if step > 20 and len(healer.members) < 4:
             time.sleep(0.25)  # leave the replacement (a cold interpreter) time to start before the end
     loss = torch.nn.functional.mse_loss(model(X), Y).item()
     print("end", healer.rank, os.getpid(), repr(loss), [c["generation"] for c in healer.changes], flush=True)
@@ -53,11 +64,7 @@ def test_a_dead_rank_is_replaced_while_the_others_keep_their_processes(tmp_path,
     job = launch(str(script), nodes=4, heal=True, max_restarts=2, backend="smddp", name="heal", ranks_output="all",
                  env={"DIES": str(dies), "SIG": sig, "SDP_STOPPED_RANK_S": "2"})
     assert job.wait(240) == "succeeded", job.summary() + job.logs()
-    lines = {}
-    for rank in range(4):
-        for line in (job.dir / "logs" / f"rank-{rank}.log").read_text().splitlines():
-            if line.startswith(("start ", "end ")):
-                lines.setdefault(rank, []).append(line.split())
+    lines = _heal_lines(job)
     survivors = [r for r in range(4) if r != dies]
     for rank in survivors:  # one process from start to end, two membership changes
         (start, end) = lines[rank]
@@ -79,6 +86,40 @@ def test_a_dead_rank_is_replaced_while_the_others_keep_their_processes(tmp_path,
     assert (f"[sdp_jupyter.heal] rank {survivors[0]}: generation 1, 3 ranks {survivors} from step 20") in log
 
 
+def _heal_lines(job) -> dict:
+    """Each rank's "start ..." and "end ..." lines, split into words."""
+    lines: dict = {}
+    for rank in range(4):
+        for line in (job.dir / "logs" / f"rank-{rank}.log").read_text().splitlines():
+            if line.startswith(("start ", "end ")):
+                lines.setdefault(rank, []).append(line.split())
+    return lines
+
+
+def test_a_second_death_while_the_group_forms_costs_no_timeout(tmp_path, jobs_dir):
+    """Rank 2 dies in step 20; rank 3 dies as the group of [0, 1, 3] forms, after ranks 0 and 1 reached it.
+    They form [0, 1] at the launcher's next record within seconds (the handshake alone would have waited
+    for its 60 s timeout), both replacements join, and every rank ends with the same weights."""
+    import re
+
+    script = tmp_path / "heal_job.py"
+    script.write_text(HEAL_JOB)
+    job = launch(str(script), nodes=4, heal=True, max_restarts=2, backend="smddp", name="heal2", ranks_output="all",
+                 env={"DIES": "2", "SIG": "SIGKILL", "SECOND": "3"})
+    assert job.wait(240) == "succeeded", job.summary() + job.logs()
+    heals = job.status["heals"]
+    assert [h["members"] for h in heals[:3]] == [[0, 1, 2, 3], [0, 1, 3], [0, 1]], heals
+    assert sorted(heals[-1]["members"]) == [0, 1, 2, 3], heals
+    log = (job.dir / "logs" / "rank-0.log").read_text()
+    formed = re.search(r"rank 0: generation 2, 2 ranks \[0, 1\] from step 20 \(step 20 failed: [^\n]*; ([0-9.]+) s\)", log)
+    assert formed, log
+    assert float(formed.group(1)) < 20, formed.group(0)  # 1.5 s of rank 3's delay and the formation
+    lines = _heal_lines(job)
+    for rank in (0, 1):  # one process from start to end
+        assert lines[rank][0][2] == lines[rank][-1][2] and lines[rank][0][3] == "first", lines[rank]
+    assert len({lines[r][-1][3] for r in range(4)}) == 1, lines  # the same model everywhere at the end
+
+
 @pytest.mark.parametrize("kwargs, says", [
     ({"heal": True}, "--max-restarts is 0. Fix: --heal --max-restarts 3"),
     ({"heal": True, "max_restarts": 2, "target": "ssh", "ssh": {"hosts": ["a"]}}, "built for the local target"),
@@ -90,6 +131,17 @@ def test_heal_refusals_name_the_option_and_the_fix(kwargs, says):
     with pytest.raises(SpecError) as err:
         JobSpec(code="pass", **kwargs)
     assert err.value.option == "--heal" and says in str(err.value)
+
+
+def test_a_heal_script_that_makes_its_own_group_is_told_the_healer_makes_it(tmp_path, jobs_dir):
+    """Its init_process_group would fail on the port the job's store holds (rank 0), or wait for peers
+    that never come (a replacement): it fails at once with the fix instead."""
+    script = tmp_path / "own_group.py"
+    script.write_text("import torch.distributed as dist\ndist.init_process_group('gloo')\n")
+    job = launch(str(script), nodes=2, heal=True, max_restarts=1, backend="gloo", name="own-group")
+    assert job.wait(120) == "failed", job.summary()
+    fix = "Fix: remove dist.init_process_group(...) from the script and create Healer(model, optimizer, wrap=...) first"
+    assert fix in job.status["error"], job.status["error"]
 
 
 def test_a_healer_outside_a_heal_job_says_how_to_start_one(monkeypatch):

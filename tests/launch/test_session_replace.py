@@ -113,3 +113,25 @@ def test_a_rank_stopped_inside_a_cell_is_killed_and_started_again(jobs_dir, monk
         assert [after.value(r) for r in range(2)] == [([2.0, 2.0], 10, False), ([2.0, 2.0], None, True)]
     finally:
         s.stop()
+
+
+def test_a_store_that_cannot_listen_says_why_at_once(tmp_path):
+    """The job's own store process (sessions, --heal) on a port another process holds: ready() names its
+    exit and the store's own error as soon as it ends, not a 60 s timeout."""
+    import socket
+
+    from sdp_jupyter.launch.host import session_store
+
+    (tmp_path / "logs").mkdir()
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    try:
+        started = time.monotonic()
+        proc = session_store.start(tmp_path, "127.0.0.1", holder.getsockname()[1])
+        with pytest.raises(RuntimeError) as err:
+            session_store.ready(proc)
+        assert time.monotonic() - started < session_store.READY_TIMEOUT / 2
+    finally:
+        holder.close()
+    assert "ended (exit 1) before it listened" in str(err.value) and "address already in use" in str(err.value)

@@ -26,25 +26,36 @@ def start(job_dir, addr: str, port: int) -> subprocess.Popen:
 
     env = dict(os.environ, SDP_LAUNCHER_PID=str(os.getpid()),
                PYTHONPATH=rank_pythonpath(os.environ.get("PYTHONPATH"), compat=False))
-    with jobdir.open_private(os.path.join(job_dir, jobdir.LOGS, "session-store.log")) as log:
+    log_path = os.path.join(job_dir, jobdir.LOGS, "session-store.log")
+    with jobdir.open_private(log_path) as log:
         proc = subprocess.Popen([sys.executable, "-m", "sdp_jupyter.launch.rank.worker", "--module",
                                  "sdp_jupyter.launch.rank.store_server", addr, str(port)],
                                 env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
                                 start_new_session=True, close_fds=True)
-    proc.where = f"{addr}:{port} (its log: {job_dir}/{jobdir.LOGS}/session-store.log)"
+    proc.where, proc.log_path = f"{addr}:{port} (its log: {log_path})", log_path
     return proc
 
 
 def ready(proc: subprocess.Popen) -> None:
-    """Wait until the store listens; RuntimeError (the store stopped) when it does not within READY_TIMEOUT."""
+    """Wait until the store listens; RuntimeError naming why (its exit and its log's last line) when it
+    ended first or did not listen within READY_TIMEOUT."""
     import select
 
     said, _, _ = select.select([proc.stdout], [], [], READY_TIMEOUT)
-    if not said or proc.stdout.readline().strip() != b"ready":
+    if said and proc.stdout.readline().strip() == b"ready":
+        return
+    if proc.poll() is None:
         proc.kill()
         proc.wait()
-        raise RuntimeError(f"the session's store did not start at {proc.where} within {READY_TIMEOUT:g} s "
-                           f"(exit {proc.returncode})")
+        what = f"did not listen within {READY_TIMEOUT:g} s"
+    else:
+        what = f"ended (exit {proc.returncode}) before it listened"
+    try:
+        with open(proc.log_path, errors="replace") as f:
+            last = [ln.strip() for ln in f if ln.strip()][-1:]
+    except OSError:
+        last = []
+    raise RuntimeError(f"the job's store at {proc.where} {what}" + (f": {last[0]}" if last else ""))
 
 
 def stop(proc: subprocess.Popen | None) -> None:

@@ -75,6 +75,10 @@ def main() -> int:
 
     rank = int(os.environ.get("RANK", "0"))
     heal = bool(env_str("SDP_HEAL"))
+    if heal:
+        from sdp_jupyter.heal import refuse_own_groups
+
+        refuse_own_groups()
     try:
         value = run_script(os.environ["SDP_SCRIPT"], script_arguments(spec), push, want_result=rank == 0 or heal)
     except SystemExit as e:
