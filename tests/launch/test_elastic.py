@@ -176,6 +176,29 @@ def test_a_frozen_node_is_lost_at_its_heartbeat_and_a_new_agent_takes_its_place(
 
 
 @pytest.mark.slow
+def test_when_node_0_is_lost_the_survivors_are_renumbered_and_the_job_ends(ssh_hosts, hosts, tmp_path):
+    """h1 (node 0) loses its link for good: h2 and h3 go on as nodes 0 and 1 under the agents they had.
+    Each agent must forget the rank it ran before (found by benchmarks/elastic_churn.py: h2's agent kept
+    waiting for its old rank 1, never said its attempt was done, and was taken for lost 13 s later)."""
+    jobs = tmp_path / "jobs"
+    d = _drive(ssh_hosts, jobs, "el-node0", env={"STEPS": "100", "STEP_SLEEP": "0.15"})
+    assert "running" in next_line(d)
+    hosts.cut(1)
+    tell(d, "wait")
+    try:
+        out = next_line(d, timeout=150)
+    finally:
+        hosts.heal(1)
+    assert out["state"] == "succeeded", out["error"]
+    formations = [e for e in out["status"]["membership"] if "hosts" in e]
+    assert [f["hosts"] for f in formations] == [["h1", "h2", "h3"], ["h2", "h3"]], out["status"]["membership"]
+    assert list(formations[1]["lost"]) == ["h1"], formations[1]
+    assert out["status"].get("restarts", 0) == 0
+    assert "attempt 1 world 2 from step " in _logs(out)
+    assert ssh_hosts.wait_clean(30) == {}
+
+
+@pytest.mark.slow
 def test_below_min_the_job_waits_then_names_each_missing_host_and_why(ssh_hosts, hosts, tmp_path):
     jobs = tmp_path / "jobs"
     # a host that fails the check before the start is left out while MIN others pass it

@@ -202,6 +202,9 @@ class Agent:
         node_ranks = NodeRanks(job_dir, lambda rank, raw: self.send(
             {"type": "out", "rank": rank, "text": raw.decode("utf-8", errors="replace")}), name="sdp-agent",
             job_env=spec.env)
+        # this attempt's ranks only: an elastic job renumbers its nodes, and a rank this host ran before
+        # (its number now another host's) would be waited for forever
+        self._envs = {}
         for local_rank in range(ppn):
             rank = node * ppn + local_rank
             env = ranks.environment(spec, rank=rank, world_size=world, job_dir=str(job_dir), job_name=name,
