@@ -1,10 +1,12 @@
 """A session's rank SIGKILLed at random moments, many rounds: does the session come back whole, and how
 fast, against what a user did before (stop the session, start a new one, run the setup cell again)?
 
-    PYTHONPATH=. python benchmarks/session_replace.py [--ranks 4] [--rounds 20] [--out results/session_replace.json]
+    PYTHONPATH=. python benchmarks/session_replace.py [--ranks 4] [--rounds 20] [--any-rank] [--stop 0.3]
+                                                     [--out results/session_replace.json]
 
 One local smddp session (`session.start(JobSpec(code="pass", nodes=N))`). Each round a random rank
-other than 0 is SIGKILLed from outside: in most rounds at a random moment while a cell runs a loop of
+other than 0 (with --any-rank: rank 0 too) is SIGKILLed from outside (with --stop P: SIGSTOPped instead,
+with probability P; the launcher kills a rank stopped for SDP_STOPPED_RANK_S, 2 s here, and replaces it): in most rounds at a random moment while a cell runs a loop of
 4 KiB all_reduces (so the kill lands inside a collective, between two, or in Python), in one round of
 five while the session is idle between cells. Then one check cell runs on every rank: an all_reduce
 over all N ranks, the survivors' variable from the setup cell still there, `sdp_replaced` true on the
@@ -46,6 +48,8 @@ def main() -> None:
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--restarts", type=int, default=3, help="rounds of the peer (stop + start + setup)")
+    p.add_argument("--any-rank", action="store_true", help="rank 0 may be the victim too")
+    p.add_argument("--stop", type=float, default=0.0, help="the chance that a round SIGSTOPs instead of SIGKILLs")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=os.path.join(HERE, "results", "session_replace.json"))
     args = p.parse_args()
@@ -55,25 +59,26 @@ def main() -> None:
     faulthandler.dump_traceback_later(600, exit=True)  # a round that hangs ends the run with the stacks
     rng = random.Random(args.seed)
     n = args.ranks
-    s = sessions.Session.start(JobSpec(code="pass", nodes=n))
+    s = sessions.Session.start(JobSpec(code="pass", nodes=n, env={"SDP_STOPPED_RANK_S": "2"}))
     s.run(SETUP)
     rows, back, bad = [], [], 0
     try:
         for i in range(args.rounds):
-            victim, idle = rng.randrange(1, n), i % 5 == 4
+            victim, idle = rng.randrange(0 if args.any_rank else 1, n), i % 5 == 4
+            sig = signal.SIGSTOP if rng.random() < args.stop else signal.SIGKILL
             pid = s.ready[victim]["pid"]
             if idle:
                 time.sleep(rng.uniform(0.0, 0.5))
                 killed = time.monotonic()
-                os.kill(pid, signal.SIGKILL)
+                os.kill(pid, sig)
                 first = s.run(CHECK, want="gather")
             else:
                 delay = rng.uniform(0.05, 1.0)
                 when = {}
 
-                def kill(pid=pid, when=when):
+                def kill(pid=pid, when=when, sig=sig):
                     when["t"] = time.monotonic()
-                    os.kill(pid, signal.SIGKILL)
+                    os.kill(pid, sig)
 
                 timer = threading.Timer(delay, kill)
                 timer.start()
@@ -93,8 +98,9 @@ def main() -> None:
                 bad += 1
                 print(f"round {i}: not whole: first {first.message()[:400]!r} check {check.message()[:400]!r}")
             s.run("kept = dist.get_rank()\nsdp_replaced = False")  # the next round checks afresh
-            rows.append({"round": i, "rank": victim, "idle": idle, "back_s": round(seconds, 3), "ok": ok})
-            print(f"round {i:3d}: rank {victim} killed {'idle' if idle else 'in a cell'}: back in {seconds:.2f} s"
+            rows.append({"round": i, "rank": victim, "signal": sig.name, "idle": idle, "back_s": round(seconds, 3),
+                         "ok": ok})
+            print(f"round {i:3d}: rank {victim} {sig.name} {'idle' if idle else 'in a cell'}: back in {seconds:.2f} s"
                   f"{'' if ok else '  NOT WHOLE'}", flush=True)
     finally:
         s.stop()
@@ -114,7 +120,8 @@ def main() -> None:
     ratio = statistics.median(fresh) / statistics.median(back) if back else float("nan")
     print(f"\nback to {n} ranks {ratio:.1f}x sooner than a new session, and only the dead rank's variables lost")
     faulthandler.cancel_dump_traceback_later()
-    write_results(args.out, machine_info(), rows, ranks=n, whole=args.rounds - bad,
+    write_results(args.out, machine_info(), rows, ranks=n, any_rank=args.any_rank, stop=args.stop,
+                  whole=args.rounds - bad,
                   replaced_p50_s=_pctl(back, .5), replaced_max_s=max(back, default=None),
                   fresh_session_p50_s=_pctl(fresh, .5), ratio=ratio)
 
