@@ -181,7 +181,7 @@ def test_when_node_0_is_lost_the_survivors_are_renumbered_and_the_job_ends(ssh_h
     Each agent must forget the rank it ran before (found by benchmarks/elastic_churn.py: h2's agent kept
     waiting for its old rank 1, never said its attempt was done, and was taken for lost 13 s later)."""
     jobs = tmp_path / "jobs"
-    d = _drive(ssh_hosts, jobs, "el-node0", env={"STEPS": "100", "STEP_SLEEP": "0.15"})
+    d = _drive(ssh_hosts, jobs, "el-node0", env={"STEPS": "40", "STEP_SLEEP": "0.15"})  # held while h1 is lost
     assert "running" in next_line(d)
     hosts.cut(1)
     tell(d, "wait")
