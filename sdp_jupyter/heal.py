@@ -138,7 +138,10 @@ class Healer:
                 record = self._wait_record(self.wait_s)
                 if record is None:
                     raise
-                self._form(record, why=f"step {self.step} failed: {str(e).splitlines()[0][:300]}")
+                # the engine's own words, without what torch put before them (DDP's "Cannot extract
+                # tensors from value: SmddpBackendError: ...")
+                said = (str(e).splitlines() or [type(e).__name__])[0].rpartition("SmddpBackendError: ")[2]
+                self._form(record, why=f"step {self.step} failed: {said[:300]}")
                 continue
             self.step += 1
             return out
