@@ -155,6 +155,16 @@ def slowest(results: list[dict], i: int, key: str) -> float:
     return max(o["rows"][i][key] for o in results)
 
 
+def read_text(path: str) -> str | None:
+    """A small file's text, stripped; None when it is missing, unreadable or empty (a file another
+    process writes by rename, polled)."""
+    try:
+        with open(path) as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
 def write_results(path: str, info: dict, rows: list[dict], **extra) -> None:
     """The benchmark's JSON: the machine, the command line, `extra` fields and the rows."""
     os.makedirs(os.path.dirname(path), exist_ok=True)

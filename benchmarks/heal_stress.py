@@ -26,18 +26,10 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from _spawn import bench_parser, machine_info, write_results  # noqa: E402
+from _spawn import bench_parser, machine_info, read_text as _read, write_results  # noqa: E402
 from heal import SCRIPT  # noqa: E402
 
 FINAL = re.compile(r"^final (\d+) (\S+)$", re.M)
-
-
-def _read(path: str) -> str | None:
-    try:
-        with open(path) as f:
-            return f.read().strip() or None
-    except OSError:
-        return None
 
 
 def _strike(pids: str, rank: int, sig: signal.Signals, at_step: int, delay: float, job, deadline: float) -> dict:

@@ -28,7 +28,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from _spawn import bench_parser, machine_info, write_results  # noqa: E402
+from _spawn import bench_parser, machine_info, read_text as _read, write_results  # noqa: E402
 
 SCRIPT = r'''
 import hashlib, os, sys, time, torch, torch.distributed as dist
@@ -67,14 +67,6 @@ dist.destroy_process_group()
 '''
 
 WEIGHTS = re.compile(r"^WEIGHTS (\d+) (\w+)$", re.M)
-
-
-def _read(path: str) -> str | None:
-    try:
-        with open(path) as f:
-            return f.read().strip() or None
-    except OSError:
-        return None
 
 
 def _leftovers(before: set[str]) -> dict:
