@@ -42,7 +42,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 from _spawn import bench_parser, machine_info, write_results  # noqa: E402
-from elastic import ATTEMPT, DRIVER, _line, _progress, _read_log  # noqa: E402  (it puts tests/ on the path)
+from elastic import ATTEMPT, DRIVER, STEP, _line, _progress, _read_log  # noqa: E402  (it puts tests/ on the path)
 from helpers.monitor_jobs import wait_for  # noqa: E402
 from helpers.remote_jobs import _STEP  # noqa: E402
 from sdp_jupyter.testing.cluster import signal_all  # noqa: E402
@@ -201,7 +201,7 @@ def main() -> None:
             raise RuntimeError(f"the driver said nothing at the end: {d.stderr.read()[-2000:] if d.poll() is not None else ''}")
         text = "\n".join(ln for r in range(3) for ln in _read_log(job_dir / "logs" / f"rank-{r}.log"))
         finals = {int(r): (int(s), w) for r, s, w in FINAL.findall(text)}
-        steps = [_progress([ln])[2] for ln in _read_log(log) if ln.startswith("step ")]
+        steps = [int(m[1]) for m in map(STEP.match, _read_log(log)) if m]
         row = {"state": out["state"], "error": (out["error"] or "").splitlines()[0] if out["error"] else None,
                "restarts": out["restarts"], "job_s": round(out["t"] - t_launch, 2),
                "formations": [f.get("hosts") for f in out["membership"] if "hosts" in f],

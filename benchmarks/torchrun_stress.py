@@ -69,15 +69,22 @@ dist.destroy_process_group()
 WEIGHTS = re.compile(r"^WEIGHTS (\d+) (\w+)$", re.M)
 
 
-def _leftovers(before: set[str]) -> dict:
+def _ours() -> set[str]:
+    """smddp's shared memory segments and one-host secret files on this host now."""
     from sdp_jupyter.comm.secret import user_dir
 
-    shm = {n for n in os.listdir("/dev/shm") if n.startswith("sdp-")} - before
     try:
-        secrets = [n for n in os.listdir(user_dir()) if n.startswith("secret-")]
+        secrets = {f"secret:{n}" for n in os.listdir(user_dir()) if n.startswith("secret-")}
     except OSError:
-        secrets = []
-    return {"shm": sorted(shm), "secret_files": len(secrets)}
+        secrets = set()
+    return {n for n in os.listdir("/dev/shm") if n.startswith("sdp-")} | secrets
+
+
+def _leftovers(before: set[str]) -> dict:
+    """What a run left that was not there before it (another job's files are not counted)."""
+    new = _ours() - before
+    return {"shm": sorted(n for n in new if n.startswith("sdp-")),
+            "secret_files": sum(n.startswith("secret:") for n in new)}
 
 
 def one_run(backend: str, kills: int, steps: int, rng: random.Random, work: str, name: str,
@@ -88,7 +95,7 @@ def one_run(backend: str, kills: int, steps: int, rng: random.Random, work: str,
     script = os.path.join(work, "train.py")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                                                             "SDP_JOB_SECRET", "SDP_BACKEND")}
-    before = {n for n in os.listdir("/dev/shm") if n.startswith("sdp-")}
+    before = _ours()
     t0 = time.monotonic()
     log = open(os.path.join(pids, "torchrun.log"), "w")
     p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
@@ -98,6 +105,7 @@ def one_run(backend: str, kills: int, steps: int, rng: random.Random, work: str,
     last_attempt = -1
     for k in range(kills):
         # once the current attempt trains (a step of an attempt after the last kill's)
+        at = None
         while p.poll() is None:
             at = _read(os.path.join(pids, "step"))
             if at and int(at.split()[0]) > last_attempt:
@@ -105,7 +113,7 @@ def one_run(backend: str, kills: int, steps: int, rng: random.Random, work: str,
             time.sleep(0.005)
         if p.poll() is not None:
             break
-        attempt, step = map(int, _read(os.path.join(pids, "step")).split())
+        attempt, step = map(int, at.split())
         if step > steps - 20:  # too near the end for one more kill
             break
         time.sleep(rng.uniform(0.0, 0.3))
