@@ -8,8 +8,8 @@ The test's driver runs on h0 too, with the same token. Everything is stopped by 
 from __future__ import annotations
 
 import os
-import re
 import secrets
+import select
 import shutil
 import signal
 import subprocess
@@ -23,6 +23,14 @@ from sdp_jupyter.testing.cluster import signal_all
 
 RAY = str(Path(sys.executable).with_name("ray"))
 
+# The watcher: connects once, then answers each line on stdin with the alive nodes (address,id ...).
+_WATCHER = """
+import sys, ray
+ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
+for _ in sys.stdin:
+    print("ALIVE", *(f"{n['NodeManagerAddress']},{n['NodeID']}" for n in ray.nodes() if n["Alive"]), flush=True)
+"""
+
 
 class RayHosts:
     def __init__(self, cluster, root: Path):
@@ -32,6 +40,7 @@ class RayHosts:
                         RAY_USAGE_STATS_ENABLED="0", RAY_DISABLE_IMPORT_WARNING="1")
         self.env.pop("RAY_ADDRESS", None)
         self.starts: dict[int, subprocess.Popen] = {}
+        self.watcher: subprocess.Popen | None = None  # one driver that answers "which nodes are alive"
         self.node_env: dict[int, dict | None] = {}
         self.retries: dict[int, int] = {}
         self.last_error = ""
@@ -71,16 +80,32 @@ class RayHosts:
         self._wait_nodes(self.cluster.n, gone=old)
 
     def _alive(self) -> list[tuple[str, str]] | None:
-        """(address, node id) of each node the head calls alive; None when the head cannot be asked."""
-        code = ("import ray, sys; ray.init(address=sys.argv[1], logging_level='ERROR'); "
-                "[print(x['NodeManagerAddress'], x['NodeID']) for x in ray.nodes() if x['Alive']]")
-        p = self.cluster.run(0, [sys.executable, "-c", code, self.address], env=self.env, check=False, timeout=90)
-        if p.returncode != 0:
-            self.last_error = p.stderr[-2000:]
+        """(address, node id) of each node the head calls alive; None when the head cannot be asked.
+        Asked of one long-lived driver on h0: a driver per question (import ray, connect) cost seconds of
+        CPU each, taken from the nodes starting beside it."""
+        if self.watcher is None or self.watcher.poll() is not None:
+            if self.watcher is not None:
+                self.last_error = (self.root / "watcher.log").read_text()[-2000:]
+            with open(self.root / "watcher.log", "ab") as log:
+                # unbuffered: select() then sees every line (none waits in a reader's buffer)
+                self.watcher = self.cluster.popen(0, [sys.executable, "-u", "-c", _WATCHER, self.address], env=self.env,
+                                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, bufsize=0)
+        try:
+            self.watcher.stdin.write(b"nodes\n")
+            self.watcher.stdin.flush()
+        except OSError:
             return None
-        # only the printed (address, node id) lines: a driver also prints what a crashing raylet logged
-        return [tuple(line.split()) for line in p.stdout.splitlines()
-                if len(line.split()) == 2 and re.fullmatch(r"\d+\.\d+\.\d+\.\d+", line.split()[0])]
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            if not select.select([self.watcher.stdout], [], [], 1.0)[0]:
+                continue
+            line = self.watcher.stdout.readline().decode(errors="replace")
+            if not line:  # it ended: ray.init could not reach the head (yet)
+                return None
+            if line.startswith("ALIVE"):  # only the answer: a driver also prints what a crashing raylet logged
+                return [tuple(pair.split(",")) for pair in line.split()[1:]]
+        self.watcher.kill()
+        return None
 
     def _wait_nodes(self, n: int, gone: set = frozenset(), timeout: float = 120.0) -> None:
         """Until the first `n` hosts each have an alive node, none of whose ids is in `gone`."""
@@ -129,6 +154,9 @@ class RayHosts:
         return total / 1024
 
     def stop(self) -> None:
+        if self.watcher is not None and self.watcher.poll() is None:
+            self.watcher.kill()
+            self.watcher.wait()
         for p in self.starts.values():  # `ray start --block` stops its node's processes on SIGTERM
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
