@@ -2,8 +2,7 @@
 
 The magics only parse, validate and hand a JobSpec to sdp_jupyter.launch; the Job they return is a
 view over the job (a live widget in a notebook, text in a terminal). Bad input raises a UsageError
-naming the option and the fix, and launches nothing.
-"""
+naming the option and the fix, and launches nothing."""
 from __future__ import annotations
 
 import shlex
