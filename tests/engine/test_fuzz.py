@@ -5,7 +5,7 @@
   mutated, payloads of wrong sizes, error frames with odd bodies);
 - the rendezvous store's requests (before and after authentication) and its request parser.
 
-Each target runs for SDP_FUZZ_SECONDS (default 8; give more, or another seed, for a longer hunt)
+Each target runs for SDP_FUZZ_SECONDS (default 5; give more, or another seed, for a longer hunt)
 from a fixed seed (SDP_FUZZ_SEED), in a child process where a crash would kill only the child: the
 test fails on any crash (signal), any hang
 past the per-case deadline, or any exception other than the engine's own error. Inputs that once
@@ -24,7 +24,7 @@ import pytest
 pytestmark = pytest.mark.slow
 HERE = Path(__file__).resolve().parent
 CORPUS = HERE / "fuzz_corpus"
-SECONDS = float(os.environ.get("SDP_FUZZ_SECONDS", "8"))
+SECONDS = float(os.environ.get("SDP_FUZZ_SECONDS", "5"))
 SEED = int(os.environ.get("SDP_FUZZ_SEED", "1234"))
 
 # The child: one fuzz target, bounded in time; prints a JSON summary as its last line.
