@@ -29,8 +29,9 @@ import sys
 import tempfile
 import time
 from sdp_jupyter._env import env_str
+from sdp_jupyter.backends import GLOO, SMDDP
 
-BACKENDS = ("gloo", "smddp")
+BACKENDS = (GLOO, SMDDP)  # the reference first, then ours
 _ENV_BACKEND = "SDP_CONFORMANCE_BACKEND"
 
 # The default selection: every CPU test of a collective, of subgroups and of failure handling that
