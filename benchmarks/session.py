@@ -14,8 +14,11 @@ Both run side by side, in `--rounds` alternating blocks of `--reps` cells each (
 drifts; alternating keeps the two comparable), after a warm-up; figures are the median and p90 over
 every cell. A third row times `x = 1` sent 1.5 s after the last cell, `--idle-reps` times per side,
 alternating: a person's cells come seconds apart, and a session's rank idle for over 1 s looks for
-the next cell every 5 ms (launch/rank/session.py IDLE_POLL). Without ipyparallel (pip install
-ipyparallel) ours is measured and printed alone.
+the next cell every 5 ms (launch/rank/session.py IDLE_POLL). A fourth row times the same with the other
+side not running ("alone": ours before ipyparallel's cluster starts, ipyparallel's after our session
+stops): on a 2-core machine each side's idle processes slow the other's first cell after a pause
+(ipyparallel's heartbeats, our ranks' 5 ms looks). Without ipyparallel (pip install ipyparallel) ours is
+measured and printed alone.
 Not a test: nothing is asserted.
 """
 from __future__ import annotations
@@ -31,6 +34,7 @@ sys.path.insert(0, HERE)  # _spawn, also when run with runpy
 # (label, code, seconds idle before each cell: 0 for cells back to back)
 CASES = [("empty cell (x = 1)", "x = 1", 0.0), ("all_reduce 4 KiB", "dist.all_reduce(t)", 0.0),
          ("x = 1 after 1.5 s idle", "x = 1", 1.5)]
+ALONE = ("x = 1 after 1.5 s idle, alone", "x = 1", 1.5)  # measured with the other side not running
 SETUP = "import torch, torch.distributed as dist\nt = torch.ones(1024)  # 4 KiB of float32"
 PAUSE = 1.2  # seconds between blocks: a session's idle ranks look for the next cell every 1 ms for 1 s after one
 
@@ -112,19 +116,36 @@ def main() -> int:
     info = machine_info()
     print(f"machine: {info['cpus']} cpus, load {info['loadavg_1min']}", flush=True)
     sides = [Ours(a.ranks)]
+    samples = {}
+    closed = set()
+
+    def cells(side, case, code, idle, rounds, reps):
+        trip, inside = samples.setdefault((side.name, case), ([], []))
+        for _ in range(rounds):
+            time.sleep(idle or PAUSE)
+            for _ in range(reps):
+                dt, cell_s = side.cell(code)
+                trip.append(dt)
+                inside.append(cell_s)
+
+    def alone(side):
+        for _ in range(a.warmup):
+            side.cell(ALONE[1])
+        cells(side, ALONE[0], ALONE[1], ALONE[2], a.idle_reps, 1)
+
     try:
         import ipyparallel as ipp
     except ImportError:
         ipp = None
     peer = None if ipp else "ipyparallel is not installed (pip install ipyparallel): only the session is measured"
     try:
+        alone(sides[0])  # before the peer's cluster exists
         if peer is None:
             sides.append(Ipp(ipp, a.ranks))
         for side in sides:
             print(f"{side.name}: {a.ranks} ranks started in {side.start_s:.2f} s", flush=True)
         if peer:
             print(peer, flush=True)
-        samples = {(s.name, case): ([], []) for s in sides for case, _, _ in CASES}
         for case, code, idle in CASES:
             for side in sides:
                 for _ in range(a.warmup):
@@ -132,19 +153,19 @@ def main() -> int:
             rounds, reps = (a.idle_reps, 1) if idle else (a.rounds, a.reps)
             for _ in range(rounds):
                 for side in sides:
-                    time.sleep(idle or PAUSE)
-                    trip, inside = samples[(side.name, case)]
-                    for _ in range(reps):
-                        dt, cell_s = side.cell(code)
-                        trip.append(dt)
-                        inside.append(cell_s)
+                    cells(side, case, code, idle, 1, reps)
+        if peer is None:
+            sides[0].close()  # ours stops: the peer's first cells after a pause, alone
+            closed.add(sides[0].name)
+            alone(sides[1])
     finally:
         for side in sides:
-            side.close()
+            if side.name not in closed:
+                side.close()
     rows = []
     print(f"\n{a.ranks} ranks, {a.rounds} x {a.reps} cells back to back, {a.idle_reps} after idle, per side (ms)")
-    print(f"{'cell':24s} {'side':12s} {'median':>8} {'p90':>8} {'in cell':>8} {'vs ours':>8}")
-    for case, _, _ in CASES:
+    print(f"{'cell':31s} {'side':12s} {'median':>8} {'p90':>8} {'in cell':>8} {'vs ours':>8}")
+    for case, _, _ in CASES + [ALONE]:
         ours = None
         for side in sides:
             trip, inside = samples[(side.name, case)]
@@ -153,7 +174,7 @@ def main() -> int:
             ours = ours or row
             row["median_over_ours"] = row["median_ms"] / ours["median_ms"]
             rows.append(row)
-            print(f"{case:24s} {side.name:12s} {row['median_ms']:8.3f} {row['p90_ms']:8.3f} "
+            print(f"{case:31s} {side.name:12s} {row['median_ms']:8.3f} {row['p90_ms']:8.3f} "
                   f"{row['in_cell_median_ms']:8.3f} {'x%.2f' % row['median_over_ours']:>8}", flush=True)
     load_after = os.getloadavg()[0]
     print(f"load after: {load_after:.2f}")
