@@ -104,7 +104,8 @@ class RayHosts:
                 return None
             if line.startswith("ALIVE"):  # only the answer: a driver also prints what a crashing raylet logged
                 return [tuple(pair.split(",")) for pair in line.split()[1:]]
-        self.watcher.kill()
+        self.watcher.kill()  # stuck: the next poll starts a new one (poll() sees this one ended)
+        self.watcher.wait()
         return None
 
     def _wait_nodes(self, n: int, gone: set = frozenset(), timeout: float = 120.0) -> None:
