@@ -1,6 +1,6 @@
 """Healing without a restart: a rank that dies costs its peers one redone step, not the job.
 
-In a job started with `--heal --max-restarts K` (the local target), train through a `Healer`:
+In a job started with `--heal --max-restarts K` (the local and SSH targets), train through a `Healer`:
 
     from sdp_jupyter.heal import Healer
     healer = Healer(model, optimizer, wrap=lambda m: DistributedDataParallel(m))  # makes the process group
@@ -32,7 +32,9 @@ changes. Replacements count against `--max-restarts`.
 
 The records (jobdir.heal_record_path) are JSON files the launcher writes in the job directory:
 {generation, members, joining, left}; `members` lists the ranks left first, in job order, then those
-joining, so the group's rank 0 is always a rank that lived through the change.
+joining, so the group's rank 0 is always a rank that lived through the change. On a remote target each
+host's agent writes them into its own job folder and sends back what the ranks write there (ready,
+formed, finished; launch/kernel/remote_heal.py), so a rank reads and writes files wherever it runs.
 """
 from __future__ import annotations
 

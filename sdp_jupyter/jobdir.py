@@ -181,6 +181,20 @@ def heal_formed_path(job_dir: str | os.PathLike, generation: int, rank: int) -> 
     return Path(job_dir) / HEAL / f"formed-{generation:06d}-{rank}"
 
 
+_HEAL_ANSWER = re.compile(r"^(ready-\d+|formed-\d{6}-\d+|finished)$")
+_HEAL_RECORD = re.compile(r"^members-\d{6}\.json$")
+
+
+def is_heal_answer(name: str) -> bool:
+    """A file a --heal job's rank writes in its host's heal folder (an agent sends it to the launcher)."""
+    return bool(_HEAL_ANSWER.match(name))
+
+
+def is_heal_record(name: str) -> bool:
+    """A --heal job's membership record (the launcher sends it to every agent): only these names."""
+    return bool(_HEAL_RECORD.match(name))
+
+
 _SESSION_ANSWER = re.compile(r"^(done-\d{6}-\d+|ready-\d+)\.pkl$")
 _SESSION_CELL = re.compile(r"^cell-\d{6}\.pkl$")
 

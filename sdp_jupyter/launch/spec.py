@@ -70,7 +70,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("--heal", "heal", "replace a rank that dies while the others keep their processes: they re-form "
            "without it and redo the step, and it rejoins at a step boundary with its state from a live peer; "
            "the script trains through sdp_jupyter.heal.Healer, and --max-restarts K counts the replacements "
-           f"({target_options.sentence(target_options.having('heal'))} target; docs/failures.md)", kind="flag"),
+           f"({target_options.sentence(target_options.having('heal'))} target"
+           f"{'s' if len(target_options.having('heal')) > 1 else ''}; docs/failures.md)", kind="flag"),
     Option("--elastic-wait", "elastic_wait",
            "an elastic job (--nodes MIN:MAX) with fewer than MIN nodes waits this long for hosts to return, "
            "then fails naming them (default: 120)", metavar="SECONDS"),
@@ -316,7 +317,7 @@ class JobSpec:
         healing = target_options.having("heal")
         if self.target not in healing:
             raise SpecError("--heal", f"healing in place is built for the {target_options.sentence(healing)} "
-                                      f"target so far, and the target is {self.target}. Fix: remove --heal and "
+                                      f"target{'s' if len(healing) > 1 else ''} so far, and the target is {self.target}. Fix: remove --heal and "
                                       "use --max-restarts K (the job restarts from its last checkpoint)")
         if self.min_nodes is not None:
             raise SpecError("--heal", "replaces ranks in place, and --nodes MIN:MAX re-forms the whole job: "

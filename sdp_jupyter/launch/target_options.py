@@ -69,7 +69,8 @@ TARGETS: dict[str, Target] = {
                     elastic_refusal="every node runs on this one machine, so none can be lost while the others "
                                     "go on"),
     "ssh": Target("ssh", "sdp_jupyter.launch.target_options:SSH_OPTIONS",
-                  warm=True, exclusive=True, nodes_from_hosts=True, sessions=True, own_hosts=True, elastic=True),
+                  warm=True, exclusive=True, nodes_from_hosts=True, sessions=True, own_hosts=True, elastic=True,
+                  heal=True),
     "ray": Target("ray", "sdp_jupyter.launch.target_options:RAY_OPTIONS",
                   warm=True, exclusive=True, sessions=True, own_hosts=True, elastic=True),
     "slurm": Target("slurm",

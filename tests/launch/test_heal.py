@@ -1,10 +1,13 @@
 """--heal: a rank that dies costs the others a redone step, not their processes (sdp_jupyter.heal)."""
 from __future__ import annotations
 
+import pickle
 import textwrap
+from pathlib import Path
 
 import pytest
 
+from helpers.remote_jobs import drive, next_line
 from sdp_jupyter.launch import launch
 from sdp_jupyter.launch.spec import JobSpec, SpecError
 
@@ -64,7 +67,7 @@ def test_a_dead_rank_is_replaced_while_the_others_keep_their_processes(tmp_path,
     job = launch(str(script), nodes=4, heal=True, max_restarts=2, backend="smddp", name="heal", ranks_output="all",
                  env={"DIES": str(dies), "SIG": sig, "SDP_STOPPED_RANK_S": "2"})
     assert job.wait(240) == "succeeded", job.summary() + job.logs()
-    lines = _heal_lines(job)
+    lines = _heal_lines(job.dir, 4)
     survivors = [r for r in range(4) if r != dies]
     for rank in survivors:  # one process from start to end, two membership changes
         (start, end) = lines[rank]
@@ -86,14 +89,48 @@ def test_a_dead_rank_is_replaced_while_the_others_keep_their_processes(tmp_path,
     assert (f"[sdp_jupyter.heal] rank {survivors[0]}: generation 1, 3 ranks {survivors} from step 20") in log
 
 
-def _heal_lines(job) -> dict:
+def _heal_lines(job_dir, world: int) -> dict:
     """Each rank's "start ..." and "end ..." lines, split into words."""
     lines: dict = {}
-    for rank in range(4):
-        for line in (job.dir / "logs" / f"rank-{rank}.log").read_text().splitlines():
+    for rank in range(world):
+        for line in (Path(job_dir) / "logs" / f"rank-{rank}.log").read_text().splitlines():
             if line.startswith(("start ", "end ")):
                 lines.setdefault(rank, []).append(line.split())
     return lines
+
+
+@pytest.mark.slow
+def test_a_dead_rank_on_an_ssh_host_is_replaced_there_while_the_others_keep_their_processes(ssh_hosts, tmp_path):
+    """The same on three SSH test hosts, one rank each: rank 0 SIGSTOPs itself in step 20 and its agent
+    kills it after 2 s (a SIGKILLed rank takes the same path from there); the ranks on the other hosts go
+    on in their processes, node 0's agent starts rank 0 again (the job's store runs beside that agent,
+    not in the rank), and it gets its state from a live peer (the records and the ranks' answers travel
+    through the agents' links)."""
+    dies, sig = 0, "SIGSTOP"
+    d = drive(ssh_hosts.cluster, {
+        "target": "ssh", "ssh": {"hosts": ssh_hosts.hosts, "config": str(ssh_hosts.config)}, "jobs_dir": str(tmp_path),
+        "code": HEAL_JOB, "heal": True, "max_restarts": 2, "backend": "smddp", "name": "ssh-heal",
+        "ranks_output": "all", "env": {"DIES": str(dies), "SIG": sig, "SDP_STOPPED_RANK_S": "2"}})
+    out = next_line(d, timeout=240)
+    assert out.get("state") == "succeeded", out
+    lines = _heal_lines(out["dir"], 3)
+    survivors = [r for r in range(3) if r != dies]
+    for rank in survivors:  # one process from start to end, two membership changes
+        (start, end) = lines[rank]
+        assert start[2] == end[2] and start[3] == "first" and end[-2:] == ["[1,", "2]"], lines[rank]
+    first, joined, _ = lines[dies]
+    assert first[3] == "first" and joined[3] == "joined" and 20 < int(joined[4]) < 100, lines[dies]
+    assert len({lines[r][-1][3] for r in range(3)}) == 1, lines  # the same model on every host at the end
+    result = pickle.load(open(Path(out["dir"]) / "result.pkl", "rb"))  # saved by the first survivor
+    assert repr(result) == lines[survivors[0]][-1][3]
+    heals = out["status"]["heals"]
+    assert [h["members"] for h in heals] == [[0, 1, 2], survivors, survivors + [dies]], heals
+    host = f"h{dies + 1}"
+    log = (Path(out["dir"]) / "logs" / f"rank-{survivors[0]}.log").read_text()
+    assert f"heal 1 of 2: rank {dies} (node {dies} on host {host}, local rank 0) was killed by signal SIGKILL" in log
+    assert f"the 2 ranks left go on (generation 1); rank {dies} started again (on host {host}) joins them" in log
+    assert ssh_hosts.wait_clean(10) == {}
+    assert not any(ssh_hosts.agent_dir(i).joinpath("ssh-heal").exists() for i in ssh_hosts.nodes)
 
 
 def test_a_second_death_while_the_group_forms_costs_no_timeout(tmp_path, jobs_dir):
@@ -114,7 +151,7 @@ def test_a_second_death_while_the_group_forms_costs_no_timeout(tmp_path, jobs_di
     formed = re.search(r"rank 0: generation 2, 2 ranks \[0, 1\] from step 20 \(step 20 failed: [^\n]*; ([0-9.]+) s\)", log)
     assert formed, log
     assert float(formed.group(1)) < 20, formed.group(0)  # 1.5 s of rank 3's delay and the formation
-    lines = _heal_lines(job)
+    lines = _heal_lines(job.dir, 4)
     for rank in (0, 1):  # one process from start to end
         assert lines[rank][0][2] == lines[rank][-1][2] and lines[rank][0][3] == "first", lines[rank]
     assert len({lines[r][-1][3] for r in range(4)}) == 1, lines  # the same model everywhere at the end
@@ -122,7 +159,7 @@ def test_a_second_death_while_the_group_forms_costs_no_timeout(tmp_path, jobs_di
 
 @pytest.mark.parametrize("kwargs, says", [
     ({"heal": True}, "--max-restarts is 0. Fix: --heal --max-restarts 3"),
-    ({"heal": True, "max_restarts": 2, "target": "ssh", "ssh": {"hosts": ["a"]}}, "built for the local target"),
+    ({"heal": True, "max_restarts": 2, "target": "ray"}, "built for the local and ssh targets"),
     ({"heal": True, "max_restarts": 2, "nodes": "1:2", "target": "ssh", "ssh": {"hosts": ["a", "b"]}}, "--heal"),
     ({"heal": "yes", "max_restarts": 2}, "is a flag"),
     ({"heal": True, "max_restarts": 2, "init_process_group": True}, "Fix: remove --init-process-group"),

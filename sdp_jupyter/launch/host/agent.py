@@ -87,10 +87,12 @@ class Agent:
         self.timeout = HEARTBEAT_TIMEOUT
         self.closed = threading.Event()
         self._relaying = False
+        self._heal_sent: set[str] = set()  # heal files not to send (again): received, or `finished` sent
         self._envs: dict[int, dict] = {}  # each rank's environment in this attempt (for respawn)
         self._live: set[int] = set()  # the ranks of this attempt whose process runs
         self._stopping = threading.Event()  # set by stop: a session's node stops waiting for respawns
         self._session_job = False
+        self._heal_job = False  # a --heal job: a dead rank's node waits for its respawn; heal files relayed
         self._store = None  # a session's store process on node 0 (launch/host/session_store.py)
 
     def send(self, message: dict) -> None:
@@ -125,7 +127,9 @@ class Agent:
                 elif kind == "interrupt":
                     self._interrupt()
                 elif kind == "respawn":
-                    self._respawn(int(message["rank"]), str(message["join"]))
+                    self._respawn(int(message["rank"]), message)
+                elif kind == "heal":
+                    self._heal_file(message)
                 elif kind == "flight":  # Job.flight(): this host's ranks write their flight recorders' rings
                     if self.job_dir is not None:
                         from sdp_jupyter import jobdir
@@ -195,10 +199,15 @@ class Agent:
 
             if pool.get("fingerprint") != warm.fingerprint():
                 pool, reason = None, "the installed code changed since the pool on this host started"
-        if node == 0 and spec.env.get("SDP_SESSION_STORE") and self._store is None:
+        if node == 0 and (spec.env.get("SDP_SESSION_STORE") or spec.heal) and self._store is None:
             from sdp_jupyter.launch.host import session_store
 
             self._store = session_store.start(job_dir, self.addr, int(m["master_port"]))
+        self._heal_job = spec.heal
+        if spec.heal:  # the membership record its ranks read first (sdp_jupyter.heal), before they start
+            jobdir.ensure_private_dir(job_dir / jobdir.HEAL)
+            self._heal_file(m["heal"])
+            threading.Thread(target=self._relay_heal, daemon=True, name="sdp-agent-heal").start()
         node_ranks = NodeRanks(job_dir, lambda rank, raw: self.send(
             {"type": "out", "rank": rank, "text": raw.decode("utf-8", errors="replace")}), name="sdp-agent",
             job_env=spec.env)
@@ -249,8 +258,9 @@ class Agent:
         tailer = threading.Thread(target=self._tail_metrics, args=(tailer_stop,), daemon=True)
         tailer.start()
         codes = {}
-        # a session's node whose rank died stays up for the launcher's respawn (or stop)
-        while self._live or (self._session_job and any(codes.values()) and not self._stopping.is_set()):
+        # a session's or --heal job's node whose rank died stays up for the launcher's respawn (or stop)
+        waits = self._session_job or self._heal_job
+        while self._live or (waits and any(codes.values()) and not self._stopping.is_set()):
             try:
                 rank, code = node_ranks.exits.get(timeout=0.2)
             except queue.Empty:
@@ -265,7 +275,8 @@ class Agent:
         tailer_stop.set()
         tailer.join(timeout=5)
         result = self.job_dir / jobdir.RESULT
-        if 0 in codes and codes[0] == 0 and result.is_file():
+        # the rank that saved the result ran here (rank 0; in a --heal job maybe another) and ended well
+        if codes and not any(codes.values()) and result.is_file():
             self.send({"type": "result", "data": b64(result.read_bytes())})
         self.send({"type": "done", "codes": codes})
 
@@ -285,15 +296,54 @@ class Agent:
         jobdir.ensure_private_dir(folder)
         jobdir.write_private(folder / name, unb64(m["data"]))
 
-    def _respawn(self, rank: int, join: str) -> None:
-        """A session's rank that died, started again (cold) to join the group at `join` (generation:cell:members)."""
+    def _respawn(self, rank: int, m: dict) -> None:
+        """A rank that died, started again (cold): a session's, to join the group at m["join"]
+        (generation:cell:members), or a --heal job's (m["heal"]), to join the others at a step boundary."""
         from sdp_jupyter.launch.host import ranks
 
         if rank not in self._envs or rank in self._live or self._node is None:
             raise ValueError(f"respawn of rank {rank}: not a dead rank of this node")
-        proc = ranks.spawn({**self._envs[rank], "SDP_SESSION_JOIN": join})
+        extra = {"SDP_HEAL_JOIN": "1"} if m.get("heal") else {"SDP_SESSION_JOIN": str(m["join"])}
+        proc = ranks.spawn({**self._envs[rank], **extra})
         self._live.add(rank)
         self._node.add(rank, proc)
+
+    # ---------------------------------------------------------------- a --heal job's files
+    def _heal_file(self, m: dict) -> None:
+        """The launcher's membership record, or the word that training ended (`finished`), for this host's ranks."""
+        from sdp_jupyter import jobdir
+
+        name = str(m["name"])
+        if not (jobdir.is_heal_record(name) or name == "finished") or self.job_dir is None:
+            raise ValueError(f"bad heal file {name!r}")
+        self._heal_sent.add(name)  # never sent back
+        jobdir.write_private(self.job_dir / jobdir.HEAL / name, unb64(m["data"]))
+
+    def _relay_heal(self) -> None:
+        """Send the files this host's ranks write for the launcher (ready, formed, finished) as they appear:
+        ready and formed are removed once sent (a replacement writes its ready file again), finished stays
+        (a replacement waiting here reads it)."""
+        from sdp_jupyter import jobdir
+
+        folder = self.job_dir / jobdir.HEAL
+        while not self.closed.is_set() and not self._stopping.is_set():
+            try:
+                names = sorted(os.listdir(folder))
+            except OSError:
+                names = []
+            for name in names:
+                if name in self._heal_sent or not jobdir.is_heal_answer(name):
+                    continue
+                try:
+                    data = (folder / name).read_bytes()
+                except OSError:
+                    continue
+                self.send({"type": "heal", "name": name, "data": b64(data)})
+                if name == "finished":
+                    self._heal_sent.add(name)
+                else:
+                    (folder / name).unlink(missing_ok=True)
+            time.sleep(0.005)
 
     def _interrupt(self) -> None:
         from sdp_jupyter.launch.host.ranks import signal_rank

@@ -23,6 +23,7 @@ from sdp_jupyter.launch.host import ranks, session_store
 from sdp_jupyter.launch.host.node import NodeRanks, ViewCut
 from sdp_jupyter.launch.kernel import supervise
 from sdp_jupyter.launch.kernel import warm_pool
+from sdp_jupyter.launch.kernel.heal_records import HealRecords, heal_line, left_why
 from sdp_jupyter.launch.kernel.job import Job
 from sdp_jupyter.launch.kernel.preparation import create_job, prepared
 from sdp_jupyter.launch.kernel.push import pickle_push
@@ -64,58 +65,6 @@ class LocalLauncher:
         job.supervisor = run
         run.start()
         return job
-
-
-class HealRecords:
-    """A --heal job's membership, as the launcher decides it and writes it for its ranks (jobdir's heal
-    records, read by sdp_jupyter.heal): generation 0 has every rank; a death makes the next generation
-    without the dead rank; a replacement that said it is ready is let in by the generation after the
-    ranks left have all formed theirs (it then joins at their next step boundary)."""
-
-    def __init__(self, job_dir: Path, world_size: int):
-        self.dir, self.world_size = Path(job_dir), world_size
-        self.generation = -1
-        self.members: list[int] = []
-        self.joining: list[int] = []  # started again, not yet let in
-        self.replaced = 0
-        self.history: list[dict] = []  # each change: {generation, at, members, left | joined}
-
-    def _write(self, members: list[int], joining: list[int], left: dict) -> int:
-        self.generation += 1
-        self.members = members
-        record = {"generation": self.generation, "members": members, "joining": joining,
-                  "left": {str(r): why for r, why in left.items()}}
-        jobdir.write_json_atomic(jobdir.heal_record_path(self.dir, self.generation), record)
-        self.history.append({"generation": self.generation, "at": time.time(), "members": members,
-                             **({"left": record["left"]} if left else {}), **({"joined": joining} if joining else {})})
-        return self.generation
-
-    def begin(self) -> None:
-        jobdir.ensure_private_dir(self.dir / jobdir.HEAL)
-        self._write(list(range(self.world_size)), [], {})
-
-    def leave(self, rank: int, why: str) -> int:
-        """`rank` died: the next generation goes on without it; it is started again (counted)."""
-        self.replaced += 1
-        self.joining = [r for r in self.joining if r != rank] + [rank]
-        jobdir.heal_ready_path(self.dir, rank).unlink(missing_ok=True)
-        if rank not in self.members:  # a replacement that died before it was let in: nothing changes for the others
-            return self.generation
-        return self._write([r for r in self.members if r != rank], [], {rank: why})
-
-    def admit(self) -> bool:
-        """Let in the replacements that are ready once every member has formed the current generation
-        (True when a record was written); nothing to look at while none is waiting."""
-        ready = [r for r in self.joining if jobdir.heal_ready_path(self.dir, r).exists()]
-        if not ready or jobdir.heal_finished_path(self.dir).exists():  # training ended: nobody is let in
-            return False
-        if not all(jobdir.heal_formed_path(self.dir, self.generation, m).exists() for m in self.members):
-            return False
-        for r in ready:
-            jobdir.heal_ready_path(self.dir, r).unlink(missing_ok=True)
-        self.joining = [r for r in self.joining if r not in ready]
-        self._write(self.members + ready, ready, {})
-        return True
 
 
 class LocalRun(supervise.Run):
@@ -234,17 +183,13 @@ class LocalRun(supervise.Run):
 
     def _heal_rank(self, rank: int, code: int) -> None:
         """--heal: the others go on without `rank` (a new record), and it starts again to join them."""
-        # its first line, without the lead-in to the last lines quoted below it
-        why = ranks.failure_message(self.job, rank, self._who(rank), code).splitlines()[0].removesuffix("; its last lines:")
+        why = left_why(self.job, rank, self._who(rank), code)
         generation = self._heal.leave(rank, why)
         proc = self._spawn(ranks.WORKER, {**self._rank_env[rank], "SDP_HEAL_JOIN": "1"})
         self._live.add(rank)
         self._node.add(rank, proc)
-        n, of = self._heal.replaced, self.spec.max_restarts
         for r in range(self.world_size):
-            self._line(r, f"[sdp_jupyter] heal {n} of {of}: {why}; the {len(self._heal.members)} ranks left go on "
-                          f"(generation {generation}); rank {rank} started again (pid {proc.pid}) joins them at a "
-                          "step boundary\n")
+            self._line(r, heal_line(self._heal, self.spec.max_restarts, why, generation, rank, f"pid {proc.pid}"))
         self.job.update_status(pids=self._node.pids, heals=list(self._heal.history))
 
     def _settle(self, node: NodeRanks, codes: list, first: int) -> list[int]:

@@ -23,6 +23,7 @@ from sdp_jupyter.launch.host.node import ViewCut
 from sdp_jupyter.launch.kernel import supervise
 from sdp_jupyter.launch.kernel.job import Job
 from sdp_jupyter.launch.kernel.preparation import create_job
+from sdp_jupyter.launch.kernel.remote_heal import HealChannel
 from sdp_jupyter.launch.kernel.remote_session import SessionChannel
 from sdp_jupyter import backends
 from sdp_jupyter.launch.spec import JobSpec, SpecError
@@ -52,7 +53,7 @@ def start_job(run: "RemoteRun", push_bytes: bytes | None, **status) -> Job:
     return job
 
 
-class RemoteRun(SessionChannel, supervise.Run):
+class RemoteRun(SessionChannel, HealChannel, supervise.Run):
     """The supervisor of one remote job: its links (one agent per node), attempts, restarts and stop.
 
     A target subclasses it with `open_links()` (start every node's agent; the links put frames into
@@ -253,6 +254,8 @@ class RemoteRun(SessionChannel, supervise.Run):
                 from sdp_jupyter.launch.kernel import elastic
 
                 state, error, codes = elastic.Membership(self, announce).attempts()
+            elif spec.heal:  # dead ranks are replaced in place (remote_heal.py); --max-restarts counts them
+                state, error, codes = self._attempt(0)
             else:  # a lost host is not restarted onto: the job names it and ends
                 state, error, codes = supervise.with_restarts(job, self._attempt, announce, self._stop,
                                                               final=self.final_errors)
@@ -281,6 +284,7 @@ class RemoteRun(SessionChannel, supervise.Run):
         script = channel.b64((job.dir / jobdir.SCRIPT).read_bytes())
         self._starts = {}
         warm_fields = self._warm_fields()
+        heal = self._heal_begin()  # a --heal job's first record, written on every host before its ranks start
         for position, conn in enumerate(nodes):
             # "slot": the host's folder of this job, the same whatever node number a re-formation gives it
             conn.send({"type": "start", "spec": spec.to_dict(), "node": position, "slot": conn.node,
@@ -288,7 +292,7 @@ class RemoteRun(SessionChannel, supervise.Run):
                        "master_addr": first.hello["addr"], "master_port": port, "attempt": attempt,
                        "script": script, "push": channel.b64(self.push_bytes),
                        "heartbeat_timeout": HEARTBEAT_TIMEOUT, "session": self.session,
-                       **warm_fields.get(conn.node, {})})
+                       **heal, **warm_fields.get(conn.node, {})})
         job.update_status(state="running", started=job.status.get("started") or time.time(), port=port,
                     master_addr=first.hello["addr"])
         started = time.monotonic()
@@ -319,6 +323,7 @@ class RemoteRun(SessionChannel, supervise.Run):
                 return "stopped", self._stop_reason, codes
             if spec.timeout and now - started > spec.timeout and not failed:
                 return self._fail(f"timed out after {spec.timeout:g} s (--timeout)", codes, done)
+            self._heal_admit()
             try:
                 node, message = self.inbox.get(timeout=0.1)
             except queue.Empty:
@@ -328,7 +333,7 @@ class RemoteRun(SessionChannel, supervise.Run):
                 if kind == "eof" and self.members is not None:
                     self._membership.spare_lost(node, message)
                 continue
-            if self._mirror(message):
+            if self._mirror(message) or self._heal_answer(node, message):
                 continue
             if kind == "started":
                 self._started(node, message)
@@ -337,6 +342,8 @@ class RemoteRun(SessionChannel, supervise.Run):
                 codes[rank] = code
                 if code != 0 and self._replace:  # the session replaces it (replace_rank)
                     self._lost[rank] = ranks.failure_message(self.job, rank, self._who(rank), code)
+                    continue
+                if code != 0 and self._heal_rank(rank, code):  # --heal: the others go on, it starts again
                     continue
                 if code != 0:
                     settled = settled or time.monotonic() + supervise.SETTLE_S
