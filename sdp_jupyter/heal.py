@@ -1,6 +1,6 @@
 """Healing without a restart: a rank that dies costs its peers one redone step, not the job.
 
-In a job started with `--heal --max-restarts K` (the local and SSH targets), train through a `Healer`:
+In a job started with `--heal --max-restarts K` (local, SSH, Ray or Slurm target), train through a `Healer`:
 
     from sdp_jupyter.heal import Healer
     healer = Healer(model, optimizer, wrap=lambda m: DistributedDataParallel(m))  # makes the process group

@@ -72,10 +72,10 @@ TARGETS: dict[str, Target] = {
                   warm=True, exclusive=True, nodes_from_hosts=True, sessions=True, own_hosts=True, elastic=True,
                   heal=True),
     "ray": Target("ray", "sdp_jupyter.launch.target_options:RAY_OPTIONS",
-                  warm=True, exclusive=True, sessions=True, own_hosts=True, elastic=True),
+                  warm=True, exclusive=True, sessions=True, own_hosts=True, elastic=True, heal=True),
     "slurm": Target("slurm",
                     "sdp_jupyter.launch.target_options:SLURM_OPTIONS", exclusive=True, sessions=True, own_hosts=True,
-                    elastic=True),
+                    elastic=True, heal=True),
     "sagemaker": Target("sagemaker",
                         "sdp_jupyter.launch.kernel.sagemaker.options:SAGEMAKER_OPTIONS", hybrid=True, catalogue=True,
                         elastic_refusal="a training job's instance count is fixed when it starts (SageMaker "

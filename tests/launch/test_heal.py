@@ -1,59 +1,12 @@
 """--heal: a rank that dies costs the others a redone step, not their processes (sdp_jupyter.heal)."""
 from __future__ import annotations
 
-import pickle
-import textwrap
-from pathlib import Path
-
 import pytest
 
+from helpers.heal_job import HEAL_JOB, check_remote_heal, heal_lines
 from helpers.remote_jobs import drive, next_line
 from sdp_jupyter.launch import launch
 from sdp_jupyter.launch.spec import JobSpec, SpecError
-
-HEAL_JOB = textwrap.dedent("""
-    import os, signal, time
-    import torch, torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
-    from sdp_jupyter.heal import Healer
-
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    g = torch.Generator().manual_seed(1)
-    X = torch.randn(512, 16, generator=g); Y = X[:, :1] * 2 - X[:, 1:2]
-    if os.environ.get("SECOND") == os.environ["RANK"] and not os.environ.get("SDP_HEAL_JOIN"):
-        import sdp_jupyter.torch.generations as G
-        leave, calls = G.leave_every_group, []
-
-        def leave_then_die(backend):  # its second leave begins generation 1's formation: it dies there
-            calls.append(backend)
-            if len(calls) == 2:
-                time.sleep(1.5)  # the survivors wait in that formation by now
-                os.kill(os.getpid(), signal.SIGKILL)
-            leave(backend)
-        G.leave_every_group = leave_then_die
-    healer = Healer(model, opt, wrap=lambda m: DDP(m))
-    print("start", healer.rank, os.getpid(), "joined" if healer.joined else "first", healer.step, flush=True)
-    for step in healer.steps(100):
-        def train_step():
-            if step == 20 and healer.rank == int(os.environ["DIES"]) and not healer.joined:
-                os.kill(os.getpid(), getattr(signal, os.environ["SIG"]))  # mid-step, inside the script
-            r, w = dist.get_rank(), dist.get_world_size()
-            idx = torch.arange(step * 32 + r, step * 32 + 32, w) % 512
-            opt.zero_grad()
-            loss = torch.nn.functional.mse_loss(healer.model(X[idx]), Y[idx])
-            loss.backward()
-            opt.step()
-        healer.run(train_step)
-        if step > 20 and len(healer.members) < 4:
-            time.sleep(0.25)  # leave the replacement (a cold interpreter) time to start before the end
-    loss = torch.nn.functional.mse_loss(model(X), Y).item()
-    print("end", healer.rank, os.getpid(), repr(loss), [c["generation"] for c in healer.changes], flush=True)
-    healer.close()
-    loss  # the job's result: saved by a rank that lived through every change (rank 1 when rank 0 died)
-""")
-
 
 @pytest.mark.parametrize("dies, sig", [(2, "SIGKILL"), (0, "SIGKILL"), (1, "SIGSTOP")],
                          ids=["rank-2", "rank-0", "rank-1-stopped"])
@@ -67,7 +20,7 @@ def test_a_dead_rank_is_replaced_while_the_others_keep_their_processes(tmp_path,
     job = launch(str(script), nodes=4, heal=True, max_restarts=2, backend="smddp", name="heal", ranks_output="all",
                  env={"DIES": str(dies), "SIG": sig, "SDP_STOPPED_RANK_S": "2"})
     assert job.wait(240) == "succeeded", job.summary() + job.logs()
-    lines = _heal_lines(job.dir, 4)
+    lines = heal_lines(job.dir, 4)
     survivors = [r for r in range(4) if r != dies]
     for rank in survivors:  # one process from start to end, two membership changes
         (start, end) = lines[rank]
@@ -89,16 +42,6 @@ def test_a_dead_rank_is_replaced_while_the_others_keep_their_processes(tmp_path,
     assert (f"[sdp_jupyter.heal] rank {survivors[0]}: generation 1, 3 ranks {survivors} from step 20") in log
 
 
-def _heal_lines(job_dir, world: int) -> dict:
-    """Each rank's "start ..." and "end ..." lines, split into words."""
-    lines: dict = {}
-    for rank in range(world):
-        for line in (Path(job_dir) / "logs" / f"rank-{rank}.log").read_text().splitlines():
-            if line.startswith(("start ", "end ")):
-                lines.setdefault(rank, []).append(line.split())
-    return lines
-
-
 @pytest.mark.slow
 def test_a_dead_rank_on_an_ssh_host_is_replaced_there_while_the_others_keep_their_processes(ssh_hosts, tmp_path):
     """The same on three SSH test hosts, one rank each: rank 0 SIGSTOPs itself in step 20 and its agent
@@ -106,29 +49,11 @@ def test_a_dead_rank_on_an_ssh_host_is_replaced_there_while_the_others_keep_thei
     on in their processes, node 0's agent starts rank 0 again (the job's store runs beside that agent,
     not in the rank), and it gets its state from a live peer (the records and the ranks' answers travel
     through the agents' links)."""
-    dies, sig = 0, "SIGSTOP"
     d = drive(ssh_hosts.cluster, {
         "target": "ssh", "ssh": {"hosts": ssh_hosts.hosts, "config": str(ssh_hosts.config)}, "jobs_dir": str(tmp_path),
         "code": HEAL_JOB, "heal": True, "max_restarts": 2, "backend": "smddp", "name": "ssh-heal",
-        "ranks_output": "all", "env": {"DIES": str(dies), "SIG": sig, "SDP_STOPPED_RANK_S": "2"}})
-    out = next_line(d, timeout=240)
-    assert out.get("state") == "succeeded", out
-    lines = _heal_lines(out["dir"], 3)
-    survivors = [r for r in range(3) if r != dies]
-    for rank in survivors:  # one process from start to end, two membership changes
-        (start, end) = lines[rank]
-        assert start[2] == end[2] and start[3] == "first" and end[-2:] == ["[1,", "2]"], lines[rank]
-    first, joined, _ = lines[dies]
-    assert first[3] == "first" and joined[3] == "joined" and 20 < int(joined[4]) < 100, lines[dies]
-    assert len({lines[r][-1][3] for r in range(3)}) == 1, lines  # the same model on every host at the end
-    result = pickle.load(open(Path(out["dir"]) / "result.pkl", "rb"))  # saved by the first survivor
-    assert repr(result) == lines[survivors[0]][-1][3]
-    heals = out["status"]["heals"]
-    assert [h["members"] for h in heals] == [[0, 1, 2], survivors, survivors + [dies]], heals
-    host = f"h{dies + 1}"
-    log = (Path(out["dir"]) / "logs" / f"rank-{survivors[0]}.log").read_text()
-    assert f"heal 1 of 2: rank {dies} (node {dies} on host {host}, local rank 0) was killed by signal SIGKILL" in log
-    assert f"the 2 ranks left go on (generation 1); rank {dies} started again (on host {host}) joins them" in log
+        "ranks_output": "all", "env": {"DIES": "0", "SIG": "SIGSTOP", "SDP_STOPPED_RANK_S": "2"}})
+    check_remote_heal(next_line(d, timeout=240), 3, dies=0, host="h1")
     assert ssh_hosts.wait_clean(10) == {}
     assert not any(ssh_hosts.agent_dir(i).joinpath("ssh-heal").exists() for i in ssh_hosts.nodes)
 
@@ -151,7 +76,7 @@ def test_a_second_death_while_the_group_forms_costs_no_timeout(tmp_path, jobs_di
     formed = re.search(r"rank 0: generation 2, 2 ranks \[0, 1\] from step 20 \(step 20 failed: [^\n]*; ([0-9.]+) s\)", log)
     assert formed, log
     assert float(formed.group(1)) < 20, formed.group(0)  # 1.5 s of rank 3's delay and the formation
-    lines = _heal_lines(job.dir, 4)
+    lines = heal_lines(job.dir, 4)
     for rank in (0, 1):  # one process from start to end
         assert lines[rank][0][2] == lines[rank][-1][2] and lines[rank][0][3] == "first", lines[rank]
     assert len({lines[r][-1][3] for r in range(4)}) == 1, lines  # the same model everywhere at the end
@@ -159,7 +84,7 @@ def test_a_second_death_while_the_group_forms_costs_no_timeout(tmp_path, jobs_di
 
 @pytest.mark.parametrize("kwargs, says", [
     ({"heal": True}, "--max-restarts is 0. Fix: --heal --max-restarts 3"),
-    ({"heal": True, "max_restarts": 2, "target": "ray"}, "built for the local and ssh targets"),
+    ({"heal": True, "max_restarts": 2, "target": "sagemaker"}, "built for the local, ssh, ray and slurm targets"),
     ({"heal": True, "max_restarts": 2, "nodes": "1:2", "target": "ssh", "ssh": {"hosts": ["a", "b"]}}, "--heal"),
     ({"heal": "yes", "max_restarts": 2}, "is a flag"),
     ({"heal": True, "max_restarts": 2, "init_process_group": True}, "Fix: remove --init-process-group"),

@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from helpers.heal_job import HEAL_JOB, check_remote_heal
 from helpers.remote_jobs import TRAIN, drive, drive_cells, drive_session, next_line, tell
 from sdp_jupyter.launch import JobSpec, SpecError
 from sdp_jupyter.launch.kernel import remote
@@ -224,6 +225,16 @@ def test_a_lost_node_is_named_within_ten_seconds(ray_hosts, tmp_path):
         assert _wait_clean(c, 10) == {}
     finally:
         ray_hosts.restart_node(2)
+
+
+@pytest.mark.slow
+def test_a_dead_rank_on_a_ray_node_is_replaced_there_while_the_others_keep_their_processes(ray_hosts, tmp_path):
+    """--heal through the agents' Ray actors: rank 2 SIGKILLs itself in step 20, its node's agent starts it
+    again, the other three keep their processes (tests/launch/test_heal.py has the local and SSH cases)."""
+    d = _drive(ray_hosts, tmp_path, code=HEAL_JOB, heal=True, max_restarts=2, backend="smddp", name="ray-heal",
+               ranks_output="all", env={"DIES": "2", "SIG": "SIGKILL"})
+    check_remote_heal(next_line(d, timeout=240), 4, dies=2)
+    assert _wait_clean(ray_hosts.cluster, 10) == {}
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from helpers.heal_job import HEAL_JOB, check_remote_heal
 from helpers.remote_jobs import LAUNCH, REPO, TRAIN, drive_cells, next_line
 from sdp_jupyter.launch import Job, JobSpec, SpecError
 from sdp_jupyter.launch.kernel import slurm
@@ -242,6 +243,20 @@ def test_an_elastic_job_goes_on_in_its_allocation_when_a_node_is_set_down(slurm_
     assert "h3" in formations[1]["lost"] and end["status"].get("restarts", 0) == 0
     assert end["status"]["slurm_jobs"] == [job_id]  # the same allocation: nothing queued again
     assert "attempt 1 world 2 from step" in end["logs"]
+    d.stdin.close()
+    assert slurm_hosts.wait_clean(30) == {}
+
+
+@pytest.mark.slow
+def test_a_dead_rank_is_replaced_in_the_allocation_while_the_others_keep_their_processes(slurm_hosts, tmp_path):
+    """--heal in one allocation: rank 1 SIGKILLs itself in step 20, its node's agent (started by srun)
+    starts it again, the others keep their processes; nothing is resubmitted."""
+    d = _drive(slurm_hosts, tmp_path, code=HEAL_JOB, name="slurm-heal", nodes=3, heal=True, max_restarts=2,
+               backend="smddp", ranks_output="all", env={**os.environ, "DIES": "1", "SIG": "SIGKILL"})
+    next_line(d, timeout=60)
+    end = _say(d, "wait", timeout=240)
+    check_remote_heal(end, 3, dies=1)
+    assert len(end["status"]["slurm_jobs"]) == 1, end["status"]
     d.stdin.close()
     assert slurm_hosts.wait_clean(30) == {}
 
