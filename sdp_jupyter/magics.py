@@ -310,7 +310,7 @@ class SdpMagics(Magics):
     def sdp_warm(self, line: str = ""):
         """Start this kernel's warm pool now and wait until it is ready: the next %%sdp_train jobs fork
         their ranks from it instead of starting fresh interpreters (docs/warm.md). The pool imports torch,
-        torch.optim, torch.distributed, torch.nn.parallel, torch._dynamo, sdp_jupyter.torch and the modules
+        torch.optim, torch.distributed, torch.nn.parallel, torch.fx's symbolic shapes, sdp_jupyter.torch and the modules
         named here. Without it the pool starts after the kernel's first job. This is the local target's
         pool; an SSH host gets its own from a job run with --warm or after the kernel's first job there, a
         Ray node only from a job run with --warm."""

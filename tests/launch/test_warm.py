@@ -92,6 +92,31 @@ def test_nothing_leaks_from_one_job_to_the_next(tmp_path, jobs_dir, pool):
     assert pool.alive()
 
 
+def test_pytorchs_tutorial_ending_does_not_hang_a_warm_gloo_job(tmp_path, jobs_dir, pool):
+    """destroy_process_group(), then the DDP model going out of scope: with torch._dynamo imported before
+    the model was made, torch's gloo process group can deadlock in its destructor (docs/warm.md). The pool
+    preloaded torch._dynamo until 2026-11-29 and 2 of 16 such warm jobs hung; it must stay out of the
+    pool (checked in the rank, before its optimizer imports it), and three jobs in a row end."""
+    script = write(tmp_path / "tutorial.py", """
+        import sys, torch, torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        preloaded = "torch._dynamo" in sys.modules
+        def main():
+            dist.init_process_group("gloo")
+            model = DDP(torch.nn.Linear(10, 10))
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for _ in range(5):
+                opt.zero_grad(); model(torch.randn(4, 10)).sum().backward(); opt.step()
+            dist.destroy_process_group()
+        main()
+        preloaded
+    """)
+    for _ in range(3):
+        job = run(script, True, result=True)
+        assert job.wait(60) == "succeeded", job.summary()
+        assert job.status["start"] == "warm" and job.result() is False
+
+
 def test_failure_naming_and_stop(tmp_path, jobs_dir, pool):
     fail = write(tmp_path / "fail.py", """
         import os, sys, time

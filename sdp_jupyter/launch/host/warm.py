@@ -2,7 +2,7 @@
 
 `python -m sdp_jupyter.launch.rank.worker` spends seconds importing torch before a line of the job runs.
 The pool server (one per kernel and target host) imports torch, torch.optim, torch.distributed,
-torch.nn.parallel, torch._dynamo and sdp_jupyter.torch (plus --preload modules) once, and then forks one process
+torch.nn.parallel, torch.fx's symbolic shapes and sdp_jupyter.torch (plus --preload modules) once, and then forks one process
 per rank. Each forked rank gets what a cold start gets: its own session (setsid), the launcher's
 environment, working directory and sys.argv, a parent-death signal, real pipes for stdout/stderr
 (passed over a unix socket with SCM_RIGHTS) and its own exit code; the job's code runs only in the
@@ -43,10 +43,14 @@ from pathlib import Path
 from sdp_jupyter.launch import process
 from sdp_jupyter._env import env_str
 
-# torch._dynamo: an optimizer's first step() imports it (about 800 modules, sympy among them: 1.4 s per
-# rank here), so a warm rank running the quickstart would pay it; importing it starts no thread.
-BASE_MODULES = ("torch", "torch.optim", "torch.distributed", "torch.nn.parallel", "torch._dynamo",
-                "sdp_jupyter.torch")
+# Not torch._dynamo, although an optimizer's first step() imports it (1.4 s per rank here): torch with
+# _dynamo imported before a gloo DDP model is made can hang at the model's end (the process group's
+# destructor joins its worker threads holding the GIL while one of them needs it; with PyTorch's tutorial
+# pattern, destroy_process_group() and then the model going out of scope, 2 in 16 warm jobs here and
+# 5 in 12 cold ones whose script imported torch._dynamo first). torch.fx's symbolic shapes (sympy among
+# them: a third of that import) carry no such risk (16 of 16); importing them starts no thread.
+BASE_MODULES = ("torch", "torch.optim", "torch.distributed", "torch.nn.parallel",
+                "torch.fx.experimental.symbolic_shapes", "sdp_jupyter.torch")
 MAX_REQUEST = 4 << 20
 READY_TIMEOUT = 120.0
 FOLDER_PREFIX = "sdp-warm-"  # the socket folder of a server started with --socket auto, in the temp folder
@@ -377,10 +381,18 @@ class WarmProcess:
         self.warm = True
 
     def _receive(self, timeout: float | None) -> None:
+        """Take the rank's exit status if the server sent it, waiting up to `timeout` for it. The wait is
+        outside the lock: a waiter holding it through a blocking recv, again and again, starved the
+        other threads' poll() (stop took 10-150 s instead of its grace periods)."""
+        if timeout is None or timeout > 0:
+            try:
+                select.select([self._conn], [], [], timeout)
+            except (ValueError, OSError):
+                pass  # closed by another thread, which took the status
         with self._lock:
             if self.returncode is not None:
                 return
-            self._conn.settimeout(timeout)
+            self._conn.settimeout(0.0)
             try:
                 data = self._conn.recv(4096)
             except (socket.timeout, BlockingIOError):
