@@ -95,7 +95,7 @@ def test_nothing_leaks_from_one_job_to_the_next(tmp_path, jobs_dir, pool):
 def test_pytorchs_tutorial_ending_does_not_hang_a_warm_gloo_job(tmp_path, jobs_dir, pool):
     """destroy_process_group(), then the DDP model going out of scope: with torch._dynamo imported before
     the model was made, torch's gloo process group can deadlock in its destructor (docs/warm.md). The pool
-    preloaded torch._dynamo until 2026-11-29 and 2 of 16 such warm jobs hung; it must stay out of the
+    preloaded torch._dynamo until 2026-11-29 and 3 of 14 such warm jobs hung; it must stay out of the
     pool (checked in the rank, before its optimizer imports it), and three jobs in a row end."""
     script = write(tmp_path / "tutorial.py", """
         import sys, torch, torch.distributed as dist

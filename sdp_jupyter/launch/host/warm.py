@@ -46,7 +46,7 @@ from sdp_jupyter._env import env_str
 # Not torch._dynamo, although an optimizer's first step() imports it (1.4 s per rank here): torch with
 # _dynamo imported before a gloo DDP model is made can hang at the model's end (the process group's
 # destructor joins its worker threads holding the GIL while one of them needs it; with PyTorch's tutorial
-# pattern, destroy_process_group() and then the model going out of scope, 2 in 16 warm jobs here and
+# pattern, destroy_process_group() and then the model going out of scope, 3 in 14 warm jobs here and
 # 5 in 12 cold ones whose script imported torch._dynamo first). torch.fx's symbolic shapes (sympy among
 # them: a third of that import) carry no such risk (16 of 16); importing them starts no thread.
 BASE_MODULES = ("torch", "torch.optim", "torch.distributed", "torch.nn.parallel",
