@@ -171,9 +171,12 @@ def heal_ready_path(job_dir: str | os.PathLike, rank: int) -> Path:
     return Path(job_dir) / HEAL / f"ready-{rank}"
 
 
+HEAL_FINISHED = "finished"  # the one heal file both the ranks (Healer.close) and the launcher's agents write
+
+
 def heal_finished_path(job_dir: str | os.PathLike) -> Path:
     """Written by a --heal job's ranks when training ended (Healer.close): a replacement not let in leaves."""
-    return Path(job_dir) / HEAL / "finished"
+    return Path(job_dir) / HEAL / HEAL_FINISHED
 
 
 def heal_formed_path(job_dir: str | os.PathLike, generation: int, rank: int) -> Path:
@@ -181,7 +184,7 @@ def heal_formed_path(job_dir: str | os.PathLike, generation: int, rank: int) -> 
     return Path(job_dir) / HEAL / f"formed-{generation:06d}-{rank}"
 
 
-_HEAL_ANSWER = re.compile(r"^(ready-\d+|formed-\d{6}-\d+|finished)$")
+_HEAL_ANSWER = re.compile(rf"^(ready-\d+|formed-\d{{6}}-\d+|{HEAL_FINISHED})$")
 _HEAL_RECORD = re.compile(r"^members-\d{6}\.json$")
 
 

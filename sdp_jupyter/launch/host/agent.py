@@ -314,7 +314,7 @@ class Agent:
         from sdp_jupyter import jobdir
 
         name = str(m["name"])
-        if not (jobdir.is_heal_record(name) or name == "finished") or self.job_dir is None:
+        if not (jobdir.is_heal_record(name) or name == jobdir.HEAL_FINISHED) or self.job_dir is None:
             raise ValueError(f"bad heal file {name!r}")
         self._heal_sent.add(name)  # never sent back
         jobdir.write_private(self.job_dir / jobdir.HEAL / name, unb64(m["data"]))
@@ -339,7 +339,7 @@ class Agent:
                 except OSError:
                     continue
                 self.send({"type": "heal", "name": name, "data": b64(data)})
-                if name == "finished":
+                if name == jobdir.HEAL_FINISHED:
                     self._heal_sent.add(name)
                 else:
                     (folder / name).unlink(missing_ok=True)

@@ -37,7 +37,7 @@ class HealChannel:
         if not jobdir.is_heal_answer(name) or self._heal is None:  # never a path: only the names a rank writes
             return True
         path = self.job.dir / jobdir.HEAL / name
-        if name == "finished":
+        if name == jobdir.HEAL_FINISHED:
             if path.exists():
                 return True
             for conn in self.nodes():
