@@ -18,9 +18,38 @@ pytest_plugins = ["helpers.terminate", "helpers.cluster", "helpers.sshd", "helpe
                   "helpers.moto"]
 
 
+# Parallel runs (./dev.sh test runs pytest-xdist's `-n 2 --dist loadgroup`): tests that share one
+# machine-wide thing run on one worker, one after another, as in a serial run. Every other test goes to
+# the workers a file at a time, so a module's fixtures (a moto server, a built engine) start once.
+#   hosts:     every file with a test on the shared test hosts (cluster4, and the sshd, Ray and Slurm
+#              clusters on them)
+#   browser:   one JupyterLab server and one chromium for every browser test
+#   notebooks: the notebooks, executed once per session (helpers/notebooks.py); the docs site, which
+#              shows the copies they leave and so runs after them (the `last` marker); and Ray Train's
+#              test, since notebook 06 also starts a Ray cluster on this machine (both would use /tmp/ray)
+NOTEBOOK_GROUP = ("tests/notebook/test_notebooks.py", "tests/notebook/test_newcomer_path.py",
+                  "tests/notebook/test_setup_widget.py", "tests/launch/sagemaker/test_sagemaker_notebook.py",
+                  "tests/house/test_docs_site.py", "tests/torch/test_integrations.py")
+
+
+def xdist_group_of(path: str, files_on_hosts: set) -> str:
+    """The xdist group of the test file `path` (relative to the checkout, with /): see above."""
+    if path in files_on_hosts:
+        return "hosts"
+    if path.startswith("tests/browser/"):
+        return "browser"
+    return "notebooks" if path in NOTEBOOK_GROUP else path
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(session, config, items):
-    """Tests marked `last` run after every other test (the docs site shows the notebooks the suite executed)."""
+    """Tests marked `last` run after every other test (the docs site shows the notebooks the suite
+    executed); every test gets its xdist group (test_group)."""
     items.sort(key=lambda item: item.get_closest_marker("last") is not None)  # stable: the rest keep their order
+    path = {item: Path(str(item.path)).relative_to(REPO).as_posix() for item in items}
+    on_hosts = {path[item] for item in items if "cluster4" in getattr(item, "fixturenames", ())}
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(xdist_group_of(path[item], on_hosts)))
 
 
 def job_processes(root) -> list:

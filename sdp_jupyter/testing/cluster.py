@@ -344,10 +344,20 @@ def clean() -> list[str]:
             if pid != os.getpid():
                 continue  # its owner is alive: not a leftover
         except (OSError, ValueError):
-            pass
+            if _starting(STATE_ROOT / name):
+                continue  # another process is making it (a parallel test run): its owner file comes next
         _teardown(name)
         removed.append(name)
     return removed
+
+
+def _starting(run_dir: Path, within: float = 60.0) -> bool:
+    """Whether `run_dir` was made in the last `within` seconds and has no owner file yet: start() makes
+    the folder, then writes the owner, then the namespaces; a run killed in between is cleaned later."""
+    try:
+        return not (run_dir / "owner").exists() and time.time() - run_dir.stat().st_mtime < within
+    except OSError:
+        return False
 
 
 @atexit.register

@@ -49,14 +49,14 @@ def test_waits(daemon, hosts):
 '''
 
 
-def _run_and_terminate(tmp_path: Path, with_hosts: bool, plugin: bool = True) -> subprocess.Popen:
+def _run_and_terminate(tmp_path: Path, with_hosts: bool, plugin: bool = True, args: tuple = ()) -> subprocess.Popen:
     inner = tmp_path / "inner"
     inner.mkdir()
     (inner / "conftest.py").write_text('pytest_plugins = ["helpers.terminate"]\n' if plugin else "")
     (inner / "test_inner.py").write_text(INNER_TEST)
     env = {**os.environ, "OUT": str(tmp_path), "WITH_HOSTS": "1" if with_hosts else "0",
            "PYTHONPATH": os.pathsep.join([str(TESTS), str(REPO), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(inner)],
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args, str(inner)],
                             cwd=inner, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
     deadline = time.monotonic() + 60
@@ -65,7 +65,12 @@ def _run_and_terminate(tmp_path: Path, with_hosts: bool, plugin: bool = True) ->
         assert time.monotonic() < deadline, "the inner test run did not start"
         time.sleep(0.1)
     proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=60)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the inner run (its workers too) does not outlive the test
+        raise AssertionError("the inner run did not end within 60 s of SIGTERM:\n"
+                             + proc.communicate(timeout=30)[0].decode()[-3000:]) from None
     return proc
 
 
@@ -84,12 +89,15 @@ def _kill_daemon(out: Path) -> None:
         os.kill(int(pid_file.read_text()), signal.SIGKILL)
 
 
-@pytest.mark.parametrize("with_hosts", [False, True], ids=["fixtures", "fixtures-and-test-hosts"])
-def test_sigterm_tears_every_fixture_down(tmp_path, with_hosts):
+@pytest.mark.parametrize("with_hosts,args", [(False, ()), (True, ()), (True, ("-n", "2", "--dist", "loadgroup"))],
+                         ids=["fixtures", "fixtures-and-test-hosts", "parallel-run"])
+def test_sigterm_tears_every_fixture_down(tmp_path, with_hosts, args):
+    """`parallel-run` is ./dev.sh test's way: the fixtures live in an xdist worker, the signal reaches
+    the controller."""
     if with_hosts and test_hosts.available():
         pytest.skip(f"no test hosts here: {test_hosts.available()}")
     try:
-        proc = _run_and_terminate(tmp_path, with_hosts)
+        proc = _run_and_terminate(tmp_path, with_hosts, args=args)
         out = proc.stdout.read().decode()
         daemon = int((tmp_path / "daemon").read_text())
         assert (tmp_path / "torn-down").exists() and not _alive(daemon), f"the fixture was not torn down:\n{out}"
