@@ -383,7 +383,7 @@ class WarmProcess:
     def _receive(self, timeout: float | None) -> None:
         """Take the rank's exit status if the server sent it, waiting up to `timeout` for it. The wait is
         outside the lock: a waiter holding it through a blocking recv, again and again, starved the
-        other threads' poll() (stop took 10-150 s instead of its grace periods)."""
+        other threads' poll() (stop took 6.5-150 s instead of its grace periods)."""
         if timeout is None or timeout > 0:
             try:
                 select.select([self._conn], [], [], timeout)
