@@ -27,13 +27,18 @@ pytest_plugins = ["helpers.terminate", "helpers.cluster", "helpers.sshd", "helpe
 #   notebooks: the notebooks, executed once per session (helpers/notebooks.py); the docs site, which
 #              shows the copies they leave and so runs after them (the `last` marker); and Ray Train's
 #              test, since notebook 06 also starts a Ray cluster on this machine (both would use /tmp/ray)
+# The controller schedules (GroupScheduling); which files use the test hosts only the workers' collection
+# knows (a fixture's closure), so they write that list where the controller reads it (GROUPS_DIR).
+# xdist's own xdist_group mark is not used: with pytest 9.2 it no longer groups anything
+# (pytest-dev/pytest-xdist#1386).
 NOTEBOOK_GROUP = ("tests/notebook/test_notebooks.py", "tests/notebook/test_newcomer_path.py",
                   "tests/notebook/test_setup_widget.py", "tests/launch/sagemaker/test_sagemaker_notebook.py",
                   "tests/house/test_docs_site.py", "tests/torch/test_integrations.py")
+GROUPS_DIR = "SDP_TEST_GROUPS_DIR"
 
 
-def xdist_group_of(path: str, files_on_hosts: set) -> str:
-    """The xdist group of the test file `path` (relative to the checkout, with /): see above."""
+def xdist_group_of(path: str, files_on_hosts) -> str:
+    """The group of the test file `path` (relative to the checkout, with /): see above."""
     if path in files_on_hosts:
         return "hosts"
     if path.startswith("tests/browser/"):
@@ -41,15 +46,59 @@ def xdist_group_of(path: str, files_on_hosts: set) -> str:
     return "notebooks" if path in NOTEBOOK_GROUP else path
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_configure(config):
+    if _is_controller(config) and config.getoption("dist", "no") == "loadgroup":
+        import tempfile
+
+        os.environ[GROUPS_DIR] = tempfile.mkdtemp(prefix="sdp-test-groups-")  # the workers inherit it
+
+
+def pytest_unconfigure(config):
+    if _is_controller(config) and os.environ.get(GROUPS_DIR):
+        import shutil
+
+        shutil.rmtree(os.environ.pop(GROUPS_DIR), ignore_errors=True)
+
+
+def _is_controller(config) -> bool:
+    return not hasattr(config, "workerinput") and bool(config.getoption("numprocesses", None))
+
+
 def pytest_collection_modifyitems(session, config, items):
     """Tests marked `last` run after every other test (the docs site shows the notebooks the suite
-    executed); every test gets its xdist group (test_group)."""
+    executed). A worker of a parallel run writes which files use the test hosts."""
     items.sort(key=lambda item: item.get_closest_marker("last") is not None)  # stable: the rest keep their order
-    path = {item: Path(str(item.path)).relative_to(REPO).as_posix() for item in items}
-    on_hosts = {path[item] for item in items if "cluster4" in getattr(item, "fixturenames", ())}
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(xdist_group_of(path[item], on_hosts)))
+    where = os.environ.get(GROUPS_DIR)
+    if where and hasattr(config, "workerinput"):
+        import json
+
+        on_hosts = sorted({Path(str(item.path)).relative_to(REPO).as_posix() for item in items
+                           if "cluster4" in getattr(item, "fixturenames", ())})
+        mine = Path(where) / f"{config.workerinput['workerid']}.json"
+        mine.with_suffix(".tmp").write_text(json.dumps(on_hosts))
+        mine.with_suffix(".tmp").replace(mine)  # whole or absent: the controller may read it at once
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of xdist: a run without it (-p no:xdist) has no such hook
+def pytest_xdist_make_scheduler(config, log):
+    if config.getoption("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        """xdist's scope scheduling, a scope being xdist_group_of the test's file."""
+        _on_hosts = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self._on_hosts is None:  # read once: every worker collected the same tests, and all have finished
+                import json
+
+                self._on_hosts = set()
+                for f in Path(os.environ[GROUPS_DIR]).glob("*.json"):
+                    self._on_hosts.update(json.loads(f.read_text()))
+            return xdist_group_of(nodeid.split("::")[0], self._on_hosts)
+
+    return GroupScheduling(config, log)
 
 
 def job_processes(root) -> list:

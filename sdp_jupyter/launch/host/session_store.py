@@ -42,8 +42,14 @@ def ready(proc: subprocess.Popen) -> None:
     import select
 
     said, _, _ = select.select([proc.stdout], [], [], READY_TIMEOUT)
-    if said and proc.stdout.readline().strip() == b"ready":
+    line = proc.stdout.readline().strip() if said else None
+    if line == b"ready":
         return
+    if line == b"":  # its output closed: it is ending (on a loaded machine its exit can come a while later)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
     if proc.poll() is None:
         proc.kill()
         proc.wait()
