@@ -26,7 +26,8 @@ pytest_plugins = ["helpers.terminate", "helpers.cluster", "helpers.sshd", "helpe
 #   browser:   one JupyterLab server and one chromium for every browser test
 #   notebooks: the notebooks, executed once per session (helpers/notebooks.py); the docs site, which
 #              shows the copies they leave and so runs after them (the `last` marker); and Ray Train's
-#              test, since notebook 06 also starts a Ray cluster on this machine (both would use /tmp/ray)
+#              test, which like notebook 06 starts a Ray cluster on this machine (each of them, and the
+#              test hosts' Ray cluster, holds helpers.raycluster.one_ray_at_a_time while it runs)
 # The controller schedules (GroupScheduling); which files use the test hosts only the workers' collection
 # knows (a fixture's closure), so they write that list where the controller reads it (GROUPS_DIR).
 # xdist's own xdist_group mark is not used: with pytest 9.2 it no longer groups anything
@@ -35,6 +36,11 @@ NOTEBOOK_GROUP = ("tests/notebook/test_notebooks.py", "tests/notebook/test_newco
                   "tests/notebook/test_setup_widget.py", "tests/launch/sagemaker/test_sagemaker_notebook.py",
                   "tests/house/test_docs_site.py", "tests/torch/test_integrations.py")
 GROUPS_DIR = "SDP_TEST_GROUPS_DIR"
+# The groups given out first (the rest follow in collection order): the longest, so that no worker is
+# left with one of them at the end (seconds in a parallel run on 2 cores: hosts about 1300, notebooks
+# 700, the native builds 350, torch's own suite 280, the browser 200).
+LONGEST_FIRST = ("hosts", "notebooks", "tests/engine/test_native_builds.py", "tests/torch/test_conformance.py",
+                 "browser")
 
 
 def xdist_group_of(path: str, files_on_hosts) -> str:
@@ -72,10 +78,12 @@ def pytest_collection_modifyitems(session, config, items):
     if where and hasattr(config, "workerinput"):
         import json
 
-        on_hosts = sorted({Path(str(item.path)).relative_to(REPO).as_posix() for item in items
-                           if "cluster4" in getattr(item, "fixturenames", ())})
+        path = {item: Path(str(item.path)).relative_to(REPO).as_posix() for item in items}
+        on_hosts = {path[item] for item in items if "cluster4" in getattr(item, "fixturenames", ())}
+        rank = {group: i for i, group in enumerate(LONGEST_FIRST)}
+        items.sort(key=lambda item: rank.get(xdist_group_of(path[item], on_hosts), len(rank)))  # stable
         mine = Path(where) / f"{config.workerinput['workerid']}.json"
-        mine.with_suffix(".tmp").write_text(json.dumps(on_hosts))
+        mine.with_suffix(".tmp").write_text(json.dumps(sorted(on_hosts)))
         mine.with_suffix(".tmp").replace(mine)  # whole or absent: the controller may read it at once
 
 
@@ -84,6 +92,8 @@ def pytest_xdist_make_scheduler(config, log):
     if config.getoption("dist") != "loadgroup":
         return None
     from xdist.scheduler import LoadScopeScheduling
+
+    config.option.loadscopereorder = False  # the workers' order (LONGEST_FIRST), not the most tests first
 
     class GroupScheduling(LoadScopeScheduling):
         """xdist's scope scheduling, a scope being xdist_group_of the test's file."""
