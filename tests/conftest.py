@@ -26,8 +26,7 @@ pytest_plugins = ["helpers.terminate", "helpers.cluster", "helpers.sshd", "helpe
 #   browser:   one JupyterLab server and one chromium for every browser test
 #   notebooks: the notebooks, executed once per session (helpers/notebooks.py); the docs site, which
 #              shows the copies they leave and so runs after them (the `last` marker); and Ray Train's
-#              test, which like notebook 06 starts a Ray cluster on this machine (each of them, and the
-#              test hosts' Ray cluster, holds helpers.raycluster.one_ray_at_a_time while it runs)
+#              test, which like notebook 06 starts a Ray cluster on this machine
 # The controller schedules (GroupScheduling); which files use the test hosts only the workers' collection
 # knows (a fixture's closure), so they write that list where the controller reads it (GROUPS_DIR).
 # xdist's own xdist_group mark is not used: with pytest 9.2 it no longer groups anything

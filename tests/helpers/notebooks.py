@@ -18,14 +18,12 @@ naming them (and, for 11_elastic, which cuts h3's link, the running test hosts' 
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from conftest import REPO, wait_no_processes
-from helpers.raycluster import one_ray_at_a_time
 from tools.executed import EXECUTED
 
 
@@ -83,8 +81,7 @@ def _run(path: Path, request) -> NotebookRun:
             prepare = lambda nb: inject_parameters(  # noqa: E731
                 nb, f"HOSTS = {','.join(hosts.hosts)!r}\nSSH_CONFIG = {str(config)!r}\nCLUSTER = {hosts.cluster.name!r}")
         try:
-            with one_ray_at_a_time() if path.name == "06_ray.ipynb" else contextlib.nullcontext():
-                nb = execute(path, EXECUTED, km=km, prepare=prepare)  # raises CellExecutionError naming the cell
+            nb = execute(path, EXECUTED, km=km, prepare=prepare)  # raises CellExecutionError naming the cell
         finally:
             if path.name == "11_elastic.ipynb":  # it cuts a link of the shared test hosts: healed whatever happened
                 hosts.cluster.heal(3)

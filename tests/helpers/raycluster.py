@@ -7,7 +7,6 @@ The test's driver runs on h0 too, with the same token. Everything is stopped by 
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import secrets
 import select
@@ -15,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -109,12 +109,10 @@ class RayHosts:
         self.watcher.wait()
         return None
 
-    def _wait_nodes(self, n: int, gone: set = frozenset(), timeout: float = 200.0,
-                    head_stuck: float = 60.0) -> None:
+    def _wait_nodes(self, n: int, gone: set = frozenset(), timeout: float = 120.0) -> None:
         """Until the first `n` hosts each have an alive node, none of whose ids is in `gone`."""
         want = set(self.cluster.addresses[:n])
         deadline = time.monotonic() + timeout
-        head_since = time.monotonic()
         while True:
             for i, p in list(self.starts.items()):
                 if p.poll() is not None:
@@ -124,15 +122,6 @@ class RayHosts:
             alive = self._alive()
             if alive is not None and {ip for ip, _ in alive} >= want and not {node for _, node in alive} & gone:
                 return
-            if alive is not None:
-                head_since = time.monotonic()
-            elif time.monotonic() - head_since > head_stuck:
-                # a head whose `ray start` runs on but whose GCS nobody reaches (seen twice in the parallel
-                # suite, 120 s each): start it again, as one that exited
-                signal_all(self.ray_pids(0), signal.SIGKILL)
-                self.starts[0].wait()
-                self._retry(0, f"was not reachable for {head_stuck:g} s")
-                head_since = time.monotonic()
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the Ray cluster did not reach {n} nodes (alive: {alive}, waiting for "
                                    f"{sorted(gone)} to be gone): {self.last_error}\nh0's log: "
@@ -193,35 +182,18 @@ class RayHosts:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
-@contextlib.contextmanager
-def one_ray_at_a_time():
-    """Held while a test runs a Ray cluster on this machine (the test hosts' one, or a local one: Ray
-    Train's test, notebook 06). In the parallel suite the test hosts' head was twice not reachable for
-    120 s while the other worker ran notebooks 05-11, a local Ray among them; a local Ray (or a second
-    set of test hosts) beside it alone did not stop it, so the load is the likely cause: this keeps the
-    Ray clusters one at a time, and _wait_nodes starts a head again that nobody reaches. A lock file
-    under /tmp: the workers are processes."""
-    import fcntl
-    import tempfile
-
-    with open(os.path.join(tempfile.gettempdir(), "sdp-tests-one-ray.lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
 @pytest.fixture(scope="module")
-def ray_hosts(cluster4, tmp_path_factory):
+def ray_hosts(cluster4):
     """A Ray head on h0 and workers on h1..h3 of the shared cluster, for one test module (its 2 GB and
     its background CPU are given back when the module ends). Skipped without ray."""
     if not os.path.exists(RAY):
         pytest.skip("ray is not installed (pip install ray: the `ray` extra)")
-    hosts = RayHosts(cluster4, tmp_path_factory.mktemp("ray"))
-    with one_ray_at_a_time():
-        try:
-            hosts.start()
-            yield hosts
-        finally:
-            hosts.stop()
+    # a short folder of its own: Ray's sockets live under --temp-dir, and a Unix socket's path has at most
+    # 107 bytes; under pytest-xdist's basetemp (.../popen-gw0/ray0/h0/session_<date>_<pid>/sockets/
+    # plasma_store) it took 109, and the head never came up (every parallel run, until this)
+    hosts = RayHosts(cluster4, Path(tempfile.mkdtemp(prefix="sdp-ray-")))
+    try:
+        hosts.start()
+        yield hosts
+    finally:
+        hosts.stop()

@@ -83,14 +83,11 @@ def _ray_run(backend: str, out: str):
 @pytest.mark.slow
 def test_ray_train_torch_config_smddp_matches_gloo(tmp_path):
     ray = pytest.importorskip("ray")
-    from helpers.raycluster import one_ray_at_a_time
-
-    with one_ray_at_a_time():
-        # one node: no SDP_JOB_SECRET needed (across nodes the recipe passes one in runtime_env's env vars)
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": HELPERS + os.pathsep + ROOT}})
-        try:
-            runs = {b: _ray_run(b, str(tmp_path / b)) for b in ("smddp", "gloo")}
-        finally:
-            ray.shutdown()
+    # one node: no SDP_JOB_SECRET needed (across nodes the recipe passes one in runtime_env's env vars)
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": HELPERS + os.pathsep + ROOT}})
+    try:
+        runs = {b: _ray_run(b, str(tmp_path / b)) for b in ("smddp", "gloo")}
+    finally:
+        ray.shutdown()
     _assert_same_weights(runs)
