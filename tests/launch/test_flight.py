@@ -22,6 +22,8 @@ rank, world = dist.get_rank(), dist.get_world_size()
 fault, victim = os.environ["FAULT"], world - 1
 t = torch.ones(1 << 20)
 for step in range(10):
+    if step == 5 and fault == "kill" and rank != victim:
+        time.sleep(1.0)  # the victim waits inside all_reduce #6 when its timer fires (not already in #7)
     if step == 5 and rank == victim:
         if fault == "skip":      # its own code, never all_reduce #6
             time.sleep(120)
@@ -29,7 +31,7 @@ for step in range(10):
             dist.broadcast(t, src=0)
             continue
         elif fault == "kill":    # killed in the middle of all_reduce #6
-            threading.Timer(0.002, os.kill, (os.getpid(), signal.SIGKILL)).start()
+            threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGKILL)).start()
         elif fault == "stop":    # frozen (alive, silent) before all_reduce #6
             os.kill(os.getpid(), signal.SIGSTOP)
     dist.all_reduce(t)

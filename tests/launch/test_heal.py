@@ -73,7 +73,10 @@ def test_a_second_death_while_the_group_forms_costs_no_timeout(tmp_path, jobs_di
     assert [h["members"] for h in heals[:3]] == [[0, 1, 2, 3], [0, 1, 3], [0, 1]], heals
     assert sorted(heals[-1]["members"]) == [0, 1, 2, 3], heals
     log = (job.dir / "logs" / "rank-0.log").read_text()
-    formed = re.search(r"rank 0: generation 2, 2 ranks \[0, 1\] from step 20 \(step 20 failed: [^\n]*; ([0-9.]+) s\)", log)
+    # formed when step 20's collective failed, or (on a loaded machine, rank 3 dying a moment later) at
+    # the boundary before it: either way at the next record, not after the handshake's timeout
+    formed = re.search(r"rank 0: generation 2, 2 ranks \[0, 1\] from step 20 \((?:step 20 failed: [^\n]*|boundary); "
+                       r"([0-9.]+) s\)", log)
     assert formed, log
     assert float(formed.group(1)) < 20, formed.group(0)  # 1.5 s of rank 3's delay and the formation
     lines = heal_lines(job.dir, 4)
