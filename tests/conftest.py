@@ -52,21 +52,21 @@ def xdist_group_of(path: str, files_on_hosts) -> str:
 
 
 def pytest_configure(config):
-    if _is_controller(config) and config.getoption("dist", "no") == "loadgroup":
+    from helpers.terminate import is_xdist_controller  # imported here: pytest loads it as a plugin first
+
+    if is_xdist_controller(config) and config.getoption("dist", "no") == "loadgroup":
         import tempfile
 
         os.environ[GROUPS_DIR] = tempfile.mkdtemp(prefix="sdp-test-groups-")  # the workers inherit it
 
 
 def pytest_unconfigure(config):
-    if _is_controller(config) and os.environ.get(GROUPS_DIR):
+    from helpers.terminate import is_xdist_controller
+
+    if is_xdist_controller(config) and os.environ.get(GROUPS_DIR):
         import shutil
 
         shutil.rmtree(os.environ.pop(GROUPS_DIR), ignore_errors=True)
-
-
-def _is_controller(config) -> bool:
-    return not hasattr(config, "workerinput") and bool(config.getoption("numprocesses", None))
 
 
 def pytest_collection_modifyitems(session, config, items):
@@ -103,7 +103,8 @@ def pytest_xdist_make_scheduler(config, log):
                 import json
 
                 self._on_hosts = set()
-                for f in Path(os.environ[GROUPS_DIR]).glob("*.json"):
+                where = os.environ.get(GROUPS_DIR)  # unset: no worker wrote one (no groups but the files)
+                for f in Path(where).glob("*.json") if where else ():
                     self._on_hosts.update(json.loads(f.read_text()))
             return xdist_group_of(nodeid.split("::")[0], self._on_hosts)
 

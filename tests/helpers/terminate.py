@@ -43,9 +43,13 @@ def _signal_workers() -> int:
 def pytest_configure(config):
     if threading.current_thread() is threading.main_thread():
         _before.append(signal.signal(signal.SIGTERM, _interrupt))
-        if not hasattr(config, "workerinput") and config.pluginmanager.hasplugin("xdist") \
-                and (config.getoption("numprocesses", None) or 0):
+        if is_xdist_controller(config):
             _controller.append(True)
+
+
+def is_xdist_controller(config) -> bool:
+    """Whether this pytest is the controller of a parallel run (it hands out tests and runs none)."""
+    return not hasattr(config, "workerinput") and bool(config.getoption("numprocesses", None))
 
 
 def pytest_unconfigure(config):
