@@ -149,13 +149,27 @@ def test_script_arguments_follow_sagemaker_hyperparameter_convention():
     assert script_arguments(spec.to_dict()) == ["--a", "1", "--lr", "0.1", "--name", "x", "--flag", "true"]
 
 
+def local_env(run, rank: int, attempt: int, port: int, gpus: int = 0) -> dict:
+    """What a local node's agent gives `rank` (launch/host/agent.py) from the run's start frame."""
+    from sdp_jupyter.launch.host.agent import rank_environment
+
+    frame = {"secret": run.secret, "master_addr": "127.0.0.1", "master_port": port, "attempt": attempt,
+             **run.start_fields()}
+    return rank_environment(run.spec, frame, rank, run.job.dir, "127.0.0.1", gpus)
+
+
+def local_run(spec, job_dir):
+    run = LocalRun(spec, LocalLauncher())
+    run.attach(Job(spec, job_dir), None)
+    return run
+
+
 def test_worker_environment(tmp_path):
     spec = LocalLauncher().resolve(JobSpec(code="x", name="envjob", nodes=2, procs_per_node=2, backend="gloo",
                                            env={"FOO": "bar"}, hyperparameters={"lr": 0.1},
                                            jobs_dir=str(tmp_path)))
-    job = Job(spec, tmp_path / "envjob")
-    run = LocalRun(job, LocalLauncher())
-    env = run.environment(rank=3, attempt=1, port=12345)
+    run = local_run(spec, tmp_path / "envjob")
+    env = local_env(run, rank=3, attempt=1, port=12345)
     assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"], env["GROUP_RANK"]) == \
         ("3", "1", "4", "2", "1")
     assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("127.0.0.1", "12345")
@@ -166,8 +180,8 @@ def test_worker_environment(tmp_path):
     assert len(env["SDP_JOB_SECRET"]) == 64 and env["SDP_BACKEND"] == "gloo" and env["SDP_RESTART"] == "1"
     assert env["SDP_CHECKPOINT_DIR"] == str(tmp_path / "envjob" / "checkpoints")
     assert env["FOO"] == "bar" and env["SDP_NUM_NODES"] == "2"
-    other = LocalRun(job, LocalLauncher())
-    assert other.environment(0, 0, 1)["SDP_JOB_SECRET"] != env["SDP_JOB_SECRET"]  # fresh per job
+    other = local_run(spec, tmp_path / "envjob")
+    assert local_env(other, 0, 0, 1)["SDP_JOB_SECRET"] != env["SDP_JOB_SECRET"]  # fresh per job
     assert not any(k in env for k in ("SDP_TP", "SDP_PP", "SDP_MICROBATCHES", "SDP_SHARD_OPTIMIZER"))
 
 
@@ -176,8 +190,8 @@ def test_worker_environment_carries_the_hybrid_parallel_options(tmp_path):
 
     spec = LocalLauncher().resolve(JobSpec(code="x", name="hyb", nodes=2, procs_per_node=2, backend="gloo",
                                            jobs_dir=str(tmp_path), parallel=HYBRID))
-    run = LocalRun(Job(spec, tmp_path / "hyb"), LocalLauncher())
-    envs = [run.environment(rank, 0, 1) for rank in range(4)]
+    run = local_run(spec, tmp_path / "hyb")
+    envs = [local_env(run, rank, 0, 1) for rank in range(4)]
     expected = {"SDP_TP": "2", "SDP_PP": "2", "SDP_MICROBATCHES": "4", "SDP_ACTIVE_MICROBATCHES": "2",
                 "SDP_PIPELINE_SCHEDULE": "interleaved", "SDP_VIRTUAL_STAGES": "2", "SDP_SHARD_OPTIMIZER": "gradients",
                 "SDP_CHECKPOINT_ACTIVATIONS": "selective", "SDP_OFFLOAD_ACTIVATIONS": "0",
@@ -204,11 +218,11 @@ def test_compat_path_only_without_the_real_library(tmp_path, monkeypatch):
     from sdp_jupyter.launch import process  # where the rank's PYTHONPATH is made, for every target
 
     spec = LocalLauncher().resolve(JobSpec(code="x", name="c", backend="gloo", jobs_dir=str(tmp_path)))
-    run = LocalRun(Job(spec, tmp_path / "c"), LocalLauncher())
+    run = local_run(spec, tmp_path / "c")
     monkeypatch.setattr(process, "smdistributed_installed", lambda: False)
-    assert process.COMPAT_DIR in run.environment(0, 0, 1)["PYTHONPATH"].split(":")
+    assert process.COMPAT_DIR in local_env(run, 0, 0, 1)["PYTHONPATH"].split(":")
     monkeypatch.setattr(process, "smdistributed_installed", lambda: True)
-    assert process.COMPAT_DIR not in run.environment(0, 0, 1)["PYTHONPATH"].split(":")
+    assert process.COMPAT_DIR not in local_env(run, 0, 0, 1)["PYTHONPATH"].split(":")
 
 
 def test_bad_input_launches_nothing(tmp_path):
@@ -238,12 +252,11 @@ def test_each_local_node_sees_its_own_gpus(tmp_path, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
     spec = LocalLauncher().resolve(JobSpec(code="x", name="g", nodes=2, procs_per_node=2, backend="gloo",
                                            jobs_dir=str(tmp_path)))
-    run = LocalRun(Job(spec, tmp_path / "g"), LocalLauncher())
-    run.gpus = 4  # as NVML would report on a 4-GPU machine
-    assert [run.environment(r, 0, 1)["CUDA_VISIBLE_DEVICES"] for r in range(4)] == ["4,5", "4,5", "6,7", "6,7"]
-    assert run.environment(0, 0, 1)["SM_NUM_GPUS"] == "2"
-    run.gpus = 0
-    assert run.environment(3, 0, 1)["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"  # no GPU found: left alone
+    run = local_run(spec, tmp_path / "g")
+    # gpus=4: as NVML would report on a 4-GPU machine
+    assert [local_env(run, r, 0, 1, gpus=4)["CUDA_VISIBLE_DEVICES"] for r in range(4)] == ["4,5", "4,5", "6,7", "6,7"]
+    assert local_env(run, 0, 0, 1, gpus=4)["SM_NUM_GPUS"] == "2"
+    assert local_env(run, 3, 0, 1)["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"  # no GPU found: left alone
 
 
 def test_a_folder_that_is_not_a_job_is_never_cleared(tmp_path):

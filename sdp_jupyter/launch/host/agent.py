@@ -1,20 +1,24 @@
-"""The per-host agent: `python -m sdp_jupyter.launch.host.agent`, one per host of a remote job.
+"""The node agent: `python -m sdp_jupyter.launch.host.agent`, one per node of every job but SageMaker's.
 
-A remote target reaches it over a byte channel, the agent's stdin and stdout: the SSH target through
-`ssh -T host python -m sdp_jupyter.launch.host.agent`, the Ray target through an actor on the node that
-starts the agent as its child and relays the frames (launch/kernel/ray.py). On its host the agent does what the local
-launcher does for a node: it writes the job's files into a private folder, starts the node's ranks
-with the same bootstrap and environment (launch/host/ranks.py), runs the node's utilization sampler, and
-streams everything back: each rank's output, metrics lines, exit codes, rank 0's result.
+Each target reaches it over a byte channel, the agent's stdin and stdout: the local target through a
+pipe to a child of the kernel (launch/kernel/local.py), the SSH target through `ssh -T host python -m
+sdp_jupyter.launch.host.agent`, the Ray target through an actor on the node that starts the agent as
+its child and relays the frames (launch/kernel/ray.py), the Slurm target through srun. On its host the
+agent writes the job's files into a private folder, starts the node's ranks with the same bootstrap
+and environment (launch/host/ranks.py), runs the node's utilization sampler, watches, stops and starts
+again its ranks, and streams everything back: each rank's output, metrics lines, exit codes, rank 0's
+result. A local job's agents work in the kernel's job folder itself (`shared_dir` in the start frame):
+they send back only output (for the views), pids, exits and answers to the launcher's frames.
 
 Channel: frames of a 4-byte big-endian length and a UTF-8 JSON object with a "type". Binary values
 (the script, --push data, the result) travel base64-encoded. The job secret arrives in the `start`
 frame, so it is never on a command line, in the host's environment or in a file.
 
     agent -> launcher   hello {version, python, hostname, addr, gpus, pid}   once, at start
-                        port {port}                 answer to `port`: a free port on this host
+                        port {port} or {error}      answer to `port`: a free port on this host, or why none
                         out {rank, text}            a piece of a rank's output (at most LINE_CAP bytes)
                         metrics {file, lines}       new complete lines of a metrics/*.jsonl file
+                        spawned {rank, pid}         a rank's process started (at start, or a respawn)
                         exit {rank, code}           a rank ended
                         result {data}               rank 0's result.pkl (after rank 0 exited)
                         started {warm, reason}      how this attempt's ranks started (warm: forked
@@ -24,7 +28,8 @@ frame, so it is never on a command line, in the host's environment or in a file.
                         error {message}             the agent cannot go on (bad frame, cannot start)
                         session {name, data}        an interactive session's answer file (ready-R,
                                                     done-N-R: launch/rank/session.py), once written
-    launcher -> agent   start {...}  port {range}  stop {}  ping {}  bye {}   (range: the job's SDP_PORT_RANGE or None)
+    launcher -> agent   start {...}  port {range}  stop {}  ping {}  bye {}   (range: the job's SDP_PORT_RANGE or None;
+                                                    start's shared_dir, ranks_here, split_gpus: a local job's)
                         session {}                  this job is a session: send its answers back (or
                                                     "session": true in the start frame)
                         session {name, data}        a cell file for the node's ranks
@@ -70,6 +75,20 @@ def connection_address() -> str:
         return "127.0.0.1"
 
 
+def rank_environment(spec, m: dict, rank: int, job_dir: Path, addr: str, gpus: int) -> dict:
+    """The environment of `rank`, started by the agent of start frame `m` (launch/host/ranks.py)."""
+    from sdp_jupyter import jobdir
+    from sdp_jupyter.launch.host import ranks
+
+    env = ranks.environment(spec, rank=rank, world_size=spec.world_size, job_dir=str(job_dir), job_name=spec.name,
+                            secret=m["secret"], master_addr=m["master_addr"], master_port=int(m["master_port"]),
+                            bind_addr=addr, attempt=int(m.get("attempt", 0)), gpus=gpus,
+                            ranks_here=int(m.get("ranks_here") or spec.procs_per_node),
+                            split_gpus=bool(m.get("split_gpus")))
+    env["SDP_SCRIPT"] = str(job_dir / jobdir.SCRIPT)
+    return env
+
+
 def agent_root() -> Path:
     return Path(env_str("SDP_AGENT_DIR") or Path.home() / ".cache" / "sdp_jupyter" / "jobs")
 
@@ -94,6 +113,9 @@ class Agent:
         self._session_job = False
         self._heal_job = False  # a --heal job: a dead rank's node waits for its respawn; heal files relayed
         self._store = None  # a session's store process on node 0 (launch/host/session_store.py)
+        # the local target's agents work in the kernel's job folder, which the launcher reads itself:
+        # no files are written for it, sent back, relayed or removed (only output for the views, exits)
+        self._shared = False
 
     def send(self, message: dict) -> None:
         data = encode(message)
@@ -121,7 +143,10 @@ class Agent:
                 elif kind == "port":
                     from sdp_jupyter._net import free_port
 
-                    self.send({"type": "port", "port": free_port(self.addr, message.get("range"))})
+                    try:
+                        self.send({"type": "port", "port": free_port(self.addr, message.get("range"))})
+                    except OSError as e:  # (a full SDP_PORT_RANGE): the launcher's error, the agent goes on
+                        self.send({"type": "port", "error": str(e)})
                 elif kind == "session":
                     self._session(message)
                 elif kind == "interrupt":
@@ -169,7 +194,12 @@ class Agent:
         if self._attempt_thread is not None and self._attempt_thread.is_alive():
             raise ValueError("a start came while the previous attempt still runs")
         self.timeout = float(m.get("heartbeat_timeout", HEARTBEAT_TIMEOUT))
-        spec = JobSpec.from_dict(m["spec"])
+        from sdp_jupyter.launch.target_options import TARGETS
+
+        data = m["spec"]
+        if data.get("target") not in TARGETS:  # registered in the notebook's process only: a node runs the same
+            data = {**data, "target": "local"}
+        spec = JobSpec.from_dict(data)
         name = spec.name
         if not name or "/" in name or name.startswith("."):
             raise ValueError(f"bad job name {name!r}")
@@ -177,7 +207,9 @@ class Agent:
         # per host of the job ("slot": an elastic job renumbers its nodes; a host keeps its folder and
         # checkpoints); per node, not per job: a home on shared storage serves many hosts
         job_dir = agent_root() / name / f"node-{int(m.get('slot', node))}"
-        if self.job_dir is None:  # first attempt: fresh files; checkpoints of an earlier run of the name kept
+        if m.get("shared_dir"):
+            job_dir, self._shared = Path(m["shared_dir"]), True
+        elif self.job_dir is None:  # first attempt: fresh files; checkpoints of an earlier run of the name kept
             jobdir.ensure_private_dir(agent_root())
             jobdir.ensure_private_dir(job_dir.parent)
             jobdir.prepare(job_dir)
@@ -189,9 +221,9 @@ class Agent:
             if spec.checkpoint_dir:
                 Path(spec.checkpoint_dir).expanduser().mkdir(parents=True, exist_ok=True)
         self.job_dir = job_dir
-        (job_dir / jobdir.RESULT).unlink(missing_ok=True)
+        if not self._shared:  # (a shared folder's result is the launcher's to clear)
+            (job_dir / jobdir.RESULT).unlink(missing_ok=True)
         ppn = spec.procs_per_node
-        world = spec.world_size
         gpus = ranks.gpu_count()
         pool, reason = m.get("warm"), m.get("cold_reason")
         if pool:
@@ -204,7 +236,7 @@ class Agent:
 
             self._store = session_store.start(job_dir, self.addr, int(m["master_port"]))
         self._heal_job = spec.heal
-        if spec.heal:  # the membership record its ranks read first (sdp_jupyter.heal), before they start
+        if spec.heal and not self._shared:  # the membership record its ranks read first (sdp_jupyter.heal)
             jobdir.ensure_private_dir(job_dir / jobdir.HEAL)
             self._heal_file(m["heal"])
             threading.Thread(target=self._relay_heal, daemon=True, name="sdp-agent-heal").start()
@@ -216,19 +248,16 @@ class Agent:
         self._envs = {}
         for local_rank in range(ppn):
             rank = node * ppn + local_rank
-            env = ranks.environment(spec, rank=rank, world_size=world, job_dir=str(job_dir), job_name=name,
-                                    secret=m["secret"], master_addr=m["master_addr"],
-                                    master_port=int(m["master_port"]), bind_addr=self.addr,
-                                    attempt=int(m.get("attempt", 0)), gpus=gpus, ranks_here=ppn, split_gpus=False)
-            env["SDP_SCRIPT"] = str(job_dir / jobdir.SCRIPT)
-            self._envs[rank] = env
+            env = self._envs[rank] = rank_environment(spec, m, rank, job_dir, self.addr, gpus)
             proc = warm.fork_rank(pool["socket"], ranks.WORKER, env, owned=True) if pool else None
             if isinstance(proc, str):  # one cold rank makes the node cold
                 pool, reason = None, proc
-            node_ranks.add(rank, ranks.spawn(env) if proc is None or isinstance(proc, str) else proc)
+            proc = ranks.spawn(env) if proc is None or isinstance(proc, str) else proc
+            node_ranks.add(rank, proc)
+            self.send({"type": "spawned", "rank": rank, "pid": proc.pid})
         self._live = set(self._envs)
         self._stopping.clear()
-        self._session_job = bool(m.get("session"))
+        self._session_job = self._session_job or bool(m.get("session"))
         if self._store is not None:  # awaited aside: this loop must go on reading (the launcher's pings)
             threading.Thread(target=self._store_ready, daemon=True, name="sdp-agent-store").start()
         if m.get("session"):
@@ -258,9 +287,10 @@ class Agent:
         tailer = threading.Thread(target=self._tail_metrics, args=(tailer_stop,), daemon=True)
         tailer.start()
         codes = {}
-        # a session's or --heal job's node whose rank died stays up for the launcher's respawn (or stop)
-        waits = self._session_job or self._heal_job
-        while self._live or (waits and any(codes.values()) and not self._stopping.is_set()):
+        # a session's or --heal job's node whose rank died stays up for the launcher's respawn (or stop);
+        # read each time: the `session {}` frame may come after the start
+        while self._live or ((self._session_job or self._heal_job) and any(codes.values())
+                             and not self._stopping.is_set()):
             try:
                 rank, code = node_ranks.exits.get(timeout=0.2)
             except queue.Empty:
@@ -276,7 +306,7 @@ class Agent:
         tailer.join(timeout=5)
         result = self.job_dir / jobdir.RESULT
         # the rank that saved the result ran here (rank 0; in a --heal job maybe another) and ended well
-        if codes and not any(codes.values()) and result.is_file():
+        if codes and not any(codes.values()) and result.is_file() and not self._shared:
             self.send({"type": "result", "data": b64(result.read_bytes())})
         self.send({"type": "done", "codes": codes})
 
@@ -285,7 +315,8 @@ class Agent:
         from sdp_jupyter import jobdir
 
         if "name" not in m:
-            if not self._relaying:
+            self._session_job = True
+            if not self._relaying and not self._shared:
                 self._relaying = True
                 threading.Thread(target=self._relay_session, daemon=True, name="sdp-agent-session").start()
             return
@@ -307,6 +338,7 @@ class Agent:
         proc = ranks.spawn({**self._envs[rank], **extra})
         self._live.add(rank)
         self._node.add(rank, proc)
+        self.send({"type": "spawned", "rank": rank, "pid": proc.pid})
 
     # ---------------------------------------------------------------- a --heal job's files
     def _heal_file(self, m: dict) -> None:
@@ -316,6 +348,8 @@ class Agent:
         name = str(m["name"])
         if not (jobdir.is_heal_record(name) or name == jobdir.HEAL_FINISHED) or self.job_dir is None:
             raise ValueError(f"bad heal file {name!r}")
+        if self._shared:  # the launcher wrote it where the ranks read it
+            return
         self._heal_sent.add(name)  # never sent back
         jobdir.write_private(self.job_dir / jobdir.HEAL / name, unb64(m["data"]))
 
@@ -377,7 +411,7 @@ class Agent:
         from sdp_jupyter import jobdir
 
         tails: dict[str, jobdir.JsonLinesTail] = {}
-        while True:
+        while not self._shared:
             last = stop.wait(0.5)
             for path in jobdir.metrics_paths(self.job_dir, flight=True):
                 if jobdir.is_metrics_name(path.name) and path.name not in tails:
@@ -411,7 +445,7 @@ class Agent:
 
     def _remove_files(self) -> None:
         """After the job: everything but the checkpoints (a later job of the name may resume from them)."""
-        if self.job_dir is None:
+        if self.job_dir is None or self._shared:
             return
         from sdp_jupyter import jobdir
 

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import collections
 import queue
+import subprocess
 import threading
 import time
 
 from sdp_jupyter.launch import channel
 
 CONNECT_TIMEOUT = 10       # seconds for a link to reach its node
+CONNECTED = "sdp-agent-connected"  # what a link's command prints on stderr once it reached the node
 
 
 def install_fix(version: str, where: str) -> str:
@@ -57,3 +59,60 @@ class Link:
             return (f"sdp_jupyter is not installed for {python} there. Fix: "
                     + install_fix(channel.version(), f"for that Python on {self.host}"))
         return f"the agent did not start (exit {code}: {said or 'no output'})"
+
+
+class ProcessLink(Link):
+    """A link that is a child process whose stdin and stdout carry the frames (an ssh client, srun, a local
+    agent); its stderr lines are kept, and the line CONNECTED sets `connected`."""
+
+    def begin(self, proc: subprocess.Popen) -> None:
+        self._send_lock = threading.Lock()
+        self.proc = proc
+        threading.Thread(target=self._read, daemon=True, name=f"sdp-{self.kind}-{self.host}").start()
+        self._err_thread = threading.Thread(target=self._read_stderr, daemon=True, name=f"sdp-{self.kind}-err-{self.host}")
+        self._err_thread.start()
+
+    def _read(self) -> None:
+        why = f"the {self.kind} connection closed"
+        try:
+            while True:
+                self.heard(channel.decode(self.proc.stdout))
+        except channel.ChannelClosed:
+            pass
+        except ValueError as e:
+            why = f"the agent sent a bad frame ({e})"
+        code = self.proc.wait()
+        self._err_thread.join(timeout=2)
+        self.inbox.put((self.node, {"type": "eof", "why": why, "code": code}))
+
+    def _read_stderr(self) -> None:
+        for raw in iter(self.proc.stderr.readline, b""):
+            line = raw.decode("utf-8", "replace").rstrip()
+            if line == CONNECTED and not self.connected.is_set():
+                self.connected.set()
+            else:
+                self.stderr.append(line)
+
+    def send(self, message: dict) -> bool:
+        with self._send_lock:
+            try:
+                self.proc.stdin.write(channel.encode(message))
+                self.proc.stdin.flush()
+                return True
+            except (BrokenPipeError, OSError, ValueError):
+                return False
+
+    def close(self, wait: float = 5.0) -> None:
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()

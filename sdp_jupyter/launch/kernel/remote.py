@@ -20,7 +20,7 @@ from sdp_jupyter import jobdir
 from sdp_jupyter.launch.kernel import backend_verdict
 from sdp_jupyter.launch.host import ranks
 from sdp_jupyter.launch.host.node import ViewCut
-from sdp_jupyter.launch.kernel import supervise
+from sdp_jupyter.launch.kernel import supervise, warm_pool
 from sdp_jupyter.launch.kernel.job import Job
 from sdp_jupyter.launch.kernel.preparation import create_job
 from sdp_jupyter.launch.kernel.remote_heal import HealChannel
@@ -64,6 +64,7 @@ class RemoteRun(SessionChannel, HealChannel, supervise.Run):
     warm_after_job = True    # start the hosts' warm pools after a job, for the next (warm_pool.job_done)
     final_errors = ("timed out", "host ")  # failures --max-restarts does not restart (a lost host stays lost)
     hello_timeout, heartbeat_timeout = HELLO_TIMEOUT, HEARTBEAT_TIMEOUT  # as elastic.py reads them
+    logs_written = False     # the agents write the ranks' logs into the job directory itself (the local target)
 
     def __init__(self, spec: JobSpec, hosts: list[str], launcher):
         self.spec, self.hosts, self.launcher = spec, hosts, launcher
@@ -85,6 +86,7 @@ class RemoteRun(SessionChannel, HealChannel, supervise.Run):
         self._left: dict[int, str] = {}  # an elastic job's nodes lost in this attempt: {index of conns: why}
         self._membership = None  # an elastic job's elastic.Membership, while it runs
         self.preflight_missing: dict[int, str] = {}  # an elastic job's hosts that failed preflight: {index: why}
+        self._respawning: dict[int, str] = {}  # ranks asked to start again: {rank: why}, until their pid comes
         supervise.Run.__init__(self, f"sdp-{spec.target}-{spec.name}")
 
     def nodes(self) -> list["Link"]:
@@ -186,8 +188,6 @@ class RemoteRun(SessionChannel, HealChannel, supervise.Run):
         cold. Pools that are still starting (a --warm job, or new --preload modules) start at once on
         every host and are waited for together, up to warm_pool.READY_TIMEOUT, while _keep_alive pings the agents
         (an agent that hears nothing for its heartbeat timeout stops)."""
-        from sdp_jupyter.launch.kernel import warm_pool
-
         pools = {}
         for conn in self.nodes():
             key = self.pool_key(conn.node)
@@ -205,8 +205,6 @@ class RemoteRun(SessionChannel, HealChannel, supervise.Run):
 
     def _started(self, node: int, message: dict) -> None:
         """A node said how its ranks started: the job is warm when every node's were (as locally)."""
-        from sdp_jupyter.launch.kernel import warm_pool
-
         self._starts[node] = (bool(message.get("warm")), message.get("reason"))
         reason = message.get("reason") or ""
         if reason.startswith("the installed code changed"):
@@ -220,7 +218,24 @@ class RemoteRun(SessionChannel, HealChannel, supervise.Run):
             self.job.update_status(start="cold")
         else:
             n, why = next((n, why) for n, why in cold if why)
-            self.job.update_status(start="cold", start_reason=f"warm start not possible on {self.hosts[n]}: {why}")
+            self.job.update_status(start="cold", start_reason=f"warm start not possible{self._started_where(n)}: {why}")
+
+    def _started_where(self, node: int) -> str:  # in "warm start not possible on h2: ..."
+        return f" on {self.hosts[node]}"
+
+    def _warm_after(self) -> None:
+        """After the job: start the hosts' pools for the next (warm_pool.job_done decides)."""
+        if self.warm_after_job and self.pool_key(0) is not None:
+                warm_pool.job_done(self.warm_choice, self.spec.preload, start=self._warm_next)
+
+    def start_fields(self) -> dict:  # what this target adds to every start frame
+        return {}
+
+    def _spawned(self, rank: int, pid: int) -> None:
+        """A rank's process started on its node; a replacement's log says so, with why."""
+        why = self._respawning.pop(rank, None)
+        if why is not None:
+            self._out(rank, f"[sdp_jupyter] rank {rank} started again (pid {pid}) after: {why.splitlines()[0]}\n")
 
     def _warm_next(self, preload) -> None:
         for node in range(len(self.hosts)):
@@ -266,10 +281,7 @@ class RemoteRun(SessionChannel, HealChannel, supervise.Run):
             self._write_agent_logs()
             self._mirror_files.close()
             supervise.unregister(self)
-            if self.warm_after_job and self.pool_key(0) is not None:
-                from sdp_jupyter.launch.kernel import warm_pool
-
-                warm_pool.job_done(self.warm_choice, spec.preload, start=self._warm_next)
+            self._warm_after()
             job.update_status(state=state, error=error, exit_codes=codes, ended=time.time(),
                               **backend_verdict.verdict(job.dir, spec.backend, spec.world_size,
                                                         state))
@@ -292,7 +304,7 @@ class RemoteRun(SessionChannel, HealChannel, supervise.Run):
                        "master_addr": first.hello["addr"], "master_port": port, "attempt": attempt,
                        "script": script, "push": channel.b64(self.push_bytes),
                        "heartbeat_timeout": HEARTBEAT_TIMEOUT, "session": self.session,
-                       **heal, **warm_fields.get(conn.node, {})})
+                       **heal, **warm_fields.get(conn.node, {}), **self.start_fields()})
         job.update_status(state="running", started=job.status.get("started") or time.time(), port=port,
                     master_addr=first.hello["addr"])
         started = time.monotonic()
@@ -316,10 +328,10 @@ class RemoteRun(SessionChannel, HealChannel, supervise.Run):
                         if not self._host_gone(members[conn.node], why):
                             return self._fail(self._host_lost(conn.host, members[conn.node], why), codes, done)
                 if self.members is not None and self._membership.grow_now(len(nodes)):
-                    self._stop_all(done)  # a host came back: the job re-forms with it (not a failure)
+                    self._stop_all(done, codes)  # a host came back: the job re-forms with it (not a failure)
                     return "reform", self._membership.grow_reason(), codes
             if self._stop.is_set():
-                self._stop_all(done)
+                self._stop_all(done, codes)
                 return "stopped", self._stop_reason, codes
             if spec.timeout and now - started > spec.timeout and not failed:
                 return self._fail(f"timed out after {spec.timeout:g} s (--timeout)", codes, done)
@@ -337,6 +349,8 @@ class RemoteRun(SessionChannel, HealChannel, supervise.Run):
                 continue
             if kind == "started":
                 self._started(node, message)
+            elif kind == "spawned":
+                self._spawned(int(message["rank"]), int(message["pid"]))
             elif kind == "exit":
                 rank, code = int(message["rank"]), int(message["code"])
                 codes[rank] = code
@@ -381,6 +395,8 @@ class RemoteRun(SessionChannel, HealChannel, supervise.Run):
                 except queue.Empty:
                     continue
                 if node == conn.node and message["type"] == "port":
+                    if "error" in message:
+                        raise OSError(message["error"])
                     return int(message["port"])
                 if message["type"] == "eof":
                     raise RuntimeError(f"host {self.hosts[node]} (node {node}): {message['why']}")
@@ -392,12 +408,13 @@ class RemoteRun(SessionChannel, HealChannel, supervise.Run):
         raise RuntimeError(f"host {conn.host} did not give a port within {HEARTBEAT_TIMEOUT:g} s")
 
     def _fail(self, error: str, codes: list, done: set) -> tuple[str, str, list]:
-        self._stop_all(done)
+        self._stop_all(done, codes)
         return "failed", error, codes
 
-    def _stop_all(self, done: set) -> None:
-        """Every agent stops its ranks; wait (bounded) until each says done, keeping their last output.
-        A node that ends its link or never says done is lost (`_left`: an elastic job leaves it out)."""
+    def _stop_all(self, done: set, codes: list | None = None) -> None:
+        """Every agent stops its ranks; wait (bounded) until each says done, keeping their last output and
+        their exit codes (into `codes`). A node that ends its link or never says done is lost (`_left`:
+        an elastic job leaves it out)."""
         g1, g2 = self.launcher.sigint_grace, self.launcher.sigterm_grace
         nodes = {conn.node for conn in self.nodes()}
         for conn in self.nodes():
@@ -413,6 +430,8 @@ class RemoteRun(SessionChannel, HealChannel, supervise.Run):
                 continue
             if message["type"] == "eof":
                 self._left.setdefault(node, self._eof_reason(node, message))
+            if message["type"] == "exit" and codes is not None and int(message["rank"]) < len(codes):
+                codes[int(message["rank"])] = int(message["code"])
             if message["type"] in ("done", "eof"):
                 done.add(node)
         for node in nodes - done:
@@ -422,7 +441,7 @@ class RemoteRun(SessionChannel, HealChannel, supervise.Run):
     def _mirror(self, message: dict) -> bool:
         """Output and metrics go into the job directory and the views; True when `message` was one."""
         if message["type"] == "out":
-            self._out(int(message["rank"]), message["text"])
+            self._out(int(message["rank"]), message["text"], logged=self.logs_written)
         elif message["type"] == "metrics":
             self._metrics(message)
         elif message["type"] == "session":
@@ -441,8 +460,10 @@ class RemoteRun(SessionChannel, HealChannel, supervise.Run):
         for conn in self.nodes():
             conn.send({"type": "flight"})
 
-    def _out(self, rank: int, text: str) -> None:
-        self._mirror_files.append(jobdir.log_path(self.job.dir, rank), text)
+    def _out(self, rank: int, text: str, logged: bool = False) -> None:
+        """A piece of a rank's output into its log (unless `logged` already) and its view."""
+        if not logged:
+            self._mirror_files.append(jobdir.log_path(self.job.dir, rank), text)
         shown = self._views.setdefault(rank, ViewCut()).text(text.encode("utf-8", "surrogateescape"))
         if shown is not None:  # the view shows a line's first LINE_CAP bytes, as for a local job
             self.job.emit_output(rank, shown)

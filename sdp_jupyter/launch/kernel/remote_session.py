@@ -42,7 +42,7 @@ class SessionChannel:
             self._lost.pop(rank, None)
 
     def replace_rank(self, rank: int, join: str) -> None:
-        self._lost.pop(rank)
+        self._respawning[rank] = self._lost.pop(rank)
         self.nodes()[rank // self.spec.procs_per_node].send({"type": "respawn", "rank": rank, "join": join})
 
     def put_session_file(self, name: str, data: bytes) -> None:

@@ -15,28 +15,21 @@ launcher's heartbeats stop. See docs/ssh.md.
 """
 from __future__ import annotations
 
-import errno
-import os
 import queue
 import re
 import shlex
-import shutil
-import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
-from sdp_jupyter.launch import channel
 from sdp_jupyter.launch import process, target_options
 from sdp_jupyter.launch.kernel import remote
 from sdp_jupyter.launch.kernel.job import Job
 from sdp_jupyter.launch.kernel.preparation import prepared
 from sdp_jupyter.launch.kernel.push import pickle_push
-from sdp_jupyter.launch.kernel.link import CONNECT_TIMEOUT
+from sdp_jupyter.launch.kernel.link import CONNECT_TIMEOUT, CONNECTED, ProcessLink
 from sdp_jupyter.launch.spec import JobSpec, SpecError
 
-CONNECTED = "sdp-agent-connected"
 
 SSH_OPTIONS, KEYS = target_options.SSH_OPTIONS, target_options.SSH_KEYS
 _HOST_RE = re.compile(r"^(?:[A-Za-z0-9_.-]+@)?[A-Za-z0-9_][A-Za-z0-9_.:-]*$")
@@ -123,123 +116,27 @@ def ssh_command(host: str, spec: JobSpec, server: list[str] | None = None) -> li
 # call on the notebook's main thread: that call then spins forever (issue 40: notebook 09's `X @ w`
 # cell hung while the finished job's warm pools started their ssh clients). Without a preexec_fn the
 # kernel is never forked: no fork handler runs in it. argv: signal, the kernel's pid, the program, its args.
-_WITH_PARENT_DEATH_SIGNAL = (
-    "import ctypes, os, sys\n"
-    f"ctypes.CDLL(None).prctl({process.PR_SET_PDEATHSIG}, int(sys.argv[1]), 0, 0, 0)\n"
-    "if os.getppid() != int(sys.argv[2]):\n"  # the kernel died before the signal was armed
-    "    os._exit(1)\n"
-    "os.execv(sys.argv[3], sys.argv[3:])\n")
-
-
-def _dies_with_parent(argv: list[str]) -> list[str]:
-    """`argv` (its program resolved on PATH) run so that it gets SIGTERM when the thread that started
-    it ends (the notebook died). FileNotFoundError when the program is not installed."""
-    program = shutil.which(argv[0])
-    if program is None:
-        raise FileNotFoundError(errno.ENOENT, "No such file or directory", argv[0])
-    if not sys.platform.startswith("linux") or not sys.executable:  # no parent-death signal: atexit hooks still apply
-        return [program, *argv[1:]]
-    return [sys.executable, "-I", "-S", "-c", _WITH_PARENT_DEATH_SIGNAL, str(int(signal.SIGTERM)),
-            str(os.getpid()), program, *argv[1:]]
-
-
-_KEEPER: queue.Queue | None = None
-_KEEPER_LOCK = threading.Lock()
-
-
 def _start_ssh(argv: list[str]) -> subprocess.Popen:
-    """Start an ssh client from one thread that lives as long as this process: the parent-death
-    signal fires when the *thread* that forked a child ends, so a client started from a short-lived
-    thread (a widget callback, a pool) would be killed with it."""
-    global _KEEPER
-    with _KEEPER_LOCK:
-        if _KEEPER is None:
-            _KEEPER = queue.Queue()
-
-            def keep(inbox: queue.Queue) -> None:
-                while True:
-                    argv, reply = inbox.get()
-                    try:
-                        # no preexec_fn: see _WITH_PARENT_DEATH_SIGNAL
-                        reply.put(subprocess.Popen(_dies_with_parent(argv), stdin=subprocess.PIPE,
-                                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                                   start_new_session=True, close_fds=True))
-                    except Exception as e:  # handed to the caller
-                        reply.put(e)
-
-            threading.Thread(target=keep, args=(_KEEPER,), daemon=True, name="sdp-ssh-keeper").start()
-    reply: queue.Queue = queue.Queue()
-    _KEEPER.put((argv, reply))
-    proc = reply.get()
-    if isinstance(proc, Exception):
-        if isinstance(proc, FileNotFoundError):
-            raise SpecError("--target", "the OpenSSH client (`ssh`) is not installed here. "
-                                        "Fix: apt-get install openssh-client") from None
-        raise proc
-    return proc
+    """An ssh client (or srun) that dies with this process (process.start_kept)."""
+    try:
+        return process.start_kept(argv)
+    except FileNotFoundError:
+        raise SpecError("--target", "the OpenSSH client (`ssh`) is not installed here. "
+                                    "Fix: apt-get install openssh-client") from None
 
 
-class SSHLink(remote.Link):
+class SSHLink(ProcessLink):
     """One host's ssh client running its agent."""
 
     kind = "ssh"
 
     def __init__(self, node: int, host: str, spec: JobSpec, inbox: queue.Queue):
         super().__init__(node, host, inbox)
-        self._send_lock = threading.Lock()
-        self.proc = _start_ssh(self.command_line(host, spec))
-        threading.Thread(target=self._read, daemon=True, name=f"sdp-ssh-{host}").start()
-        self._err_thread = threading.Thread(target=self._read_stderr, daemon=True, name=f"sdp-ssh-err-{host}")
-        self._err_thread.start()
+        self.begin(_start_ssh(self.command_line(host, spec)))
 
     def command_line(self, host: str, spec: JobSpec) -> list[str]:
         """The client that runs the agent and carries its channel (the Slurm target's link: srun)."""
         return ssh_command(host, spec)
-
-    def _read(self) -> None:
-        why = f"the {self.kind} connection closed"
-        try:
-            while True:
-                self.heard(channel.decode(self.proc.stdout))
-        except channel.ChannelClosed:
-            pass
-        except ValueError as e:
-            why = f"the agent sent a bad frame ({e})"
-        code = self.proc.wait()
-        self._err_thread.join(timeout=2)
-        self.inbox.put((self.node, {"type": "eof", "why": why, "code": code}))
-
-    def _read_stderr(self) -> None:
-        for raw in iter(self.proc.stderr.readline, b""):
-            line = raw.decode("utf-8", "replace").rstrip()
-            if line == CONNECTED and not self.connected.is_set():
-                self.connected.set()
-            else:
-                self.stderr.append(line)
-
-    def send(self, message: dict) -> bool:
-        with self._send_lock:
-            try:
-                self.proc.stdin.write(channel.encode(message))
-                self.proc.stdin.flush()
-                return True
-            except (BrokenPipeError, OSError, ValueError):
-                return False
-
-    def close(self, wait: float = 5.0) -> None:
-        try:
-            self.proc.stdin.close()
-        except OSError:
-            pass
-        try:
-            self.proc.wait(timeout=wait)
-        except subprocess.TimeoutExpired:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=2)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
     def unreachable(self) -> str:
         return (f"not reachable within {CONNECT_TIMEOUT} s (ssh is still connecting: a host that is down, a name "
