@@ -338,7 +338,7 @@ def test_summary_and_job_view_say_where_a_remote_job_runs(jobs_dir):
 
 
 def test_a_crash_inside_the_numpy_face_is_named_whichever_comm_module_it_is_in():
-    from sdp_jupyter.launch.host.ranks import crash_summary
+    from sdp_jupyter.launch.kernel.rank_report import crash_summary
 
     for module in ("communicator.py", "routing.py"):
         log = ("[sdp_jupyter] fatal signal 11 (SIGSEGV) in thread 'MainThread'\n\n"

@@ -1,5 +1,5 @@
-"""One host's ranks of one attempt, run the same way by the local launcher (every node of a local job
-lives on this host) and by the per-host agent (its node of a remote job): each rank's output read in
+"""One node's ranks of one attempt, as its agent runs them (launch/host/agent.py, for every target that
+runs agents, the local one included): each rank's output read in
 pieces of at most jobdir.LINE_CAP bytes, every byte into the rank's log, each piece handed on; each
 exit put on one queue; and the ranks stopped together (ranks.stop: SIGINT, SIGTERM, SIGKILL).
 A rank stopped by a signal (SIGSTOP: state T) for SDP_STOPPED_RANK_S holds every collective of its
@@ -32,26 +32,6 @@ def stopped(pid: int) -> bool:
             return f.read().rpartition(b")")[2].split()[0] == b"T"
     except (OSError, IndexError):
         return False
-
-
-class ViewCut:
-    """What a view shows of one rank's pieces: the first LINE_CAP bytes of a line, then a note (a 64 MiB
-    line is never held whole, nor sent to the notebook); the log keeps every byte."""
-
-    def __init__(self, cap: int = jobdir.LINE_CAP):
-        self.cap, self.cut = cap, False
-
-    def text(self, raw: bytes) -> str | None:
-        """The view's text for this piece, or None while the rest of a cut line goes by."""
-        if self.cut:
-            if raw.endswith(b"\n"):
-                self.cut = False
-            return None
-        text = raw.decode("utf-8", errors="replace")
-        if not raw.endswith(b"\n") and len(raw) >= self.cap:
-            self.cut = True
-            text += f" … [line cut at {self.cap} bytes in this view; the log has it all]\n"
-        return text
 
 
 class NodeRanks:

@@ -1,4 +1,4 @@
-"""A --heal job's membership as its launcher decides it (local.py and remote_heal.py): the records its
+"""A --heal job's membership as its launcher decides it (remote_heal.py, every agent-run target): the records its
 ranks read (sdp_jupyter.heal), and the words each change is announced with."""
 from __future__ import annotations
 
@@ -6,12 +6,12 @@ import time
 from pathlib import Path
 
 from sdp_jupyter import jobdir
-from sdp_jupyter.launch.host import ranks
+from sdp_jupyter.launch.kernel import rank_report
 
 
 def left_why(job, rank: int, who: str, code: int) -> str:
     """Why `rank` left: the first line of its failure message, without the lead-in to its last lines."""
-    return ranks.failure_message(job, rank, who, code).splitlines()[0].removesuffix("; its last lines:")
+    return rank_report.failure_message(job, rank, who, code).splitlines()[0].removesuffix("; its last lines:")
 
 
 def heal_line(records: "HealRecords", max_restarts: int, why: str, generation: int, rank: int, where: str) -> str:

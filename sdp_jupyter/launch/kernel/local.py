@@ -90,7 +90,6 @@ class LocalRun(RemoteRun):
     """The supervisor of one local job: one agent per node over a pipe, the job directory shared."""
 
     logs_written = True  # the agents' NodeRanks write each rank's log in the job directory
-    final_errors = ("timed out",)
 
     def __init__(self, spec: JobSpec, launcher: LocalLauncher):
         super().__init__(spec, ["localhost"] * spec.nodes, launcher)
@@ -146,8 +145,11 @@ class LocalRun(RemoteRun):
         node, local_rank = divmod(rank, self.spec.procs_per_node)
         return f"rank {rank} (node {node}, local rank {local_rank})"
 
+    def _eof_reason(self, node: int, message: dict) -> str:
+        """A node agent that ended before the job (killed, out of memory): its ranks died with it."""
+        said = "; ".join(line for line in list(self.conns[node].stderr)[-3:] if line)
+        return (f"its agent (pid {self.conns[node].proc.pid}) {jobdir.describe_exit(message['code'])}, and its "
+                f"ranks with it{': ' + said if said else ''}")
+
     def put_session_file(self, name: str, data: bytes) -> None:
         jobdir.write_private(jobdir.session_dir(self.job.dir) / name, data)
-
-    def _write_agent_logs(self) -> None:
-        pass  # (an agent's stderr is this machine's: nothing there but what a crash of ours would say)

@@ -18,8 +18,7 @@ import time
 from sdp_jupyter.launch import channel
 from sdp_jupyter import jobdir
 from sdp_jupyter.launch.kernel import backend_verdict
-from sdp_jupyter.launch.host import ranks
-from sdp_jupyter.launch.host.node import ViewCut
+from sdp_jupyter.launch.kernel.rank_report import ViewCut, failure_message
 from sdp_jupyter.launch.kernel import supervise, warm_pool
 from sdp_jupyter.launch.kernel.job import Job
 from sdp_jupyter.launch.kernel.preparation import create_job
@@ -355,7 +354,7 @@ class RemoteRun(SessionChannel, HealChannel, supervise.Run):
                 rank, code = int(message["rank"]), int(message["code"])
                 codes[rank] = code
                 if code != 0 and self._replace:  # the session replaces it (replace_rank)
-                    self._lost[rank] = ranks.failure_message(self.job, rank, self._who(rank), code)
+                    self._lost[rank] = failure_message(self.job, rank, self._who(rank), code)
                     continue
                 if code != 0 and self._heal_rank(rank, code):  # --heal: the others go on, it starts again
                     continue

@@ -1,7 +1,7 @@
 """What every target's supervisor does the same way: restarts, naming the rank that caused a
 failure, and stopping what runs at exit.
 
-A run (LocalRun, SSHRun) registers itself while it runs; at interpreter exit every registered run's
+A run (a RemoteRun: local, SSH, Ray, Slurm) registers itself while it runs; at interpreter exit every registered run's
 `kill_now()` is called and its job marked stopped. `with_restarts` is the attempt loop behind
 `--max-restarts`. When one rank fails, its peers' collectives fail too, and their exits often reach
 the supervisor first: each run waits up to SETTLE_S for the other exits, then `first_cause` picks the
@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Callable
 
-from sdp_jupyter.launch.host import ranks
+from sdp_jupyter.launch.kernel import rank_report
 
 SETTLE_S = 1.0  # after a rank's failure: how long the other ranks' exits are awaited before naming the cause
 
@@ -145,9 +145,9 @@ def job_error(job, failed: list[int], codes: list, who: Callable[[int], str], ho
     """The job's error for ranks that failed, on every target: the cause (`first_cause`, recorded in
     status.json for the flight recorder), its exit and last lines, then the others. `who(rank)` names a
     rank the target's way; `host(rank)` is the host it ran on."""
-    cause = first_cause(failed, {r: job.logs(r, tail=ranks.LAST_LINES) for r in failed})
+    cause = first_cause(failed, {r: job.logs(r, tail=rank_report.LAST_LINES) for r in failed})
     job.update_status(first_failure={"rank": cause, "code": codes[cause], "host": host(cause)})
-    return ranks.failure_message(job, cause, who(cause), codes[cause]) + others_failed(cause, failed)
+    return rank_report.failure_message(job, cause, who(cause), codes[cause]) + others_failed(cause, failed)
 
 
 def others_failed(cause: int, failed: list[int]) -> str:

@@ -19,7 +19,7 @@ from sdp_jupyter import backends
 def arm_crash_report() -> None:
     """A rank killed by a signal leaves its story in its log: the crashing thread's name and native
     frames (the engine's handler, sdp/crash.h), then every thread's Python stack (faulthandler), so
-    the job's error can say which collective was running (launch/host/ranks.py: crash_summary)."""
+    the job's error can say which collective was running (launch/kernel/rank_report.py: crash_summary)."""
     import faulthandler
 
     faulthandler.enable(file=sys.stderr, all_threads=True)
