@@ -13,11 +13,11 @@ slowest rank's time inside the cell as that side measures it (the rest is the wa
 Both run side by side, in `--rounds` alternating blocks of `--reps` cells each (the machine's load
 drifts; alternating keeps the two comparable), after a warm-up; figures are the median and p90 over
 every cell. A third row times `x = 1` sent 1.5 s after the last cell, `--idle-reps` times per side,
-alternating: a person's cells come seconds apart, and a session's rank idle for over 1 s looks for
-the next cell every 5 ms (launch/rank/session.py IDLE_POLL). A fourth row times the same with the other
-side not running ("alone": ours before ipyparallel's cluster starts, ipyparallel's after our session
-stops): on a 2-core machine each side's idle processes slow the other's first cell after a pause
-(ipyparallel's heartbeats, our ranks' 5 ms looks). Without ipyparallel (pip install ipyparallel) ours is
+alternating: a person's cells come seconds apart (a session's rank waits for its next cell in a
+blocking read on its connection to the node's agent, launch/host/session_relay.py). A fourth row times
+the same with the other side not running ("alone": ours before ipyparallel's cluster starts,
+ipyparallel's after our session stops): on a 2-core machine each side's idle processes slow the
+other's first cell after a pause. Without ipyparallel (pip install ipyparallel) ours is
 measured and printed alone.
 Not a test: nothing is asserted.
 """
@@ -36,7 +36,7 @@ CASES = [("empty cell (x = 1)", "x = 1", 0.0), ("all_reduce 4 KiB", "dist.all_re
          ("x = 1 after 1.5 s idle", "x = 1", 1.5)]
 ALONE = ("x = 1 after 1.5 s idle, alone", "x = 1", 1.5)  # measured with the other side not running
 SETUP = "import torch, torch.distributed as dist\nt = torch.ones(1024)  # 4 KiB of float32"
-PAUSE = 1.2  # seconds between blocks: a session's idle ranks look for the next cell every 1 ms for 1 s after one
+PAUSE = 1.2  # seconds between blocks (the machine settles; the same for both sides)
 
 
 class Ours:

@@ -186,6 +186,10 @@ VARIABLES: dict[str, Var] = {v.name: v for v in (
     Var("SDP_SESSION_STORE", "bool", "unset", "rank",
         "set on a session whose dead ranks are replaced: its store runs in a process of its own "
         "(launch/host/session_store.py) and rank 0 is a client like the others", internal=True),
+    Var("SDP_SESSION_CHANNEL", "str", "unset", "rank",
+        "a session's rank: the abstract Unix socket of its node agent's session relay, where it reads its "
+        "cells and writes its answers (launch/host/session_relay.py); the launcher sets it to 1 in a "
+        "session's spec to ask the agents for one", internal=True),
     Var("SDP_SESSION_JOIN", "str (generation:cell:members)", "unset", "rank",
         "set on a session's rank started again after it died: it joins the process group the others "
         "make again in that cell", internal=True),

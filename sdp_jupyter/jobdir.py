@@ -36,7 +36,7 @@ PUSH = "push.pkl"
 LOGS = "logs"
 METRICS = "metrics"
 CHECKPOINTS = "checkpoints"
-SESSION = "session"  # an interactive session's cells and answers (launch/rank/session.py)
+SESSION = "session"  # where earlier sessions kept their cells as files (now frames): still a job's entry
 HEAL = "heal"  # a --heal job's membership records and its ranks' answers (sdp_jupyter.heal)
 MODEL, OUTPUT, DATA = "model", "output", "data"
 TRAIN_CHANNEL = f"{DATA}/train"  # SM_CHANNEL_TRAIN of a job that is not on SageMaker
@@ -136,22 +136,6 @@ def metrics_paths(job_dir: str | os.PathLike, ranks_only: bool = False, flight: 
 UnsafeJobDir = UnsafePath
 
 
-def session_dir(job_dir: str | os.PathLike) -> Path:
-    return Path(job_dir) / SESSION
-
-
-def session_cell_path(folder: Path, n: int) -> Path:
-    return folder / f"cell-{n:06d}.pkl"
-
-
-def session_done_path(folder: Path, n: int, rank: int) -> Path:
-    return folder / f"done-{n:06d}-{rank}.pkl"
-
-
-def session_ready_path(folder: Path, rank: int) -> Path:
-    return folder / f"ready-{rank}.pkl"
-
-
 def heal_record_path(job_dir: str | os.PathLike, generation: int) -> Path:
     """A --heal job's membership at `generation`, written by its launcher: {generation, members, joining, left}."""
     return Path(job_dir) / HEAL / f"members-{generation:06d}.json"
@@ -196,20 +180,6 @@ def is_heal_answer(name: str) -> bool:
 def is_heal_record(name: str) -> bool:
     """A --heal job's membership record (the launcher sends it to every agent): only these names."""
     return bool(_HEAL_RECORD.match(name))
-
-
-_SESSION_ANSWER = re.compile(r"^(done-\d{6}-\d+|ready-\d+)\.pkl$")
-_SESSION_CELL = re.compile(r"^cell-\d{6}\.pkl$")
-
-
-def is_session_answer(name: str) -> bool:
-    """A file a session's rank writes (sent back by an agent): never a path, only these names."""
-    return bool(_SESSION_ANSWER.match(name))
-
-
-def is_session_cell(name: str) -> bool:
-    """A file the notebook writes into a session's folder (sent to an agent): only these names."""
-    return bool(_SESSION_CELL.match(name))
 
 
 def load_pickle(path: Path):

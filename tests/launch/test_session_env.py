@@ -11,14 +11,14 @@ from sdp_jupyter.launch.rank.session import RankSession
 
 
 @pytest.fixture
-def one_rank(monkeypatch, tmp_path):
+def one_rank(monkeypatch):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     for name, value in {"RANK": "0", "WORLD_SIZE": "1", "SDP_BACKEND": "gloo", "MASTER_ADDR": "127.0.0.1",
                         "MASTER_PORT": str(port)}.items():
         monkeypatch.setenv(name, value)
-    return RankSession({}, str(tmp_path))
+    return RankSession({})
 
 
 def test_an_empty_connect_timeout_means_the_default(one_rank, monkeypatch):

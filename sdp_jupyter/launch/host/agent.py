@@ -26,13 +26,13 @@ frame, so it is never on a command line, in the host's environment or in a file.
                         done {codes}                every rank of the attempt has ended
                         ping {}                     every HEARTBEAT_EVERY seconds
                         error {message}             the agent cannot go on (bad frame, cannot start)
-                        session {name, data}        an interactive session's answer file (ready-R,
-                                                    done-N-R: launch/rank/session.py), once written
+                        answer {kind, rank, n, data}  a session's rank said it is ready, or answered
+                                                    cell n (launch/host/session_relay.py)
     launcher -> agent   start {...}  port {range}  stop {}  ping {}  bye {}   (range: the job's SDP_PORT_RANGE or None;
                                                     start's shared_dir, ranks_here, split_gpus: a local job's)
-                        session {}                  this job is a session: send its answers back (or
-                                                    "session": true in the start frame)
-                        session {name, data}        a cell file for the node's ranks
+                        session {}                  this job is a session: a dead rank waits for its
+                                                    respawn (or "session": true in the start frame)
+                        cell {n, data}              a session's cell for the node's ranks
                         interrupt {}                interrupt the cell the node's ranks run
                         respawn {rank, join}        start a session's dead rank again (SDP_SESSION_JOIN=join);
                                                     in a session, a node whose rank died waits for this or `stop`
@@ -105,7 +105,7 @@ class Agent:
         self.addr = connection_address()
         self.timeout = HEARTBEAT_TIMEOUT
         self.closed = threading.Event()
-        self._relaying = False
+        self._relay = None  # a session's SessionRelay: cells to the node's ranks, answers back
         self._heal_sent: set[str] = set()  # heal files not to send (again): received, or `finished` sent
         self._envs: dict[int, dict] = {}  # each rank's environment in this attempt (for respawn)
         self._live: set[int] = set()  # the ranks of this attempt whose process runs
@@ -147,8 +147,12 @@ class Agent:
                         self.send({"type": "port", "port": free_port(self.addr, message.get("range"))})
                     except OSError as e:  # (a full SDP_PORT_RANGE): the launcher's error, the agent goes on
                         self.send({"type": "port", "error": str(e)})
-                elif kind == "session":
-                    self._session(message)
+                elif kind == "session":  # (cells come as `cell` frames)
+                    self._session_job = True
+                elif kind == "cell":
+                    if self._relay is None:
+                        raise ValueError("a cell came for a job that is not a session")
+                    self._relay.cell(message)
                 elif kind == "interrupt":
                     self._interrupt()
                 elif kind == "respawn":
@@ -173,6 +177,8 @@ class Agent:
         finally:
             self.closed.set()
             self._stop_ranks(1.0, 1.0)
+            if self._relay is not None:
+                self._relay.close()
         return 0
 
     def _heartbeat(self) -> None:
@@ -243,12 +249,18 @@ class Agent:
         node_ranks = NodeRanks(job_dir, lambda rank, raw: self.send(
             {"type": "out", "rank": rank, "text": raw.decode("utf-8", errors="replace")}), name="sdp-agent",
             job_env=spec.env)
+        if spec.env.get("SDP_SESSION_CHANNEL") and self._relay is None:  # a session: its ranks connect here
+            from sdp_jupyter.launch.host.session_relay import SessionRelay
+
+            self._relay = SessionRelay(self.send, m["secret"])
         # this attempt's ranks only: an elastic job renumbers its nodes, and a rank this host ran before
         # (its number now another host's) would be waited for forever
         self._envs = {}
         for local_rank in range(ppn):
             rank = node * ppn + local_rank
             env = self._envs[rank] = rank_environment(spec, m, rank, job_dir, self.addr, gpus)
+            if self._relay is not None:
+                env["SDP_SESSION_CHANNEL"] = self._relay.name
             proc = warm.fork_rank(pool["socket"], ranks.WORKER, env, owned=True) if pool else None
             if isinstance(proc, str):  # one cold rank makes the node cold
                 pool, reason = None, proc
@@ -260,8 +272,6 @@ class Agent:
         self._session_job = self._session_job or bool(m.get("session"))
         if self._store is not None:  # awaited aside: this loop must go on reading (the launcher's pings)
             threading.Thread(target=self._store_ready, daemon=True, name="sdp-agent-store").start()
-        if m.get("session"):
-            self._session({})  # relay the session's answers (as a `session {}` frame would)
         self.send({"type": "started", "warm": pool is not None, "reason": reason})
         self._node = node_ranks
         if not self._samplers:
@@ -311,22 +321,6 @@ class Agent:
         self.send({"type": "done", "codes": codes})
 
     # ---------------------------------------------------------------- an interactive session
-    def _session(self, m: dict) -> None:
-        from sdp_jupyter import jobdir
-
-        if "name" not in m:
-            self._session_job = True
-            if not self._relaying and not self._shared:
-                self._relaying = True
-                threading.Thread(target=self._relay_session, daemon=True, name="sdp-agent-session").start()
-            return
-        name = str(m["name"])
-        if not jobdir.is_session_cell(name) or self.job_dir is None:
-            raise ValueError(f"bad session file {name!r}")
-        folder = jobdir.session_dir(self.job_dir)
-        jobdir.ensure_private_dir(folder)
-        jobdir.write_private(folder / name, unb64(m["data"]))
-
     def _respawn(self, rank: int, m: dict) -> None:
         """A rank that died, started again (cold): a session's, to join the group at m["join"]
         (generation:cell:members), or a --heal job's (m["heal"]), to join the others at a step boundary."""
@@ -385,24 +379,6 @@ class Agent:
 
         for proc in (self._node.procs if self._node is not None else []):
             signal_rank(proc, INTERRUPT)
-
-    def _relay_session(self) -> None:
-        """Send each answer file the node's ranks write, once (a few ms after it appears)."""
-        from sdp_jupyter import jobdir
-
-        sent: set[str] = set()
-        while not self.closed.is_set():
-            folder = jobdir.session_dir(self.job_dir) if self.job_dir is not None else None
-            try:
-                names = sorted(os.listdir(folder)) if folder is not None else []
-            except OSError:
-                names = []
-            for name in names:
-                if name not in sent and jobdir.is_session_answer(name):
-                    sent.add(name)
-                    self.send({"type": "session", "name": name, "data": b64((folder / name).read_bytes())})
-                    (folder / name).unlink(missing_ok=True)  # sent: the folder stays small
-            time.sleep(0.002)
 
     def _tail_metrics(self, stop: threading.Event) -> None:
         """Send every complete new line of the metrics files, a frame per bounded read (jobdir's

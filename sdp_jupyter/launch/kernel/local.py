@@ -151,5 +151,3 @@ class LocalRun(RemoteRun):
         return (f"its agent (pid {self.conns[node].proc.pid}) {jobdir.describe_exit(message['code'])}, and its "
                 f"ranks with it{': ' + said if said else ''}")
 
-    def put_session_file(self, name: str, data: bytes) -> None:
-        jobdir.write_private(jobdir.session_dir(self.job.dir) / name, data)

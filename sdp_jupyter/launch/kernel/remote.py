@@ -77,7 +77,8 @@ class RemoteRun(SessionChannel, HealChannel, supervise.Run):
         self.warm_choice = {"warm": True, "cold": False}.get(spec.start)  # --warm / --cold / auto
         self._starts: dict[int, tuple[bool, str | None]] = {}  # node -> (warm, why cold) this attempt
         self._links_closed = threading.Event()  # set by close_all: the pings stop
-        self.session = False  # an interactive session's job: the agents send the ranks' answers back
+        self.session = False  # an interactive session's job: a node whose rank died waits for its respawn
+        self.session_mail: queue.Queue = queue.Queue()  # a session's answers (supervise.Run.open_session)
         self._replace = False  # a session's job that replaces its dead ranks
         self._lost: dict[int, str] = {}  # the session's dead ranks waiting for replace_rank: {rank: why}
         self._gone: dict[int, str] = {}  # the session's ranks lost with their host: {rank: why}
@@ -443,16 +444,12 @@ class RemoteRun(SessionChannel, HealChannel, supervise.Run):
             self._out(int(message["rank"]), message["text"], logged=self.logs_written)
         elif message["type"] == "metrics":
             self._metrics(message)
-        elif message["type"] == "session":
-            self._session(message)
+        elif message["type"] == "answer":  # a session's rank's (launch/host/session_relay.py)
+            self.session_mail.put((message["kind"], message.get("n"), int(message["rank"]),
+                                   channel.unb64(message["data"])))
         else:
             return False
         return True
-
-    def _session(self, message: dict) -> None:
-        name = str(message.get("name", ""))
-        if jobdir.is_session_answer(name):  # never a path: only the names a session's rank writes
-            self._mirror_files.replace(jobdir.session_dir(self.job.dir) / name, channel.unb64(message["data"]))
 
     def request_flight(self) -> None:
         """Job.flight(): every host's ranks write their flight recorders' rings (they come back as metrics do)."""

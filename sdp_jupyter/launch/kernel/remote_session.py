@@ -45,9 +45,10 @@ class SessionChannel:
         self._respawning[rank] = self._lost.pop(rank)
         self.nodes()[rank // self.spec.procs_per_node].send({"type": "respawn", "rank": rank, "join": join})
 
-    def put_session_file(self, name: str, data: bytes) -> None:
+    def send_cell(self, n: int, data: bytes) -> None:
+        frame = {"type": "cell", "n": n, "data": channel.b64(data)}
         for conn in self.nodes():
-            conn.send({"type": "session", "name": name, "data": channel.b64(data)})
+            conn.send(frame)
 
     def interrupt_ranks(self) -> None:
         for conn in self.nodes():

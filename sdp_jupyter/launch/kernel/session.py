@@ -3,14 +3,14 @@
 `Session.start(spec)` launches a job like any other (every target whose ranks an agent or this
 kernel starts: local, SSH, Ray, Slurm) whose script is the rank's cell loop (launch/rank/session.py); the
 job's view, logs, dashboard, Stop and the end-with-the-kernel rule are a job's. `session.run(code)`
-hands a cell to the ranks and waits for every rank's answer; `%%sdp_px` is that call in a cell.
+hands a cell to the ranks and waits for every rank's answer; `%%sdp_px` is that call in a cell. Cells
+and answers travel as frames over the agents' channels (launch/host/session_relay.py), not files.
 
 A cell that raised or was interrupted somewhere can leave a collective half done: ranks that
 finished wait forever for the ones that left. So after a failed cell the session compares what the
 ranks' groups have issued and, when it differs or a rank is still inside the cell, interrupts the
 ranks still running and reconnects the process group on every rank (launch/rank/session.py says what
-that keeps). The session stays up. On smddp a rank that dies is started again by its supervisor (the
-local run, or its host's agent): it joins the group the others reconnect, with an empty namespace, and
+that keeps). The session stays up. On smddp a rank that dies is started again by its node's agent: it joins the group the others reconnect, with an empty namespace, and
 the cell's error says what it lost. On another backend (a gloo collective can wait on a dead peer until
 its timeout), a death ends the session (the job fails, naming the rank).
 
@@ -21,10 +21,10 @@ Node 0's host holds the session's store: without it the session ends.
 """
 from __future__ import annotations
 
+import queue
 import time
 from dataclasses import dataclass, field
 
-from sdp_jupyter import jobdir
 from sdp_jupyter.launch.kernel.job import Job, JobError
 from sdp_jupyter.launch.kernel.push import pickle_push
 from sdp_jupyter.launch import target_options
@@ -35,7 +35,7 @@ from sdp_jupyter.launch.spec import JobSpec
 TARGETS = target_options.having("sessions")  # where this kernel or an agent starts the ranks
 FAILED_GRACE = 1.0     # seconds the other ranks get to finish a cell one rank failed, before they are interrupted
 INTERRUPT_GRACE = 0.5  # seconds interrupted ranks get to answer; still missing: inside a collective (reconnected)
-POLL = 0.001
+POLL = 0.02  # seconds at most between looks at the job and the output stream; an answer wakes the wait at once
 
 
 class SessionError(JobError):
@@ -108,7 +108,9 @@ class Session:
 
     def __init__(self, job: Job):
         self.job = job
-        self.folder = jobdir.session_dir(job.dir)
+        self._mail = job.supervisor.session_mail  # the ranks' answers, as the agents sent them
+        self._answers: dict[tuple, dict] = {}  # (cell, rank) -> an answer that came, until read
+        self._readies: dict[int, dict] = {}  # rank -> its ready record, until read
         self.n = 0
         self.last: CellResult | None = None
         self.ready: dict[int, dict] = {}
@@ -148,12 +150,12 @@ class Session:
         # rank can be replaced (its store then runs in a process of its own, so rank 0 can be too).
         # gloo's may wait on the dead peer until its timeout: a death ends the session
         replace = spec.backend == "smddp"
+        # SDP_SESSION_CHANNEL: the agents give the ranks a connection for cells (launch/host/session_relay.py)
         spec = spec.replace(code=SCRIPT, init_process_group=False,
-                            env={**spec.env, "SDP_SESSION_STORE": "1"} if replace else spec.env)
+                            env={**spec.env, "SDP_SESSION_CHANNEL": "1", **({"SDP_SESSION_STORE": "1"} if replace else {})})
         job = api.launch(spec, push=push)
         job.update_status(session=True)
         session = cls(job)
-        jobdir.ensure_private_dir(session.folder)
         job.supervisor.open_session(replace=replace)
         try:
             session._wait_ready(wait)
@@ -166,11 +168,8 @@ class Session:
         deadline = time.monotonic() + wait
         world = self.job.world_size
         while len(self.ready) < world:
-            for rank in range(world):
-                if rank not in self.ready:
-                    path = jobdir.session_ready_path(self.folder, rank)
-                    if path.exists():
-                        self.ready[rank] = jobdir.load_pickle(path)
+            self.ready.update(self._readies)
+            self._readies.clear()
             if len(self.ready) == world:
                 return
             self._check_alive()
@@ -183,7 +182,7 @@ class Session:
                 missing = sorted(set(range(world)) - set(self.ready))
                 raise SessionError(f"session {self.job.name}: rank(s) {missing} did not make their process group "
                                    f"within {wait:g} s; see %sdp_logs {self.job.name} --rank {missing[0]}", self.job)
-            time.sleep(0.01)
+            self._pump(POLL)
 
     @property
     def alive(self) -> bool:
@@ -219,14 +218,31 @@ class Session:
 
     # ------------------------------------------------------------------ cells
     def _put(self, cell: dict) -> int:
-        n = self.n
-        self.n += 1
-        cell = {**cell, "n": n}
         import pickle
 
-        self.job.supervisor.put_session_file(jobdir.session_cell_path(self.folder, n).name,
-                                             pickle.dumps(cell, protocol=pickle.HIGHEST_PROTOCOL))
+        n = self.n
+        self.n += 1
+        self.job.supervisor.send_cell(n, pickle.dumps({**cell, "n": n}, protocol=pickle.HIGHEST_PROTOCOL))
         return n
+
+    def _pump(self, timeout: float) -> None:
+        """Wait up to `timeout` for the ranks' next answer, then take every one that came."""
+        import pickle
+
+        try:
+            item = self._mail.get(timeout=timeout)
+        except queue.Empty:
+            return
+        while True:
+            kind, n, rank, data = item
+            if kind == "ready":
+                self._readies[rank] = pickle.loads(data)
+            else:
+                self._answers[(n, rank)] = pickle.loads(data)
+            try:
+                item = self._mail.get_nowait()
+            except queue.Empty:
+                return
 
     def run(self, code: str, ranks: list | None = None, want: str = "none", push_names: list | None = None,
             values: dict | None = None, on_wait=None, label: str | None = None) -> CellResult:
@@ -243,11 +259,8 @@ class Session:
             if bad:
                 raise SpecError("--ranks", f"rank {bad[0]} is not in this session (ranks {_ranks(self.members)})")
             ranks = sorted(set(ranks))
-        push = pickle_push(push_names or [], values or {})
-        import pickle
-
-        n = self._put({"kind": "run", "code": code, "ranks": ranks, "want": want, "label": label,
-                       "push": pickle.loads(push) if push else None})
+        push = pickle_push(push_names or [], values or {})  # pickled once, unpickled once on each rank
+        n = self._put({"kind": "run", "code": code, "ranks": ranks, "want": want, "label": label, "push": push})
         result = CellResult(n, list(self.members) if ranks is None else ranks)
         started = time.monotonic()
         try:
@@ -286,17 +299,15 @@ class Session:
                 self._check_alive()
             if on_wait is not None:
                 on_wait()
-            time.sleep(POLL)
+            self._pump(POLL)
 
     def _read_answers(self, result: CellResult) -> list:
         """Load the answers to `result`'s cell that arrived since the last look; the ranks that answered."""
         new = []
         for rank in self.members:
-            if rank not in result.answers:
-                path = jobdir.session_done_path(self.folder, result.n, rank)
-                if path.exists():
-                    result.answers[rank] = jobdir.load_pickle(path)
-                    new.append(rank)
+            if rank not in result.answers and (result.n, rank) in self._answers:
+                result.answers[rank] = self._answers.pop((result.n, rank))
+                new.append(rank)
         return new
 
     def _read_deaths(self, result: CellResult) -> list:
@@ -361,7 +372,7 @@ class Session:
                 raise SessionError(f"session {self.job.name}: the process group could not be made again within "
                                    f"{wait} s ({why}){more}; stop the session (%sdp_session stop) and start a "
                                    "new one", self.job)
-            time.sleep(POLL)
+            self._pump(POLL)
         broken = [r for r, a in rec.answers.items() if not a.get("ok")]
         if broken:
             raise SessionError(f"session {self.job.name}: rank {broken[0]}: {rec.answers[broken[0]].get('error')}; "

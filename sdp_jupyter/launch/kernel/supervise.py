@@ -61,11 +61,12 @@ class Run:
 
     # an interactive session's channel (launch/kernel/session.py); the targets that can run one implement it
     def open_session(self, replace: bool = False) -> None:
-        """From now on the ranks' session answers come back into the job directory. `replace`: a rank
-        that dies waits in lost_ranks() for replace_rank instead of failing the job (where supported)."""
+        """This job is a session: its ranks' answers come into `session_mail` as (kind, n, rank, data:
+        a pickle), kind "ready" or "done". `replace`: a rank that dies waits in lost_ranks() for
+        replace_rank instead of failing the job (where supported)."""
 
-    def put_session_file(self, name: str, data: bytes) -> None:
-        """Give every rank the session file `name` (a cell)."""
+    def send_cell(self, n: int, data: bytes) -> None:
+        """Give every rank cell `n` (a pickle)."""
         raise NotImplementedError
 
     def interrupt_ranks(self) -> None:

@@ -3,16 +3,16 @@ notebook cell after another run in this rank's `__main__`, which lives as long a
 
 The session's job script is `SCRIPT` below; the worker (launch/rank/worker.py) runs it as any job's
 script, so a session's ranks start, stream their output, die with the kernel and stop exactly as a
-job's do. The cells come as files in the job directory's `session/` folder (jobdir.session_*):
-the notebook writes them (the SSH and Ray agents write what the notebook sends them), each rank
-runs the cells meant for it and answers with a `done` file (which the agents send back). Files,
-not sockets: the same path on every target, and nothing listens.
+job's do. The cells come as frames from the node's agent, over the connection each rank opens to
+it (SDP_SESSION_CHANNEL, launch/host/session_relay.py); the agent has them from the notebook over
+its own channel, the same on every target. A rank waits for the next cell in a blocking read and
+answers on the same connection; nothing is polled. Each frame's data is a pickle:
 
-    ready-R.pkl        rank R has its process group: {pid, host, rss}
-    cell-N.pkl         cell N: {kind: run | reconnect | shrink | stop, code, ranks, want: none | result |
-                               gather, push, generation and replaced (reconnect), generation and members
-                               (shrink)}
-    done-N-R.pkl       rank R's answer to cell N: {ok, error, interrupted, value, seconds, counts, rss}
+    ready              rank R has its process group: {pid, host, rss}
+    cell N             {kind: run | reconnect | shrink | stop, code, ranks, want: none | result | gather,
+                        push (the pushed variables' pickle, made once in the kernel), generation and
+                        replaced (reconnect), generation and members (shrink)}
+    done N             rank R's answer to cell N: {ok, error, interrupted, value, seconds, counts, rss}
 
 A cell is interrupted with SIGUSR2 (a KeyboardInterrupt inside the cell, nothing between cells);
 SIGINT stays the job's Stop. After a cell that failed somewhere the notebook may send `reconnect`:
@@ -41,13 +41,12 @@ import sys
 import time
 import traceback
 
-from sdp_jupyter import jobdir
 from sdp_jupyter import backends
 from sdp_jupyter._env import env_float, env_str
+from sdp_jupyter.launch import channel
 
 SCRIPT = "from sdp_jupyter.launch.rank.session import serve as _sdp_serve\n_sdp_serve(globals())\n"
 INTERRUPT = signal.SIGUSR2
-IDLE_POLL = (0.001, 0.005)  # seconds between looks for the next cell: right after a cell, and idle (a stat each)
 
 
 class _Cell:
@@ -68,9 +67,9 @@ def _rss() -> int:
 
 
 class RankSession:
-    def __init__(self, namespace: dict, job_dir: str):
+    def __init__(self, namespace: dict):
         self.ns = namespace
-        self.folder = jobdir.session_dir(job_dir)
+        self._link = None  # the connection to the node's agent (socket, reader)
         self.rank = int(os.environ.get("RANK", "0"))  # the session's number for this rank: never changes
         self.members = list(range(int(os.environ.get("WORLD_SIZE", "1"))))  # the ranks the group is made of
         self.backend = backends.job_backend()
@@ -171,21 +170,30 @@ class RankSession:
         return self._groups[key]
 
     # ------------------------------------------------------------------ the cells
-    def ready(self) -> None:
-        from sdp_jupyter._files import ensure_private_dir
+    def open_link(self, first: int) -> None:
+        """Connect to the node's agent (its session relay) and say who this rank is; cells from `first` on."""
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.connect("\0" + env_str("SDP_SESSION_CHANNEL"))
+        self._link = (conn, conn.makefile("rb"))
+        self._send({"type": "hello", "rank": self.rank, "secret": os.environ.get("SDP_JOB_SECRET", ""),
+                    "first": first})
 
-        ensure_private_dir(self.folder)  # on a remote host the agent made only the job's own folder
-        jobdir.write_private(jobdir.session_ready_path(self.folder, self.rank),
-                             _dumps({"pid": os.getpid(), "host": socket.gethostname(), "rss": _rss()}))
+    def _send(self, message: dict) -> None:
+        self._link[0].sendall(channel.encode(message))
+
+    def ready(self) -> None:
+        self._send({"type": "ready", "data": channel.b64(
+            _dumps({"pid": os.getpid(), "host": socket.gethostname(), "rss": _rss()}))})
 
     def next_cell(self, n: int) -> dict:
-        path = jobdir.session_cell_path(self.folder, n)
-        last = time.monotonic()
+        """Cell `n` (earlier ones, which a replacement may be handed first, are skipped). The agent gone
+        (ChannelClosed): this rank's node is over, and so is the rank."""
+        import pickle
+
         while True:
-            if os.path.exists(path):
-                return jobdir.load_pickle(path)
-            idle = time.monotonic() - last
-            time.sleep(IDLE_POLL[0] if idle < 1.0 else IDLE_POLL[1])
+            frame = channel.decode(self._link[1])
+            if frame.get("type") == "cell" and int(frame["n"]) == n:
+                return pickle.loads(channel.unb64(frame["data"]))
 
     def run(self, cell: dict) -> dict:
         ranks = cell.get("ranks")
@@ -206,7 +214,10 @@ class RankSession:
             from sdp_jupyter.monitor import reporter
 
             reporter.emit("cell", cell=cell["n"])
-        self.ns.update(cell.get("push") or {})
+        if cell.get("push"):  # the pushed variables, unpickled here once
+            import pickle
+
+            self.ns.update(pickle.loads(cell["push"]))
         self.ns["sdp_group"] = group
         answer["ran"] = True
         started = time.perf_counter()
@@ -255,6 +266,7 @@ class RankSession:
             self.generation, n = int(generation), int(n)
             self.members = [int(r) for r in members.split(",")]
         self.ns["sdp_replaced"] = bool(join)  # a cell can rebuild what only this rank lost
+        self.open_link(n)
         self.connect()
         self.ready()
         if join:
@@ -273,7 +285,7 @@ class RankSession:
         answer.update(counts=self.counts(), rss=_rss())
         sys.stdout.flush()
         sys.stderr.flush()
-        jobdir.write_private(jobdir.session_done_path(self.folder, n, self.rank), _dumps(answer))
+        self._send({"type": "done", "n": n, "data": channel.b64(_dumps(answer))})
 
 
 def _dumps(value) -> bytes:
@@ -285,4 +297,4 @@ def _dumps(value) -> bytes:
 def serve(namespace: dict) -> None:
     """The session script's one call: serve cells in `namespace` (the rank's __main__) until `stop`."""
     namespace.pop("_sdp_serve", None)  # the script's own name: not the user's
-    RankSession(namespace, os.environ["SDP_JOB_DIR"]).serve()
+    RankSession(namespace).serve()
