@@ -226,7 +226,7 @@ class RemoteRun(SessionChannel, HealChannel, supervise.Run):
     def _warm_after(self) -> None:
         """After the job: start the hosts' pools for the next (warm_pool.job_done decides)."""
         if self.warm_after_job and self.pool_key(0) is not None:
-                warm_pool.job_done(self.warm_choice, self.spec.preload, start=self._warm_next)
+            warm_pool.job_done(self.warm_choice, self.spec.preload, start=self._warm_next)
 
     def start_fields(self) -> dict:  # what this target adds to every start frame
         return {}

@@ -10,8 +10,9 @@ A cell that raised or was interrupted somewhere can leave a collective half done
 finished wait forever for the ones that left. So after a failed cell the session compares what the
 ranks' groups have issued and, when it differs or a rank is still inside the cell, interrupts the
 ranks still running and reconnects the process group on every rank (launch/rank/session.py says what
-that keeps). The session stays up. On smddp a rank that dies is started again by its node's agent: it joins the group the others reconnect, with an empty namespace, and
-the cell's error says what it lost. On another backend (a gloo collective can wait on a dead peer until
+that keeps). The session stays up. On smddp a rank that dies is started again by its node's agent:
+it joins the group the others reconnect, with an empty namespace, and the cell's error says what it
+lost. On another backend (a gloo collective can wait on a dead peer until
 its timeout), a death ends the session (the job fails, naming the rank).
 
 A host gone for good (its agent's link ended or went silent) takes its ranks and their variables; the
