@@ -69,7 +69,8 @@ class ProcessLink(Link):
         self._send_lock = threading.Lock()
         self.proc = proc
         threading.Thread(target=self._read, daemon=True, name=f"sdp-{self.kind}-{self.host}").start()
-        self._err_thread = threading.Thread(target=self._read_stderr, daemon=True, name=f"sdp-{self.kind}-err-{self.host}")
+        self._err_thread = threading.Thread(target=self._read_stderr, daemon=True,
+                                            name=f"sdp-{self.kind}-err-{self.host}")
         self._err_thread.start()
 
     def _read(self) -> None:

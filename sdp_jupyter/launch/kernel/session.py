@@ -152,8 +152,8 @@ class Session:
         # gloo's may wait on the dead peer until its timeout: a death ends the session
         replace = spec.backend == "smddp"
         # SDP_SESSION_CHANNEL: the agents give the ranks a connection for cells (launch/host/session_relay.py)
-        spec = spec.replace(code=SCRIPT, init_process_group=False,
-                            env={**spec.env, "SDP_SESSION_CHANNEL": "1", **({"SDP_SESSION_STORE": "1"} if replace else {})})
+        env = {**spec.env, "SDP_SESSION_CHANNEL": "1", **({"SDP_SESSION_STORE": "1"} if replace else {})}
+        spec = spec.replace(code=SCRIPT, init_process_group=False, env=env)
         job = api.launch(spec, push=push)
         job.update_status(session=True)
         session = cls(job)
