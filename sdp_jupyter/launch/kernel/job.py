@@ -2,7 +2,8 @@
 
 A Job is a view over its job directory plus, while it runs in this process, the run that owns the
 worker processes (through its nodes' agents: remote.py, local.py). Everything a Job reports (state,
-exit codes, logs, result, metrics) can be read back from the directory alone, so a finished job can be reopened in a new kernel.
+exit codes, logs, result, metrics) can be read back from the directory alone, so a finished job can be
+reopened in a new kernel.
 """
 from __future__ import annotations
 
