@@ -21,11 +21,16 @@ from sdp_jupyter.launch.process import rank_pythonpath
 WORKER = [sys.executable, "-u", "-m", "sdp_jupyter.launch.rank.worker"]
 
 
+_NVIDIA_DEVICES = ("/dev/nvidiactl", "/proc/driver/nvidia", "/dev/dxg")  # the driver's, or WSL2's GPU device
+
+
 def gpu_count() -> int:
     """GPUs this machine offers (NVML, limited by CUDA_VISIBLE_DEVICES); 0 without a GPU or driver."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None and visible.strip() in ("", "-1"):
         return 0
+    if sys.platform.startswith("linux") and not any(os.path.exists(p) for p in _NVIDIA_DEVICES):
+        return 0  # no NVIDIA driver here: not worth NVML's import (every node agent asks, at its start)
     try:
         import pynvml  # nvidia-ml-py
 

@@ -17,11 +17,12 @@ import os
 import queue
 import socket
 import sys
+import time
 
 from sdp_jupyter import backends, jobdir
 from sdp_jupyter.launch import process
 from sdp_jupyter.launch.host.ranks import gpu_count
-from sdp_jupyter.launch.kernel import warm_pool
+from sdp_jupyter.launch.kernel import supervise, warm_pool
 from sdp_jupyter.launch.kernel.job import Job
 from sdp_jupyter.launch.kernel.link import ProcessLink
 from sdp_jupyter.launch.kernel.preparation import create_job, prepared
@@ -59,16 +60,11 @@ class LocalLauncher:
     def start(self, spec: JobSpec, push: dict | None = None) -> Job:
         spec = self.resolve(spec)
         push_bytes = pickle_push(spec.push, push or {})
+        job = create_job(spec, push_bytes)
         run = LocalRun(spec, self)
-        try:
-            run.preflight()
-            job = create_job(spec, push_bytes)
-        except BaseException:
-            run.close_all()
-            raise
         run.attach(job, push_bytes)
         job.supervisor = run
-        run.start()
+        run.start()  # the agents start in the run's thread: the caller has its job at once
         return job
 
 
@@ -95,6 +91,17 @@ class LocalRun(RemoteRun):
         super().__init__(spec, ["localhost"] * spec.nodes, launcher)
         self.warm_choice = launcher.start_choice(spec)
         self._pids: dict[int, int] = {}
+
+    def _supervise(self) -> None:
+        try:
+            self.preflight()  # this machine's agents: nothing to refuse, only our own failure to start one
+        except Exception as e:
+            self.close_all()
+            supervise.unregister(self)
+            self.job.update_status(state="failed", error=f"the launcher failed: the node agents did not start: {e}",
+                                   ended=time.time())
+            return
+        super()._supervise()
 
     def open_links(self) -> list[LocalLink]:
         links = []
