@@ -60,9 +60,12 @@ def test_a_rank_that_connects_late_gets_the_kept_cells_from_the_one_it_joins_in(
 
 def test_a_connection_without_the_jobs_secret_is_closed_unheard(relay):
     conn, reader = connect(relay, 0, secret="not the secret")
-    conn.sendall(channel.encode({"type": "done", "n": 0, "data": channel.b64(b"forged")}))
+    try:
+        conn.sendall(channel.encode({"type": "done", "n": 0, "data": channel.b64(b"forged")}))
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the relay closed it first
     relay.cell(cell(0))
-    with pytest.raises(channel.ChannelClosed):
+    with pytest.raises((channel.ChannelClosed, ConnectionResetError)):  # (reset: it closed with our frame unread)
         channel.decode(reader)  # no cell reached it: the relay closed it
     with pytest.raises(queue.Empty):
         relay.sent.get(timeout=0.5)  # and nothing it said went to the launcher
