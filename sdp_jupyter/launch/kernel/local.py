@@ -17,12 +17,11 @@ import os
 import queue
 import socket
 import sys
-import time
 
 from sdp_jupyter import backends, jobdir
 from sdp_jupyter.launch import process
 from sdp_jupyter.launch.host.ranks import gpu_count
-from sdp_jupyter.launch.kernel import supervise, warm_pool
+from sdp_jupyter.launch.kernel import warm_pool
 from sdp_jupyter.launch.kernel.job import Job
 from sdp_jupyter.launch.kernel.link import ProcessLink
 from sdp_jupyter.launch.kernel.preparation import create_job, prepared
@@ -92,16 +91,8 @@ class LocalRun(RemoteRun):
         self.warm_choice = launcher.start_choice(spec)
         self._pids: dict[int, int] = {}
 
-    def _supervise(self) -> None:
-        try:
-            self.preflight()  # this machine's agents: nothing to refuse, only our own failure to start one
-        except Exception as e:
-            self.close_all()
-            supervise.unregister(self)
-            self.job.update_status(state="failed", error=f"the launcher failed: the node agents did not start: {e}",
-                                   ended=time.time())
-            return
-        super()._supervise()
+    def links_in_run(self) -> None:
+        self.preflight()  # this machine's agents: nothing to refuse, only our own failure to start one
 
     def open_links(self) -> list[LocalLink]:
         links = []

@@ -228,6 +228,9 @@ class RemoteRun(SessionChannel, HealChannel, supervise.Run):
         if self.warm_after_job and self.pool_key(0) is not None:
             warm_pool.job_done(self.warm_choice, self.spec.preload, start=self._warm_next)
 
+    def links_in_run(self) -> None:  # a target whose agents start in the run's thread (local) does it here
+        pass
+
     def start_fields(self) -> dict:  # what this target adds to every start frame
         return {}
 
@@ -258,9 +261,12 @@ class RemoteRun(SessionChannel, HealChannel, supervise.Run):
 
     # ---------------------------------------------------------------- the job
     def _supervise(self) -> None:
-        job, spec = self.job, self.spec
+        job = self.job
         state, error, codes = "failed", None, []
         try:
+            self.links_in_run()
+            spec = self.spec
+
             def announce(text: str) -> None:
                 for rank in range(spec.world_size):
                     self._out(rank, text)
@@ -283,7 +289,7 @@ class RemoteRun(SessionChannel, HealChannel, supervise.Run):
             supervise.unregister(self)
             self._warm_after()
             job.update_status(state=state, error=error, exit_codes=codes, ended=time.time(),
-                              **backend_verdict.verdict(job.dir, spec.backend, spec.world_size,
+                              **backend_verdict.verdict(job.dir, self.spec.backend, self.spec.world_size,
                                                         state))
 
     def _attempt(self, attempt: int) -> tuple[str, str | None, list]:
