@@ -65,9 +65,7 @@ SLURM_KEYS = {"partition", "account", "time", "args"}
 
 
 TARGETS: dict[str, Target] = {
-    "local": Target(warm=True, sessions=True, hybrid=True, heal=True,
-                    elastic_refusal="every node runs on this one machine, so none can be lost while the others "
-                                    "go on"),
+    "local": Target(warm=True, sessions=True, hybrid=True, heal=True, elastic=True),
     "ssh": Target("ssh", "sdp_jupyter.launch.target_options:SSH_OPTIONS",
                   warm=True, exclusive=True, nodes_from_hosts=True, sessions=True, own_hosts=True, elastic=True,
                   heal=True),

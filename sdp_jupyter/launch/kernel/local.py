@@ -18,6 +18,8 @@ import queue
 import socket
 import sys
 
+import psutil
+
 from sdp_jupyter import backends, jobdir
 from sdp_jupyter.launch import process
 from sdp_jupyter.launch.host.ranks import gpu_count
@@ -73,7 +75,7 @@ class LocalLink(ProcessLink):
     kind = "agent"
 
     def __init__(self, node: int, inbox: queue.Queue):
-        super().__init__(node, "localhost", inbox)
+        super().__init__(node, f"localhost/{node}", inbox)
         env = {**os.environ, "SDP_AGENT_ADDR": "127.0.0.1",  # every rank and store of the job on loopback
                "PYTHONPATH": process.rank_pythonpath(os.environ.get("PYTHONPATH"), compat=False)}
         env.pop("SDP_LAUNCHER_PID", None)
@@ -87,7 +89,9 @@ class LocalRun(RemoteRun):
     logs_written = True  # the agents' NodeRanks write each rank's log in the job directory
 
     def __init__(self, spec: JobSpec, launcher: LocalLauncher):
-        super().__init__(spec, ["localhost"] * spec.nodes, launcher)
+        # one name per node agent, as its link has it ("localhost/1"): what an error, the status and an
+        # elastic job's timeline say
+        super().__init__(spec, [f"localhost/{node}" for node in range(spec.nodes)], launcher)
         self.warm_choice = launcher.start_choice(spec)
         self._pids: dict[int, int] = {}
 
@@ -105,12 +109,17 @@ class LocalRun(RemoteRun):
             raise
         return links
 
+    def reopen(self, node: int, inbox: queue.Queue) -> LocalLink:
+        """An elastic job's lost node: its agent (killed, out of memory) started again here."""
+        return LocalLink(node, inbox)
+
     def start_fields(self) -> dict:
         # every node's ranks share this machine's threads and GPUs (ranks.environment)
         return {"shared_dir": str(self.job.dir), "ranks_here": self.spec.world_size, "split_gpus": True}
 
     def _attempt(self, attempt: int):
         (self.job.dir / jobdir.RESULT).unlink(missing_ok=True)
+        self._pids = {}  # an elastic job's new formation may have fewer ranks
         (self.job.dir / jobdir.CHECKPOINTS).mkdir(exist_ok=True)
         if self.spec.checkpoint_dir:
             os.makedirs(os.path.expanduser(self.spec.checkpoint_dir), exist_ok=True)
@@ -142,6 +151,24 @@ class LocalRun(RemoteRun):
     def _who(self, rank: int) -> str:
         node, local_rank = divmod(rank, self.spec.procs_per_node)
         return f"rank {rank} (node {node}, local rank {local_rank})"
+
+    def _host_lost(self, host: str, position: int, why: str) -> str:
+        text = super()._host_lost(host, position, why)
+        spec = self.spec
+        if spec.elastic or spec.heal or self._replace:
+            return text  # it re-forms, or the session asks what to do
+        return (f"{text}. Fix: --nodes {spec.nodes}:{spec.nodes} makes the job elastic: a killed node agent is "
+                "started again and the job goes on from its checkpoint, spending no --max-restarts")
+
+    def _silence(self, conn: LocalLink) -> str:
+        """A local agent that went silent is on this machine: say what state it is in."""
+        try:
+            state = psutil.Process(conn.proc.pid).status()
+        except psutil.Error:
+            state = "gone"
+        said = {psutil.STATUS_STOPPED: "stopped (SIGSTOP)", psutil.STATUS_TRACING_STOP: "stopped by a debugger",
+                psutil.STATUS_ZOMBIE: "ended", "gone": "ended"}.get(state, f"{state}, not reading its channel")
+        return f"its agent (pid {conn.proc.pid}) has not answered for {self.heartbeat_timeout:g} s: {said}"
 
     def _eof_reason(self, node: int, message: dict) -> str:
         """A node agent that ended before the job (killed, out of memory): its ranks died with it."""

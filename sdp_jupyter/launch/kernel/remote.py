@@ -1,11 +1,11 @@
-"""What every remote target shares: one agent per node (launch/host/agent.py) reached over a link.
+"""What every target but SageMaker shares: one agent per node (launch/host/agent.py) reached over a link.
 
-The SSH target's link is an ssh client's stdin/stdout; the Ray target's is an actor that runs the
-agent (launch/kernel/link.py). Either way the notebook side is this module: start every node's agent at once and check its
-hello (version, GPUs) before anything starts; then, per attempt, ask node 0 for a port, send each
-agent its `start`, mirror output, metrics and the result into the job directory, and name a rank
-that fails or a node that goes silent (HEARTBEAT_TIMEOUT). Stop, restarts and the exit hook work as
-for local jobs (launch/kernel/supervise.py).
+The local target's link is its agent's stdin/stdout (local.py), the SSH target's an ssh client's, the
+Ray target's an actor that runs the agent (launch/kernel/link.py). Either way the notebook side is this
+module: start every node's agent at once and check its hello (version, GPUs) before anything starts;
+then, per attempt, ask node 0 for a port, send each agent its `start`, mirror output, metrics and the
+result into the job directory, and name a rank that fails or a node that goes silent (HEARTBEAT_TIMEOUT).
+Stop, restarts and the exit hook: launch/kernel/supervise.py.
 """
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ from sdp_jupyter.launch.kernel.remote_heal import HealChannel
 from sdp_jupyter.launch.kernel.remote_session import SessionChannel
 from sdp_jupyter import backends
 from sdp_jupyter.launch.spec import JobSpec, SpecError
-# a Link, what a target subclasses, and its names: in launch/kernel/link.py, named here too for the targets
-from sdp_jupyter.launch.kernel.link import CONNECT_TIMEOUT, Link, install_fix  # noqa: F401
+# a Link, what a target subclasses, and its fix text: in launch/kernel/link.py, named here too for the targets
+from sdp_jupyter.launch.kernel.link import Link, install_fix
 
 # seconds from opening a link to the agent's hello (connect + interpreter start; on Ray also the actor's
 # worker process): a full suite run on a slow 2-core day saw all 4 Ray test hosts miss 30 s while the
@@ -41,8 +41,7 @@ def start_job(run: "RemoteRun", push_bytes: bytes | None, **status) -> Job:
     try:
         spec = run.preflight()
         names = [(c.hello or {}).get("hostname") for c in run.conns]  # an elastic job may start without some
-        job = create_job(spec, push_bytes, hosts=run.hosts, host_names=names,
-                         **status)
+        job = create_job(spec, push_bytes, hosts=run.hosts, host_names=names, **status)
     except BaseException:
         run.close_all()
         raise
@@ -329,7 +328,7 @@ class RemoteRun(SessionChannel, HealChannel, supervise.Run):
                 for conn in nodes:
                     if conn.node not in done and now - conn.last_heard > HEARTBEAT_TIMEOUT:
                         done.add(conn.node)  # lost: nobody to wait for there (its agent stops its own ranks)
-                        why = f"has not answered for {HEARTBEAT_TIMEOUT:g} s: its link or the host is down"
+                        why = self._silence(conn)
                         self._left[conn.node] = why
                         if not self._host_gone(members[conn.node], why):
                             return self._fail(self._host_lost(conn.host, members[conn.node], why), codes, done)
@@ -384,6 +383,10 @@ class RemoteRun(SessionChannel, HealChannel, supervise.Run):
         if failed:
             return self._fail(supervise.job_error(self.job, failed, codes, self._who, self._host), codes, done)
         return "succeeded", None, codes
+
+    def _silence(self, conn: Link) -> str:
+        """Why a node that stopped answering is lost (the job's error, an elastic job's timeline)."""
+        return f"has not answered for {HEARTBEAT_TIMEOUT:g} s: its link or the host is down"
 
     def _eof_reason(self, node: int, message: dict) -> str:
         conn = self.conns[node]
