@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "sdp/coll_records.h"
 #include "sdp/crash.h"
 #include "sdp/engine.h"
 #include "sdp/hmac.h"
@@ -25,6 +26,10 @@ DType to_dtype(int t) {
 ReduceOp to_op(int op) {
   if (!valid_op(op)) throw Error("invalid reduce op code " + std::to_string(op));
   return ReduceOp(op);
+}
+Coll to_coll(int c) {
+  if (!find_coll(c)) throw Error("invalid collective code " + std::to_string(c));
+  return Coll(c);
 }
 
 }  // namespace
@@ -50,14 +55,28 @@ PYBIND11_MODULE(_engine, m) {
       .value("max", ReduceOp::MAX)
       .value("min", ReduceOp::MIN)
       .value("product", ReduceOp::PRODUCT);
-  py::enum_<Coll>(m, "Coll")
-      .value("all_reduce", Coll::ALLREDUCE)
-      .value("broadcast", Coll::BROADCAST)
-      .value("all_gather", Coll::ALLGATHER)
-      .value("reduce_scatter", Coll::REDUCE_SCATTER)
-      .value("gather", Coll::GATHER)
-      .value("scatter", Coll::SCATTER)
-      .value("all_to_all", Coll::ALLTOALL);
+  // The collectives, from their records (coll_records.h): Coll by name, and each record's fields.
+  py::enum_<Coll> colls(m, "Coll");
+  for (const CollRecord& r : coll_records()) colls.value(r.name, r.code);
+  m.def(
+      "collectives",
+      [] {
+        py::list out;
+        for (const CollRecord& r : coll_records()) {
+          py::dict d;
+          d["name"] = r.name;
+          d["code"] = int(r.code);
+          d["reduces"] = r.reduces;
+          d["rooted"] = r.rooted;
+          d["root_blocks"] = r.root_blocks;
+          d["needs_src"] = r.needs_src;
+          d["span"] = span_name(r.span);
+          d["doc"] = r.doc;
+          out.append(d);
+        }
+        return out;
+      },
+      "One dict per collective, from the engine's records (native/include/sdp/coll_records.h).");
   py::enum_<FlightState>(m, "FlightState")
       .value("posted", FlightState::POSTED)
       .value("started", FlightState::STARTED)
@@ -124,8 +143,7 @@ PYBIND11_MODULE(_engine, m) {
           // The common call (all_reduce, broadcast, ...), with no default converted per call:
           // a few microseconds count at 4 KiB.
           [](Engine& e, int coll, uintptr_t ptr, size_t count, int dtype, int op, int root) {
-            if (!valid_coll(coll)) throw Error("invalid collective code " + std::to_string(coll));
-            return e.submit(Coll(coll), reinterpret_cast<void*>(ptr), count, to_dtype(dtype), to_op(op), root, nullptr, {});
+            return e.submit(to_coll(coll), reinterpret_cast<void*>(ptr), count, to_dtype(dtype), to_op(op), root, nullptr, {});
           },
           py::arg("coll"), py::arg("ptr"), py::arg("count"), py::arg("dtype"), py::arg("op"), py::arg("root"))
       .def(
@@ -133,10 +151,9 @@ PYBIND11_MODULE(_engine, m) {
           // gather/scatter (the root's one buffer per rank) and all_to_all (its input buffer)
           [](Engine& e, int coll, uintptr_t ptr, size_t count, int dtype, int op, int root, uintptr_t src,
              std::vector<uintptr_t> blocks) {
-            if (!valid_coll(coll)) throw Error("invalid collective code " + std::to_string(coll));
             std::vector<char*> b;
             for (auto p : blocks) b.push_back(reinterpret_cast<char*>(p));
-            return e.submit(Coll(coll), reinterpret_cast<void*>(ptr), count, to_dtype(dtype), to_op(op), root,
+            return e.submit(to_coll(coll), reinterpret_cast<void*>(ptr), count, to_dtype(dtype), to_op(op), root,
                             reinterpret_cast<const void*>(src), std::move(b));
           },
           py::arg("coll"), py::arg("ptr"), py::arg("count"), py::arg("dtype"), py::arg("op"), py::arg("root"),

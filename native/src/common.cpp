@@ -32,22 +32,8 @@ const char* op_name(ReduceOp op) {
   return i < 5 ? names[i] : "invalid-op";
 }
 
-const char* coll_name(Coll c) {
-  switch (c) {
-    case Coll::ALLREDUCE: return "all_reduce";
-    case Coll::BROADCAST: return "broadcast";
-    case Coll::ALLGATHER: return "all_gather";
-    case Coll::REDUCE_SCATTER: return "reduce_scatter";
-    case Coll::GATHER: return "gather";
-    case Coll::SCATTER: return "scatter";
-    case Coll::ALLTOALL: return "all_to_all";
-  }
-  return "invalid-collective";
-}
-
 bool valid_dtype(int t) { return t >= 0 && t <= 7; }
 bool valid_op(int op) { return op >= 0 && op <= 4; }
-bool valid_coll(int c) { return c >= 1 && c <= 7; }
 
 void log_warning(const std::string& msg) {
   std::fprintf(stderr, "[smddp] warning: %s\n", msg.c_str());

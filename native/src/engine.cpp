@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "sdp/coll_records.h"
 #include "sdp/reduce.h"
 
 namespace sdp {
@@ -48,13 +49,14 @@ void Engine::connect(const std::vector<std::string>& addrs, const std::vector<in
 
 uint64_t Engine::submit(Coll c, void* buf, size_t count, DType t, ReduceOp op, int root, const void* src,
                         std::vector<char*> blocks) {
+  const CollRecord& r = coll_record(c);
   if (root < 0 || root >= world_size()) throw Error("root " + std::to_string(root) + " is not a rank of this group");
-  if (c == Coll::GATHER && num_nodes() > 1)
-    throw Error("gather runs in the engine only when every rank of the group is on one node (across nodes, "
-                "send the blocks to the root as messages)");
-  if (c == Coll::ALLTOALL && !src) throw Error("all_to_all needs its input buffer");
-  if ((c == Coll::GATHER || c == Coll::SCATTER) && rank() == root && blocks.size() != size_t(world_size()))
-    throw Error(std::string(coll_name(c)) + " on the root needs one buffer per rank");
+  if (r.span == Span::ONE_NODE && num_nodes() > 1)
+    throw Error(std::string(r.name) + " runs in the engine only when every rank of the group is on one node "
+                "(across nodes, send the blocks as messages)");
+  if (r.needs_src && !src) throw Error(std::string(r.name) + " needs its input buffer");
+  if (r.root_blocks && rank() == root && blocks.size() != size_t(world_size()))
+    throw Error(std::string(r.name) + " on the root needs one buffer per rank");
   std::lock_guard<std::mutex> g(mu_);
   if (!connected_) throw Error("engine is not connected");
   if (stopping_) throw Error("the process group has been shut down");
@@ -187,15 +189,7 @@ void Engine::run(const Work& w) {
   running = &w;
   deadline = now_s() + cfg_.timeout_s;
   if (world_size() == 1) return colls_.one_rank(w);
-  switch (w.coll) {
-    case Coll::ALLREDUCE: colls_.all_reduce(w); break;
-    case Coll::BROADCAST: colls_.broadcast(w); break;
-    case Coll::ALLGATHER: colls_.all_gather(w); break;
-    case Coll::REDUCE_SCATTER: colls_.reduce_scatter(w); break;
-    case Coll::GATHER: colls_.gather(w); break;
-    case Coll::SCATTER: colls_.scatter(w); break;
-    case Coll::ALLTOALL: colls_.all_to_all(w); break;
-  }
+  (colls_.*coll_record(w.coll).run)(w);  // submit() checked the code
 }
 
 // ---------------------------------------------------------------- the first-error latch

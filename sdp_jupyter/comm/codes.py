@@ -1,6 +1,7 @@
 """The engine's codes and numbers, as its module binds them (native/python/module.cpp): no copy to drift.
 
-dtype, op and collective codes (native/include/sdp/common.h), the bytes per element of each dtype,
+dtype and op codes (native/include/sdp/common.h), the collectives' records (coll_records.h: name, code,
+whether it reduces or has a root, what the engine covers by layout), the bytes per element of each dtype,
 the engine's defaults (EngineConfig) and SMALL_BYTES, the block size up to which an engine call
 moves a block through the node's small slots (shm_node.h's kSmallBytes).
 """
@@ -18,7 +19,12 @@ EngineError.__doc__ = ("The native engine's own error (a RuntimeError raised by 
 DTYPES = {name: int(v) for name, v in _engine.DType.__members__.items()}
 #: the reduce operations by name, as `op=` takes them, and their engine codes
 OPS = {name: int(v) for name, v in _engine.ReduceOp.__members__.items()}
-COLLS = {name: int(v) for name, v in _engine.Coll.__members__.items()}
+#: the engine's record of each collective by name (native/include/sdp/coll_records.h): code, reduces, rooted,
+#: root_blocks (the root gives a buffer per rank), needs_src, span ("all": the engine moves every byte;
+#: "one_node": only when the group is one node; "node_part": the blocks between ranks of one node) and doc
+COLLECTIVES: dict[str, dict] = {r["name"]: r for r in _engine.collectives()}
+#: the engine's collective codes by name
+COLLS = {name: r["code"] for name, r in COLLECTIVES.items()}
 #: engine codes of the collectives, as Communicator.submit takes them
 COLL_ALLREDUCE, COLL_BROADCAST, COLL_ALLGATHER, COLL_REDUCE_SCATTER = (
     COLLS["all_reduce"], COLLS["broadcast"], COLLS["all_gather"], COLLS["reduce_scatter"])

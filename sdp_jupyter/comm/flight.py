@@ -34,14 +34,15 @@ import weakref
 
 from sdp_jupyter import _engine, jobdir
 from sdp_jupyter._env import env_float, env_str
+from sdp_jupyter.comm.codes import COLLECTIVES
 
 FIELDS = jobdir.FLIGHT_FIELDS
-_COLL = {int(v): name for name, v in _engine.Coll.__members__.items()}
+_COLL = {r["code"]: name for name, r in COLLECTIVES.items()}
 _DTYPE = {int(v): name for name, v in _engine.DType.__members__.items()}
 _OP = {int(v): name for name, v in _engine.ReduceOp.__members__.items()}
 _STATE = {int(v): name for name, v in _engine.FlightState.__members__.items()}
-_ROOTED = {"broadcast", "gather", "scatter"}
-_REDUCING = {"all_reduce", "reduce_scatter"}
+_ROOTED = {name for name, r in COLLECTIVES.items() if r["rooted"]}
+_REDUCING = {name for name, r in COLLECTIVES.items() if r["reduces"]}
 
 _lock = threading.Lock()
 _groups: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # communicator -> its watch record

@@ -1,5 +1,6 @@
-"""gather, scatter and all_to_all, routed by topology: the part of a collective between ranks of one
-node goes through the engine (the node's shared memory; blocks over SMALL_BYTES read straight from
+"""gather, scatter and all_to_all, routed by topology and by each collective's record (its `span`,
+native/include/sdp/coll_records.h: what the engine covers in which layout): the part of a collective
+between ranks of one node goes through the engine (the node's shared memory; blocks over SMALL_BYTES read straight from
 the peers' memory where the node allows it), the blocks for other nodes' ranks as messages (the
 mailbox, on the collectives' tag) at the same time.
 
@@ -25,7 +26,10 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from sdp_jupyter.comm.codes import COLL_ALLTOALL, COLL_GATHER, COLL_SCATTER, COLL_TAG, DTYPE_SIZES, DTYPES, SMALL_BYTES
+from sdp_jupyter.comm.codes import (COLL_ALLTOALL, COLL_GATHER, COLL_SCATTER, COLL_TAG, COLLECTIVES, DTYPE_SIZES, DTYPES,
+                                    SMALL_BYTES)
+
+_SPAN = {r["code"]: r["span"] for r in COLLECTIVES.values()}
 
 Block = tuple[int, int]  # (pointer, bytes)
 
@@ -76,7 +80,7 @@ class Routes:
         nbytes = count * DTYPE_SIZES[dtype]
         if self.rank == root:
             self._check_count("gather on the root", outs)
-        if self.num_nodes > 1:
+        if self._engine_part(COLL_GATHER) == "none":
             if self.rank != root:
                 return self._exchange([(root, src, nbytes)], [], keepalive, finish)
             return self._exchange([], [(r, o, nbytes) for r, o in enumerate(outs) if r != root], keepalive, finish,
@@ -92,7 +96,7 @@ class Routes:
         me, nodes = self.rank, self.node_of_rank
         if me == root:
             self._check_count("scatter on the root", ins)
-        if self.num_nodes > 1 and (nbytes <= SMALL_BYTES or nodes.count(nodes[root]) == 1):
+        if self._engine_part(COLL_SCATTER) == "node" and (nbytes <= SMALL_BYTES or nodes.count(nodes[root]) == 1):
             if me != root:
                 return self._exchange([], [(root, out, nbytes)], keepalive, finish)
             return self._exchange([(r, p, nbytes) for r, p in enumerate(ins) if r != root], [], keepalive, finish,
@@ -133,6 +137,15 @@ class Routes:
                               keepalive, finish, (outs[me][0], ins[me][0], ins[me][1]))
 
     # ---- how they are put together
+    def _engine_part(self, coll: int) -> str:
+        """What the engine moves of `coll` in this group, from its record's span: "all" (every block: its
+        span is "all", or the group is one node), "node" (the blocks between ranks of this node; the rest
+        go as messages meanwhile) or "none" (it runs on one node only, and this group has several)."""
+        span = _SPAN[coll]
+        if span == "all" or self.num_nodes == 1:
+            return "all"
+        return "node" if span == "node_part" else "none"
+
     def _check_count(self, what: str, buffers: Sequence) -> None:
         if len(buffers) != self.world_size:
             raise ValueError(f"{what} needs {self.world_size} buffers (one per rank), got {len(buffers)}")

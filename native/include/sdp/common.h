@@ -11,7 +11,8 @@ namespace sdp {
 enum class DType : uint8_t { F32 = 0, F64 = 1, F16 = 2, BF16 = 3, I32 = 4, I64 = 5, U8 = 6, I8 = 7 };
 enum class ReduceOp : uint8_t { SUM = 0, AVG = 1, MAX = 2, MIN = 3, PRODUCT = 4 };
 // What a collective is; travels in every frame header so that ranks calling different
-// collectives are caught before anything is reduced.
+// collectives are caught before anything is reduced. What each one is, takes and does: its record
+// (coll_records.h).
 // ALLGATHER and REDUCE_SCATTER work in place on world_size blocks of `count` elements each:
 // block r belongs to rank r (all_gather: rank r's input is block r; reduce_scatter: rank r's
 // result lands in block r). GATHER copies every rank's `buf` (count elements) to the root's block
@@ -26,10 +27,8 @@ enum class Coll : uint8_t { ALLREDUCE = 1, BROADCAST = 2, ALLGATHER = 3, REDUCE_
 size_t dtype_size(DType t);
 const char* dtype_name(DType t);
 const char* op_name(ReduceOp op);
-const char* coll_name(Coll c);
 bool valid_dtype(int t);
 bool valid_op(int op);
-bool valid_coll(int c);
 
 // Names the calling thread ("sdp-progress", ...; at most 15 characters) so that a crash report,
 // gdb, py-spy or top -H says which of the engine's threads it was.

@@ -1,0 +1,52 @@
+#include "sdp/coll_records.h"
+
+namespace sdp {
+
+const std::vector<CollRecord>& coll_records() {
+  // {code, name, reduces, rooted, root_blocks, needs_src, span, algorithm, doc}
+  static const std::vector<CollRecord> records = {
+      {Coll::ALLREDUCE, "all_reduce", true, false, false, false, Span::ALL, &Collectives::all_reduce,
+       "every rank's buffer <- the reduction of every rank's buffer"},
+      {Coll::BROADCAST, "broadcast", false, true, false, false, Span::ALL, &Collectives::broadcast,
+       "every rank's buffer <- the root's"},
+      {Coll::ALLGATHER, "all_gather", false, false, false, false, Span::ALL, &Collectives::all_gather,
+       "in place on world_size blocks: block r <- rank r's block r"},
+      {Coll::REDUCE_SCATTER, "reduce_scatter", true, false, false, false, Span::ALL, &Collectives::reduce_scatter,
+       "in place on world_size blocks: rank r's block r <- the reduction of every rank's block r"},
+      {Coll::GATHER, "gather", false, true, true, false, Span::ONE_NODE, &Collectives::gather,
+       "the root's block r <- rank r's buffer"},
+      {Coll::SCATTER, "scatter", false, true, true, false, Span::NODE_PART, &Collectives::scatter,
+       "rank r's buffer <- the root's block r"},
+      {Coll::ALLTOALL, "all_to_all", false, false, false, true, Span::NODE_PART, &Collectives::all_to_all,
+       "block r of the output <- block rank of rank r's input"},
+  };
+  return records;
+}
+
+const CollRecord* find_coll(int c) {
+  for (const CollRecord& r : coll_records())
+    if (int(r.code) == c) return &r;
+  return nullptr;
+}
+
+const CollRecord& coll_record(Coll c) {
+  const CollRecord* r = find_coll(int(c));
+  if (!r) throw Error("invalid collective code " + std::to_string(int(c)));
+  return *r;
+}
+
+const char* coll_name(int c) {
+  const CollRecord* r = find_coll(c);
+  return r ? r->name : "invalid-collective";
+}
+
+const char* span_name(Span s) {
+  switch (s) {
+    case Span::ALL: return "all";
+    case Span::ONE_NODE: return "one_node";
+    case Span::NODE_PART: return "node_part";
+  }
+  return "invalid-span";
+}
+
+}  // namespace sdp
