@@ -19,6 +19,8 @@ const std::vector<CollRecord>& coll_records() {
        "rank r's buffer <- the root's block r"},
       {Coll::ALLTOALL, "all_to_all", false, false, false, true, Span::NODE_PART, &Collectives::all_to_all,
        "block r of the output <- block rank of rank r's input"},
+      {Coll::BARRIER, "barrier", false, false, false, false, Span::ALL, &Collectives::barrier,
+       "returns once every rank has called it; moves none of the caller's data"},
   };
   return records;
 }

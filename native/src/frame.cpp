@@ -18,6 +18,7 @@ bool rooted(int c) {
 }  // namespace
 
 std::string describe(const Work& w, uint64_t seq) {
+  if (w.count == 0) return std::string(coll_name(int(w.coll))) + " #" + std::to_string(seq);  // no data: a barrier
   std::string d = std::string(coll_name(int(w.coll))) + " #" + std::to_string(seq) + " (" + std::to_string(w.count) + " x " +
                   dtype_name(w.dtype);
   if (reduces(int(w.coll))) d += std::string(", ") + op_name(w.op);

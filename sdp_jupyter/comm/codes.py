@@ -29,7 +29,8 @@ COLLS = {name: r["code"] for name, r in COLLECTIVES.items()}
 COLL_ALLREDUCE, COLL_BROADCAST, COLL_ALLGATHER, COLL_REDUCE_SCATTER = (
     COLLS["all_reduce"], COLLS["broadcast"], COLLS["all_gather"], COLLS["reduce_scatter"])
 #: engine codes of the collectives, as Communicator.submit takes them
-COLL_GATHER, COLL_SCATTER, COLL_ALLTOALL = COLLS["gather"], COLLS["scatter"], COLLS["all_to_all"]
+COLL_GATHER, COLL_SCATTER, COLL_ALLTOALL, COLL_BARRIER = (COLLS["gather"], COLLS["scatter"], COLLS["all_to_all"],
+                                                          COLLS["barrier"])
 #: bytes per element, by dtype code
 DTYPE_SIZES = {code: _engine.dtype_size(code) for code in DTYPES.values()}
 NUMPY_DTYPES = {np.dtype(k): v for k, v in DTYPES.items() if k != "bfloat16"}

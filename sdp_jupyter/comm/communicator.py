@@ -16,7 +16,7 @@ from sdp_jupyter import _engine
 from sdp_jupyter._env import env_float, env_int, env_str
 from sdp_jupyter._net import port_range
 from sdp_jupyter.comm import flight, usage
-from sdp_jupyter.comm.codes import (COLL_ALLGATHER, COLL_ALLREDUCE, COLL_BROADCAST, COLL_REDUCE_SCATTER,
+from sdp_jupyter.comm.codes import (COLL_ALLGATHER, COLL_ALLREDUCE, COLL_BARRIER, COLL_BROADCAST, COLL_REDUCE_SCATTER,
                                     DEFAULT_CHUNK_BYTES, DEFAULT_TIMEOUT, DTYPES, NUMPY_DTYPES, OPS, EngineError,
                                     SmddpError)
 from sdp_jupyter.comm.routing import Routes
@@ -403,10 +403,8 @@ class Communicator(Routes):
             raise ValueError(f"root {root} is not a rank of this group of {self.world_size}")
 
     def barrier(self, async_op: bool = False):
-        """Return once every rank has called it (a one-byte all_reduce); with async_op, the Work."""
-        token = np.zeros(1, dtype=np.uint8)
-        return self._done(self.submit(COLL_ALLREDUCE, token.ctypes.data, 1, DTYPES["uint8"], OPS["max"], 0, token),
-                          async_op)
+        """Return once every rank has called it; with async_op, the Work."""
+        return self._done(self.submit(COLL_BARRIER, 0, 0, DTYPES["uint8"]), async_op)
 
     def close(self) -> None:
         """Shut this rank's engine and message mailbox down, and close the store when this communicator

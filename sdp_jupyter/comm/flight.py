@@ -52,15 +52,12 @@ _dumped_failure: "weakref.WeakSet" = weakref.WeakSet()
 
 
 def entry(raw: tuple) -> list:
-    """One ring entry from the engine (flight.h) in FIELDS' order, with names instead of codes. The
-    barrier is an all_reduce of one uint8 with max (communicator.py), and is named so; `arg` is the
-    root of a rooted collective, the reduce op of a reducing one, else None."""
+    """One ring entry from the engine (flight.h) in FIELDS' order, with names instead of codes; `arg` is
+    the root of a rooted collective, the reduce op of a reducing one, else None."""
     seq, coll, dtype, op, count, root, state, posted, started, ended = raw
     name, dname = _COLL.get(coll, str(coll)), _DTYPE.get(dtype, str(dtype))
     arg = None
-    if name == "all_reduce" and count == 1 and dname == "uint8" and _OP.get(op) == "max":
-        name = "barrier"
-    elif name in _ROOTED:
+    if name in _ROOTED:
         arg = root
     elif name in _REDUCING:
         arg = _OP.get(op, str(op))

@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from sdp_jupyter.comm import (COLL_ALLGATHER, COLL_ALLREDUCE, COLL_BROADCAST, COLL_REDUCE_SCATTER, DTYPES, OPS,
-                              Communicator, SmddpError)
+from sdp_jupyter.comm import (COLL_ALLGATHER, COLL_ALLREDUCE, COLL_BARRIER, COLL_BROADCAST, COLL_REDUCE_SCATTER, DTYPES,
+                              OPS, Communicator, SmddpError)
 from sdp_jupyter.torch.tensors import (Staging, block, dtype_code, moved, op_code, send_buffer, stage_chunk_bytes_from_env,
                                        staged, staged_all)
 from sdp_jupyter.torch.work import FutureCompleter, SmddpWork, backend_error, unsupported
@@ -352,10 +352,8 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
                     "deadline (SDP_TIMEOUT) and names the ranks that did not arrive")
 
     def barrier(self, opts=None):
-        """dist.barrier: done once every rank has reached it (a one-byte all_reduce)."""
-        token = torch.zeros(1, dtype=torch.uint8)
-        return self._work(self.comm.submit(COLL_ALLREDUCE, token.data_ptr(), 1, DTYPES["uint8"], OPS["max"], 0, token),
-                          [token])
+        """dist.barrier: done once every rank has reached it (the engine's barrier)."""
+        return self._work(self.comm.submit(COLL_BARRIER, 0, 0, DTYPES["uint8"]), [])
 
     def shutdown(self) -> None:
         """Close the group: stop completing its futures and close its communicator (the engine's

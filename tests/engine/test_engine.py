@@ -271,16 +271,21 @@ def _no_rank_left(results_procs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["count", "dtype"])
+@pytest.mark.parametrize("kind", ["count", "dtype", "barrier"])
 @pytest.mark.parametrize("world,per_node", [(2, 2), (2, 1), (4, 2)])
 def test_mismatch_fails_every_rank_and_reduces_nothing(kind, world, per_node):
+    """barrier: the engine's own collective (coll_records.cpp), so a rank in a barrier while the others
+    all-reduce one byte is a mismatch naming both, and the flight recorder says which one each rank was in."""
     procs, tmp = start_ranks("engine_workers:mismatch", world, per_node, args=(kind,))
     results = collect(procs, tmp, timeout=60)
     vals = assert_all_ok(results)
-    field = {"count": "element count", "dtype": "dtype"}[kind]
+    field = {"count": "element count", "dtype": "dtype", "barrier": "collective"}[kind]
     for r, v in enumerate(vals):
         assert "collective mismatch" in v and field in v, f"rank {r}: {v}"
         assert "nothing was reduced" in v
+        if kind == "barrier":
+            assert "barrier" in v.split(" | ")[0] and "all_reduce" in v.split(" | ")[0], f"rank {r}: {v}"
+            assert v.split(" | ")[1] == ("barrier" if r == world - 1 else "all_reduce"), f"rank {r}: {v}"
     _no_rank_left(procs)
 
 

@@ -70,11 +70,18 @@ def mismatch(kind: str):
     x = np.ones(10 if kind != "count" or c.rank == 0 else 12, dtype=np.float32)
     if kind == "dtype" and c.rank == c.world_size - 1:
         x = x.astype(np.float64)
+    last = c.rank == c.world_size - 1
+    if kind == "barrier":  # the others in what a barrier used to be: one uint8 all-reduced with max
+        x = np.zeros(1, dtype=np.uint8)
     before = x.copy()
     try:
-        c.all_reduce(x)
+        c.barrier() if kind == "barrier" and last else c.all_reduce(x, op="max" if kind == "barrier" else "sum")
     except comm.SmddpError as exc:
         assert np.array_equal(x, before), "buffer changed although the collective failed"
+        if kind == "barrier":
+            from sdp_jupyter.comm import flight
+
+            return str(exc) + " | " + flight.entry(tuple(c._engine.flight(1)[0]))[1]
         return str(exc)
     finally:
         comm.shutdown()

@@ -1,7 +1,7 @@
 // The collectives, written against the peer links (post send / post receive / exchange or
 // progress) and the shared-memory node (slots, barrier, descriptions) only: no socket, no
 // thread, no queue.
-// One file per family: allreduce.cpp, broadcast.cpp, allgather.cpp, reducescatter.cpp,
+// One file per family: allreduce.cpp, broadcast.cpp, allgather.cpp, reducescatter.cpp, barrier.cpp,
 // gather_scatter.cpp.
 #pragma once
 #include <atomic>
@@ -37,6 +37,7 @@ class Collectives {
   void gather(const Work& w);
   void scatter(const Work& w);
   void all_to_all(const Work& w);
+  void barrier(const Work& w);  // barrier.cpp
   uint64_t peer_read_bytes() const { return peer_read_bytes_.load(std::memory_order_relaxed); }
 
  private:

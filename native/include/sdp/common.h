@@ -22,7 +22,7 @@ enum class ReduceOp : uint8_t { SUM = 0, AVG = 1, MAX = 2, MIN = 3, PRODUCT = 4 
 // elements on every rank) for every r on the same node as `rank`. Across nodes the caller moves
 // the other blocks.
 enum class Coll : uint8_t { ALLREDUCE = 1, BROADCAST = 2, ALLGATHER = 3, REDUCE_SCATTER = 4, GATHER = 5, SCATTER = 6,
-                            ALLTOALL = 7 };
+                            ALLTOALL = 7, BARRIER = 8 };
 
 size_t dtype_size(DType t);
 const char* dtype_name(DType t);
