@@ -16,7 +16,7 @@ import pytest
 from helpers.heal_job import HEAL_JOB, check_remote_heal
 from helpers.remote_jobs import TRAIN, drive, drive_cells, drive_session, next_line, tell
 from sdp_jupyter.launch import JobSpec, SpecError
-from sdp_jupyter.launch.kernel import remote
+from sdp_jupyter.launch.kernel import link, remote
 from sdp_jupyter.testing.cluster import signal_all
 
 
@@ -77,7 +77,7 @@ def test_an_unreachable_address_is_named_within_the_connect_deadline():
     t0 = time.monotonic()
     with pytest.raises(SpecError, match=r"--address: cannot reach the Ray cluster at 127.0.0.1:1 within 10 s"):
         ray_target.connect("127.0.0.1:1")
-    assert time.monotonic() - t0 < remote.CONNECT_TIMEOUT + 2
+    assert time.monotonic() - t0 < link.CONNECT_TIMEOUT + 2
 
 
 def test_an_address_naming_another_cluster_than_the_joined_one_is_refused(monkeypatch):

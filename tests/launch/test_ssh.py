@@ -15,7 +15,7 @@ import pytest
 from helpers.remote_jobs import ELASTIC_TRAIN, REPO, TRAIN, drive, drive_session, next_line, tell
 from sdp_jupyter.launch import JobSpec, SpecError
 from sdp_jupyter.launch import channel
-from sdp_jupyter.launch.kernel import remote
+from sdp_jupyter.launch.kernel import link, remote
 from sdp_jupyter.launch.kernel import ssh as ssh_target
 
 def _drive(hosts, jobs, **launch_args):
@@ -271,7 +271,7 @@ def test_bad_hosts_are_named_and_nothing_is_launched(ssh_hosts, hosts, tmp_path)
     t0 = time.monotonic()
     d = _drive(ssh_hosts, tmp_path, ssh={"hosts": ["h1", "h3", "nosuchhost"], "config": str(ssh_hosts.config)})
     err = next_line(d)["spec_error"]
-    assert time.monotonic() - t0 < remote.CONNECT_TIMEOUT + 10  # both within the connect deadline
+    assert time.monotonic() - t0 < link.CONNECT_TIMEOUT + 10  # both within the connect deadline
     assert err.startswith("--hosts: 2 of 3 host(s) cannot run the job; nothing was started")
     assert "\n  h3: " in err and "\n  nosuchhost: " in err and "ssh -o BatchMode=yes nosuchhost true" in err
     assert "h1:" not in err

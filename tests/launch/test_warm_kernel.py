@@ -107,8 +107,10 @@ def test_sdp_warm_makes_the_first_job_warm_and_killing_the_kernel_leaves_nothing
     run_ok(kc, '%%sdp_train --nodes 2 --backend gloo --name sleeper\n'
                'import time\nprint("up", flush=True)\ntime.sleep(300)\n')
     deadline = time.monotonic() + 60
-    # a forked rank 0 can print before the launcher has started rank 1 and written the ranks' pids
-    while "up" not in rank0_log(jobs_dir, "sleeper") or "pids" not in status(jobs_dir, "sleeper"):
+    # a forked rank 0 can print before rank 1 has started and the ranks' pids are written; how they
+    # started ("start") is written once every node's agent has said so, after its ranks' pids
+    while "up" not in rank0_log(jobs_dir, "sleeper") or len(status(jobs_dir, "sleeper").get("pids") or []) < 2 \
+            or "start" not in status(jobs_dir, "sleeper"):
         assert time.monotonic() < deadline, "the warm job did not start"
         time.sleep(0.1)
     st = status(jobs_dir, "sleeper")
