@@ -1,5 +1,7 @@
 #include "sdp/coll_records.h"
 
+#include <array>
+
 namespace sdp {
 
 const std::vector<CollRecord>& coll_records() {
@@ -26,9 +28,13 @@ const std::vector<CollRecord>& coll_records() {
 }
 
 const CollRecord* find_coll(int c) {
-  for (const CollRecord& r : coll_records())
-    if (int(r.code) == c) return &r;
-  return nullptr;
+  // By code, built once: two lookups per collective (submit's checks, the dispatch) cost an index.
+  static const std::array<const CollRecord*, 256> by_code = [] {
+    std::array<const CollRecord*, 256> a{};
+    for (const CollRecord& r : coll_records()) a[size_t(r.code)] = &r;
+    return a;
+  }();
+  return c >= 0 && c < 256 ? by_code[size_t(c)] : nullptr;
 }
 
 const CollRecord& coll_record(Coll c) {
