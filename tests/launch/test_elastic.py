@@ -217,3 +217,28 @@ def test_below_min_the_job_waits_then_names_each_missing_host_and_why(ssh_hosts,
     logs = _logs(out)
     assert "1 node(s) usable, the job needs 2: waiting up to 4 s (--elastic-wait) for hosts to return" in logs
     assert ssh_hosts.wait_clean(20) == {}
+
+
+def test_a_host_whose_client_cannot_start_is_tried_again(monkeypatch):
+    """reopen() raising (ssh or a local agent could not start: out of processes, say) is not the end of
+    that host: it is tried again after RETRY_EVERY, as a host that did not answer is."""
+    from sdp_jupyter.launch.kernel import elastic
+
+    monkeypatch.setattr(elastic, "RETRY_EVERY", 0.05)
+    calls = []
+
+    class Failing(_Run):
+        def reopen(self, node, inbox):
+            calls.append(node)
+            if len(calls) == 1:
+                raise OSError("no room for another process")
+            return None  # then lost for good: the retry ends
+
+    run = Failing([])
+    membership = elastic.Membership(run, lambda s: None)
+    run._membership = membership
+    membership.lose(2, "its agent was killed")
+    deadline = time.monotonic() + 5
+    while len(calls) < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert calls == [2, 2]

@@ -201,8 +201,9 @@ class Membership:
             inbox: queue.Queue = queue.Queue()
             try:
                 link = run.reopen(node, inbox)
-            except Exception:  # the client could not start: tried again later
-                link = None
+            except Exception:  # the client (ssh, a local agent) could not start: tried again later
+                time.sleep(RETRY_EVERY)
+                continue
             if link is None:
                 with self._lock:
                     self._trying.discard(node)
