@@ -20,8 +20,8 @@ import os
 
 from sdp_jupyter._env import env_float, env_int
 from sdp_jupyter.comm.codes import (COLL_ALLGATHER, COLL_ALLREDUCE, COLL_ALLTOALL, COLL_BARRIER, COLL_BROADCAST,
-                                    COLL_GATHER, COLL_REDUCE_SCATTER, COLL_SCATTER, COLL_TAG, DEFAULT_CHUNK_BYTES, DEFAULT_TIMEOUT,
-                                    DTYPE_SIZES, DTYPES, OPS, SMALL_BYTES, EngineError, SmddpError)
+                                    COLL_GATHER, COLL_REDUCE_SCATTER, COLL_SCATTER, COLL_TAG, DEFAULT_CHUNK_BYTES,
+                                    DEFAULT_TIMEOUT, DTYPE_SIZES, DTYPES, OPS, SMALL_BYTES, EngineError, SmddpError)
 from sdp_jupyter.comm.communicator import Communicator, bind_address, node_key
 from sdp_jupyter.comm.secret import JobSecret, SecretError, env_secret
 from sdp_jupyter.comm.usage import live as _live  # noqa: F401 - the tests' view of the open communicators

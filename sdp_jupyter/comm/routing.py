@@ -1,8 +1,8 @@
 """gather, scatter and all_to_all, routed by topology and by each collective's record (its `span`,
 native/include/sdp/coll_records.h: what the engine covers in which layout): the part of a collective
-between ranks of one node goes through the engine (the node's shared memory; blocks over SMALL_BYTES read straight from
-the peers' memory where the node allows it), the blocks for other nodes' ranks as messages (the
-mailbox, on the collectives' tag) at the same time.
+between ranks of one node goes through the engine (the node's shared memory; blocks over SMALL_BYTES read
+straight from the peers' memory where the node allows it), the blocks for other nodes' ranks as messages
+(the mailbox, on the collectives' tag) at the same time.
 
 - gather: one node, the engine; several nodes, every rank sends its block to the root as a message,
   also from the root's node (the root's node through the engine measured no faster: 4 ranks on 2
@@ -26,8 +26,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from sdp_jupyter.comm.codes import (COLL_ALLTOALL, COLL_GATHER, COLL_SCATTER, COLL_TAG, COLLECTIVES, DTYPE_SIZES, DTYPES,
-                                    SMALL_BYTES)
+from sdp_jupyter.comm.codes import (COLL_ALLTOALL, COLL_GATHER, COLL_SCATTER, COLL_TAG, COLLECTIVES, DTYPE_SIZES,
+                                    DTYPES, SMALL_BYTES)
 
 _SPAN = {r["code"]: r["span"] for r in COLLECTIVES.values()}
 

@@ -1,7 +1,8 @@
 """Elastic jobs, `--nodes MIN:MAX`: a lost node costs a re-formation, not the job.
 
-A job's run (launch/kernel/remote.py; the local target's is one too, its nodes the agents it started) holds one link per host it may use: up to MAX of them are
-the formation (`run.members`, in node order), the others are spares. Membership drives the attempts:
+A job's run (launch/kernel/remote.py; the local target's is one too, its nodes the agents it started)
+holds one link per host it may use: up to MAX of them are the formation (`run.members`, in node order),
+the others are spares. Membership drives the attempts:
 
 - A node that is *lost* (its link ended: the agent or the host died; it went silent: a cut link; it did
   not stop when asked) ends the attempt; the others' agents stop their ranks, and the job re-forms. This

@@ -28,7 +28,7 @@ from sdp_jupyter.launch.kernel.job import Job
 from sdp_jupyter.launch.kernel.link import ProcessLink
 from sdp_jupyter.launch.kernel.preparation import create_job, prepared
 from sdp_jupyter.launch.kernel.push import pickle_push
-from sdp_jupyter.launch.kernel.remote import RemoteRun
+from sdp_jupyter.launch.kernel.remote import HEARTBEAT_TIMEOUT, RemoteRun  # the loop's clock, as _silence says it
 from sdp_jupyter.launch.spec import JobSpec, SpecError
 
 AGENT = "sdp_jupyter.launch.host.agent"
@@ -168,7 +168,7 @@ class LocalRun(RemoteRun):
             state = "gone"
         said = {psutil.STATUS_STOPPED: "stopped (SIGSTOP)", psutil.STATUS_TRACING_STOP: "stopped by a debugger",
                 psutil.STATUS_ZOMBIE: "ended", "gone": "ended"}.get(state, f"{state}, not reading its channel")
-        return f"its agent (pid {conn.proc.pid}) has not answered for {self.heartbeat_timeout:g} s: {said}"
+        return f"its agent (pid {conn.proc.pid}) has not answered for {HEARTBEAT_TIMEOUT:g} s: {said}"
 
     def _eof_reason(self, node: int, message: dict) -> str:
         """A node agent that ended before the job (killed, out of memory): its ranks died with it."""
