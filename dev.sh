@@ -86,9 +86,10 @@ case "${1:-}" in
         install_toolchains
         shift
         # --durations=40: the slowest 40, where the suite's time goes. -n: pytest-xdist workers (SDP_TEST_WORKERS,
-        # 2 by default; 0 runs the suite in this one process); --dist loadgroup keeps the tests that share a
-        # machine-wide thing (the test hosts, the notebooks, the browser) on one worker: tests/conftest.py
-        exec "$VENV/bin/python" -m pytest -ra --durations=40 -n "${SDP_TEST_WORKERS:-2}" --dist loadgroup "$@"
+        # 3 by default, even on 2 cores: a third of the CPU sat idle on 2 workers while tests wait on heartbeats,
+        # deadlines and daemons; 0 runs the suite in this one process); --dist loadgroup keeps the tests that share
+        # a machine-wide thing (the test hosts, the notebooks, the browser) on one worker: tests/conftest.py
+        exec "$VENV/bin/python" -m pytest -ra --durations=40 -n "${SDP_TEST_WORKERS:-3}" --dist loadgroup "$@"
         ;;
     notebooks)
         bootstrap test  # 04 runs on the moto stand-in and the SageMaker SDK, 06 on Ray: the test extra has them

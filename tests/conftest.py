@@ -18,7 +18,7 @@ pytest_plugins = ["helpers.terminate", "helpers.cluster", "helpers.sshd", "helpe
                   "helpers.moto"]
 
 
-# Parallel runs (./dev.sh test runs pytest-xdist's `-n 2 --dist loadgroup`): tests that share one
+# Parallel runs (./dev.sh test runs pytest-xdist's `-n 3 --dist loadgroup`): tests that share one
 # machine-wide thing run on one worker, one after another, as in a serial run. Every other test goes to
 # the workers a file at a time, so a module's fixtures (a moto server, a built engine) start once.
 #   hosts:     every file with a test on the shared test hosts (cluster4, and the sshd, Ray and Slurm
@@ -36,8 +36,8 @@ NOTEBOOK_GROUP = ("tests/notebook/test_notebooks.py", "tests/notebook/test_newco
                   "tests/house/test_docs_site.py", "tests/torch/test_integrations.py")
 GROUPS_DIR = "SDP_TEST_GROUPS_DIR"
 # The groups given out first (the rest follow in collection order): the longest, so that no worker is
-# left with one of them at the end (seconds in a parallel run on 2 cores: hosts about 1300, notebooks
-# 700, the native builds 350, torch's own suite 280, the browser 200).
+# left with one of them at the end (seconds in a 3-worker run on 2 cores: hosts about 1400, notebooks
+# 700, the native builds 430, torch's own suite 300, the browser 90).
 LONGEST_FIRST = ("hosts", "notebooks", "tests/engine/test_native_builds.py", "tests/torch/test_conformance.py",
                  "browser")
 

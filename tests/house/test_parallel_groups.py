@@ -1,4 +1,4 @@
-"""The suite's parallel run (./dev.sh test: pytest-xdist, `-n 2 --dist loadgroup`) keeps what must stay
+"""The suite's parallel run (./dev.sh test: pytest-xdist, `-n 3 --dist loadgroup`) keeps what must stay
 together on one worker: a test file's tests (its module fixtures start once, and some tests build on the
 one before), and the groups of tests/conftest.py. xdist's own group mark stopped grouping under pytest
 9.2 without a word (pytest-dev/pytest-xdist#1386): this shows ours does."""
