@@ -213,7 +213,7 @@ def test_a_host_slowed_by_a_cpu_limit_is_named_as_the_straggler(ssh_hosts, tmp_p
 
     board = Dashboard(out["dir"], start=False)
     found = board.frame.stragglers
-    assert found.straggler == 1 and found.last_share[1] > 0.5, found
+    assert found.straggler == 1 and found.last_share[1] > 1 / 3, found
     assert f"straggler: host h{slow} (rank 1)" in board.layout.title.text
     bars = {tr.name: tr for tr in board.data}
     assert list(bars["came last"].x) == ["0", "1", "2"] and max(bars["came last"].y) == bars["came last"].y[1]
@@ -243,3 +243,27 @@ def test_the_rank_that_comes_last_is_named_with_its_cost():
     for r in range(4):  # no rank stands out: no verdict
         records[r]["posted_ms"] = [p if r != 2 else p - 25.0 for p in records[r]["posted_ms"]]
     assert flight.stragglers(records).straggler is None
+
+
+def test_a_straggler_last_in_fewer_than_half_but_by_far_is_named():
+    """On a busy machine a slow host comes last less often, and then by far: rank 1 is last in 40 of 100
+    collectives, 60 ms late, and first in the rest; the other two share the rest by chance, 0-3 ms late. Most
+    of the waiting is for rank 1. When all three come 0-3 ms late by chance, no rank stands out."""
+    import random
+
+    def records(slow: bool) -> list:
+        rng = random.Random(3)
+        posted = {r: [] for r in range(3)}
+        for s in range(100):
+            late = {r: rng.uniform(0, 0.003) for r in range(3)}
+            if slow:  # 60 ms late in 2 of 5 steps, first in the others
+                late[1] = 0.060 if s % 5 < 2 else 0.0
+            for r in range(3):
+                posted[r].append(round((s * 0.1 + late[r]) * 1e3, 2))
+        return [{"kind": "arrivals", "rank": r, "host": f"h{r + 1}", "seq0": 1, "base": 1000.0,
+                 "posted_ms": posted[r], "wait_ms": [1.0] * 100} for r in range(3)]
+
+    found = flight.stragglers(records(slow=True))
+    assert found.straggler == 1 and 0.4 <= found.last_share[1] < 0.5, found
+    assert found.sentence.startswith("host h2 (rank 1) arrived last in 4"), found.sentence
+    assert flight.stragglers(records(slow=False)).straggler is None
