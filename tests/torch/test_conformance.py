@@ -33,8 +33,8 @@ def test_selection_anchors_and_excludes():
 def test_suite_passes_on_smddp_wherever_it_passes_on_gloo(tmp_path):
     args = [a for t in CI_TESTS for a in ("-k", t)]
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    p = subprocess.run([sys.executable, "-m", "sdp_jupyter.testing.conformance", *args, "--json", "--budget", "300",
-                        "--log-dir", str(tmp_path)], capture_output=True, text=True, env=env, timeout=460, cwd=ROOT)
+    p = subprocess.run([sys.executable, "-m", "sdp_jupyter.testing.conformance", *args, "--json", "--budget", "420",
+                        "--log-dir", str(tmp_path)], capture_output=True, text=True, env=env, timeout=500, cwd=ROOT)
     out = p.stdout[p.stdout.index("{"):]
     rows = json.loads(out)["rows"]
     logs = "\n".join(open(tmp_path / f).read()[-1500:] for f in sorted(os.listdir(tmp_path)) if f.endswith(".jsonl"))
