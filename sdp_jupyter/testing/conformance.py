@@ -24,11 +24,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 from sdp_jupyter._env import env_str
 from sdp_jupyter.backends import GLOO, SMDDP
@@ -153,20 +153,40 @@ _JOB_VARIABLES = ("SDP_JOB_SECRET", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "G
                   "MASTER_PORT")
 
 
-def run_backend(backend: str, world: int, names: list[str], budget_s: float, log_dir: str) -> dict[str, dict]:
-    """Run the tests for one backend in one worker process; stop it at the budget."""
-    out_path = os.path.join(log_dir, f"{backend}-w{world}.jsonl")
-    tmp = tempfile.mkdtemp(prefix=f"sdp-conf-{backend}-")
+def run_backends(backends, world: int, names: list[str], budget_s: float, log_dir: str) -> dict[str, dict]:
+    """Run the tests for each backend in a worker process of its own, side by side (each test spends most
+    of its time spawning ranks that import torch, and waiting on them; the runs share nothing: each has its
+    own temp folder and file:// rendezvous). A worker still running at the budget, or when this is stopped
+    (Ctrl-C), is killed with its ranks (its process group)."""
     code = ("import sys, json, sdp_jupyter.testing.conformance as c;"
             "c._worker(sys.argv[1], json.loads(sys.argv[2]))")
-    with open(os.path.join(log_dir, f"{backend}-w{world}.log"), "w") as log:
-        proc = subprocess.Popen([sys.executable, "-c", code, out_path, json.dumps(names)], env=_suite_env(backend, world, tmp),
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            proc.wait(timeout=budget_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
+    deadline = time.monotonic() + budget_s
+    procs, tmps = {}, []
+    try:
+        for backend in backends:
+            tmps.append(tempfile.mkdtemp(prefix=f"sdp-conf-{backend}-"))
+            with open(os.path.join(log_dir, f"{backend}-w{world}.log"), "w") as log:
+                procs[backend] = subprocess.Popen(
+                    [sys.executable, "-c", code, os.path.join(log_dir, f"{backend}-w{world}.jsonl"), json.dumps(names)],
+                    env=_suite_env(backend, world, tmps[-1]), stdout=log, stderr=subprocess.STDOUT,
+                    start_new_session=True)
+        for proc in procs.values():
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+        for tmp in tmps:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return {b: _results(os.path.join(log_dir, f"{b}-w{world}.jsonl")) for b in backends}
+
+
+def _results(out_path: str) -> dict[str, dict]:
+    """The JSON lines a worker wrote, by test (the tests it finished before the budget)."""
     results = {}
     if os.path.exists(out_path):
         with open(out_path) as f:
@@ -213,7 +233,7 @@ def main(argv=None) -> int:
     ap.add_argument("--all", action="store_true", help="every test of the suite (slow: ~10-15 s each per backend)")
     ap.add_argument("--world-size", type=int, default=2, help="ranks per test; the group tests need 8")
     ap.add_argument("--budget", type=float, default=1800.0,
-                    help="seconds for the whole run (the backends run side by side, each within it)")
+                    help="seconds for the whole run (the backends run side by side); what is left is stopped")
     ap.add_argument("--log-dir", default=None, help="where per-test JSON lines and logs go (default: a temp dir)")
     ap.add_argument("--json", action="store_true", help="print the table as JSON")
     ap.add_argument("--list", action="store_true", help="only list the selected tests")
@@ -230,11 +250,7 @@ def main(argv=None) -> int:
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="sdp-conformance-")
     os.makedirs(log_dir, exist_ok=True)
     print(f"{len(names)} tests x {BACKENDS}, world size {args.world_size}; logs in {log_dir}", flush=True)
-    # side by side: each test spends most of its time spawning ranks that import torch, and waiting on
-    # them; the two runs share nothing (each has its own temp folder and file:// rendezvous)
-    with ThreadPoolExecutor(len(BACKENDS)) as pool:
-        runs = {b: pool.submit(run_backend, b, args.world_size, names, args.budget, log_dir) for b in BACKENDS}
-        res = {b: run.result() for b, run in runs.items()}
+    res = run_backends(BACKENDS, args.world_size, names, args.budget, log_dir)
     rows = table(names, res["gloo"], res["smddp"])
     if args.json:
         print(json.dumps({"world_size": args.world_size, "rows": rows}, indent=1))
