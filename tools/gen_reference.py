@@ -91,13 +91,13 @@ def captured(fn) -> str:
 
 # ----------------------------------------------------------------------------- magics.md
 def magic_parsers() -> list[tuple[str, object, argparse.ArgumentParser | None]]:
-    """(spelling, function, parser or None) for every magic SdpMagics registers, cell magics first."""
-    from sdp_jupyter.magics import SdpMagics
+    """(spelling, function, parser or None) for every magic `%load_ext sdp_jupyter` registers, cell magics first."""
+    from sdp_jupyter.magics import magic_classes
 
     rows = []
     for kind, prefix in (("cell", "%%"), ("line", "%")):
-        for name, attr in sorted(SdpMagics.magics[kind].items()):
-            func = getattr(SdpMagics, attr)
+        found = {name: getattr(cls, attr) for cls in magic_classes() for name, attr in cls.magics[kind].items()}
+        for name, func in sorted(found.items()):
             rows.append((prefix + name, func, getattr(func, "parser", None)))
     return rows
 
