@@ -12,6 +12,8 @@ __version__ = "0.1.0"  # the only place the version is written: pyproject.toml r
 # public name -> "module:attribute" ("module:" for the module itself)
 _LAZY = {
     "launch": "sdp_jupyter.launch:launch",
+    "run": "sdp_jupyter.launch.kernel.run_function:run",
+    "session": "sdp_jupyter.launch.kernel.session_calls:session",
     "Job": "sdp_jupyter.launch:Job",
     "JobSpec": "sdp_jupyter.launch:JobSpec",
     "get_job": "sdp_jupyter.launch:get_job",

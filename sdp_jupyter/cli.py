@@ -19,7 +19,7 @@ import sys
 from sdp_jupyter.launch import JobSpec, SpecError, launch, target_options
 from sdp_jupyter.launch.spec import all_options
 
-NOTEBOOK_ONLY = ("--wait", "--push", "--result")
+NOTEBOOK_ONLY = ("--wait", "--push", "--no-auto-push", "--result")
 
 
 def build_parser() -> argparse.ArgumentParser:

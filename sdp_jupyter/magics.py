@@ -17,9 +17,9 @@ import sdp_jupyter.launch as launching
 from sdp_jupyter.launch import Job, JobError, JobSpec, SpecError
 from sdp_jupyter.launch.host import warm
 from sdp_jupyter.launch.kernel import warm_pool
+from sdp_jupyter.launch.kernel.run_function import wait_shown
 from sdp_jupyter.magic_args import parse_line, syntax_error_message, usage as _usage, with_options
-from sdp_jupyter._display import widgets_enabled
-from sdp_jupyter.session_magics import SessionMagics
+from sdp_jupyter.session_magics import SessionMagics, with_notebook_code
 
 
 def _with_setup_options(func):
@@ -98,6 +98,8 @@ class SdpMagics(Magics):
         ns = self.shell.user_ns
         try:
             spec = JobSpec.from_options(vars(args), code=cell)
+            if not args.no_auto_push:
+                spec = with_notebook_code(spec, cell, ns)
             push = {n: ns[n] for n in spec.push if n in ns}
             job = launching.launch(spec, push=push)
         except SpecError as e:
@@ -106,27 +108,10 @@ class SdpMagics(Magics):
             if spec.result:
                 job.on_done(lambda j: self._store_result(j, spec.result, quiet=True))
             return job
-        self._wait_streaming(job)
+        wait_shown(job)
         if spec.result:
             self._store_result(job, spec.result)
         return None
-
-    def _wait_streaming(self, job: Job) -> None:
-        """Block until the job ends, showing its output; Ctrl-C stops it; raise if it failed."""
-        widget = widgets_enabled()
-        if widget:
-            display(job.view())
-        try:
-            if widget:
-                job.wait()
-            else:
-                job.follow()
-        except KeyboardInterrupt:
-            job.stop()
-            print(job.summary())
-            raise JobError(f"job {job.name} was stopped (Ctrl-C); its logs are in {job.dir / 'logs'}", job) from None
-        print(job.summary())
-        job.raise_for_state()
 
     def _store_result(self, job: Job, name: str, quiet: bool = False) -> None:
         if job.state != "succeeded":

@@ -15,6 +15,18 @@ from sdp_jupyter.magic_args import parse_line, syntax_error_message, with_option
 from sdp_jupyter._display import widgets_enabled
 
 
+def with_notebook_code(spec: JobSpec, cell: str, ns: dict) -> JobSpec:
+    """`spec` with the notebook functions and classes `cell` uses added to its --push (said in one line,
+    the job's first): a rank has no notebook, so without them the cell fails there with a NameError."""
+    from sdp_jupyter.launch.kernel.push import auto_push_line, notebook_code
+
+    names = notebook_code(cell, ns, spec.push)
+    if not names:
+        return spec
+    print(auto_push_line(names))
+    return spec.replace(push=list(spec.push) + names)
+
+
 @with_options
 def sdp_train(line: str, cell: str):
     """%sdp_train [options]: what `%sdp_session start` takes (the option table, as %%sdp_train's)."""

@@ -24,7 +24,7 @@ from sdp_jupyter.backends import BACKENDS
 from sdp_jupyter.launch.options import Option, SpecError, parse_whole  # noqa: F401  (their home; re-exported)
 
 TARGETS = tuple(target_options.TARGETS)  # one record per target: launch/target_options.py
-RANKS_OUTPUT = ("0", "all")
+RANKS_OUTPUT = ("0", "all", "raw")  # raw: rank_groups.RAW
 STARTS = ("auto", "warm", "cold")  # how ranks start: docs/warm.md
 
 # Variables the launcher sets itself; --env may not override them (the job would not start right).
@@ -63,6 +63,8 @@ OPTIONS: tuple[Option, ...] = (
            metavar="KEY=VALUE"),
     Option("--push", "push", "notebook variables to send to every rank, e.g. --push X,y", kind="csv",
            metavar="A,B,C"),
+    Option("--no-auto-push", None, "send only the variables --push names: by default the functions and classes "
+           "defined in the notebook that the cell uses go too, by value (docs/notebook_code.md)", kind="flag"),
     Option("--result", "result", "notebook variable that receives what rank 0's cell returned",
            metavar="NAME"),
     Option("--max-restarts", "max_restarts", "restart the whole job up to K times when a rank fails",
@@ -79,8 +81,9 @@ OPTIONS: tuple[Option, ...] = (
            "checkpoint directory, SDP_CHECKPOINT_DIR (default: <job dir>/checkpoints)", metavar="DIR"),
     Option("--timeout", "timeout", "stop the job after this many seconds", metavar="SECONDS"),
     Option("--ranks-output", "ranks_output",
-           "ranks whose output is shown: 0 (default) or all; every rank's log is kept on disk",
-           metavar="0|all"),
+           "ranks whose output is shown: 0 (default); all (a line several ranks print shows once, "
+           "[ranks 0-7] ...); raw (every rank's lines, each [rank R], not merged); every rank's log is kept "
+           "on disk", metavar="0|all|raw"),
     Option("--jobs-dir", "jobs_dir", "root of job directories (default: $SDP_JOBS_DIR or ./sdp_jobs)",
            metavar="DIR"),
     Option("--warm", "start", "fork the ranks from a warm pool that imported torch once (local, ssh and ray "

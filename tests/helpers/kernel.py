@@ -1,5 +1,7 @@
 """Running code in a real ipykernel from a test: one request's reply and its iopub messages."""
 
+import contextlib
+
 
 def execute(kc, code, timeout=60):
     """Run code; return (reply content, iopub messages of this request)."""
@@ -15,3 +17,26 @@ def execute(kc, code, timeout=60):
         messages.append(msg)
         if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
             return reply["content"], messages
+
+
+@contextlib.contextmanager
+def sdp_kernel(jobs):
+    """A real ipykernel with `%load_ext sdp_jupyter` done, its jobs under `jobs` (its cwd too); shut down
+    at the end, and every process of its jobs waited for. Yields (kernel manager, client)."""
+    from jupyter_client.manager import start_new_kernel
+
+    from conftest import wait_no_processes
+    from tools.main_job import kernel_env
+
+    env = kernel_env()
+    env["SDP_JOBS_DIR"] = str(jobs)
+    km, kc = start_new_kernel(kernel_name="python3", env=env, cwd=str(jobs))
+    try:
+        reply, _ = execute(kc, "%load_ext sdp_jupyter")
+        assert reply["status"] == "ok", reply
+        yield km, kc
+    finally:
+        kc.stop_channels()
+        if km.is_alive():
+            km.shutdown_kernel(now=True)
+        wait_no_processes(jobs)

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from conftest import wait_no_processes, worker_processes
-from helpers.kernel import execute
+from helpers.kernel import execute, sdp_kernel
 from tools.main_job import kernel_env
 
 pytestmark = pytest.mark.slow
@@ -58,20 +58,9 @@ def _error(reply):
 
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory):
-    from jupyter_client.manager import start_new_kernel
-
     jobs = tmp_path_factory.mktemp("session-jobs")
-    env = kernel_env()
-    env["SDP_JOBS_DIR"] = str(jobs)
-    km, kc = start_new_kernel(kernel_name="python3", env=env, cwd=str(jobs))
-    try:
-        _ok(kc, "%load_ext sdp_jupyter")
+    with sdp_kernel(jobs) as (km, kc):
         yield km, kc, jobs
-    finally:
-        kc.stop_channels()
-        if km.is_alive():
-            km.shutdown_kernel(now=True)
-        wait_no_processes(jobs)
 
 
 def test_a_session_trains_cell_by_cell_like_one_job(kernel):

@@ -31,7 +31,7 @@ def get_launcher(target: str):
 def launch(spec_or_script: JobSpec | str | os.PathLike | None = None, *, push: dict | None = None,
            **fields) -> Job:
     """`sdp_jupyter.launch(...)`: what it takes is in that callable's docstring (launch/__init__.py)."""
-    fields = _target_keywords(fields)
+    fields = target_keywords(fields)
     if isinstance(spec_or_script, JobSpec):
         spec = spec_or_script.replace(**fields) if fields else spec_or_script
     elif spec_or_script is not None:
@@ -47,7 +47,7 @@ def launch(spec_or_script: JobSpec | str | os.PathLike | None = None, *, push: d
     return job
 
 
-def _target_keywords(fields: dict) -> dict:
+def target_keywords(fields: dict) -> dict:
     """Move keywords that name a key of a dict field (`address` -> ray["address"], `hosts` ->
     ssh["hosts"], `instance_type` -> sagemaker["instance_type"]) into that field; a key two fields
     share is left alone (JobSpec then names it as unknown)."""

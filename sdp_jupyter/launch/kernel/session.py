@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 
 from sdp_jupyter.launch.kernel.job import Job, JobError
 from sdp_jupyter.launch.kernel.push import pickle_push
+from sdp_jupyter.launch.kernel.session_calls import SessionCalls
+from sdp_jupyter.launch.kernel.session_debug import SessionDebug
 from sdp_jupyter.launch import target_options
 from sdp_jupyter.launch.options import SpecError
 from sdp_jupyter.launch.rank.session import SCRIPT
@@ -104,7 +106,7 @@ class CellResult:
         return "\n".join([head] + lines + self.notes + ["The session is still up."])
 
 
-class Session:
+class Session(SessionCalls, SessionDebug):
     """A live interactive session over one job. Made by `Session.start`; `run` a cell, `stop` it."""
 
     def __init__(self, job: Job):
@@ -484,9 +486,12 @@ def current() -> Session | None:
     return _CURRENT if _CURRENT is not None and _CURRENT.alive else None
 
 
-def start(spec: JobSpec, push: dict | None = None) -> Session:
-    """Start this kernel's session (one at a time: %%sdp_px needs to know where its cells go)."""
+def start(spec: JobSpec, push: dict | None = None, as_current: bool = True) -> Session:
+    """Start a session; `as_current`: as this kernel's session (one at a time: %%sdp_px needs to know
+    where its cells go)."""
     global _CURRENT
+    if not as_current:
+        return Session.start(spec, push=push)
     live = current()
     if live is not None:
         raise SpecError("%sdp_session", f"session {live.job.name} is already running; "

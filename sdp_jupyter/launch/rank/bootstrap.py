@@ -44,6 +44,49 @@ def load_push(path: str, checked: bool = True) -> dict:
         return pickle.load(f)
 
 
+def bind_pushed(values: dict, ns: dict) -> None:
+    """Put the pushed variables into the rank's namespace `ns` (its `__main__`). Code that came by value
+    (a function, class or closure defined in the notebook: launch/kernel/push.py) is bound to `ns`, so it
+    reads the rank's variables as code written in the cell would; the notebook globals it was sent with
+    fill only the names `ns` lacks (a rank's own `model` is never replaced by the notebook's)."""
+    memo: dict = {}
+    for name, value in values.items():
+        ns[name] = _bound(value, ns, memo)
+
+
+def _bound(value, ns: dict, memo: dict):
+    """`value` with the notebook code in it bound to `ns` (functions copied, classes changed in place)."""
+    if id(value) in memo:
+        return memo[id(value)]
+    if isinstance(value, types.FunctionType) and value.__module__ == "__main__" and value.__globals__ is not ns:
+        copy = types.FunctionType(value.__code__, ns, value.__name__, value.__defaults__, value.__closure__)
+        memo[id(value)] = copy
+        copy.__kwdefaults__, copy.__qualname__, copy.__doc__ = value.__kwdefaults__, value.__qualname__, value.__doc__
+        copy.__dict__.update(value.__dict__)
+        copy.__annotations__ = value.__annotations__
+        for g, v in value.__globals__.items():  # the notebook globals it reads, itself and its helpers among them
+            if not g.startswith("__") and g not in ns:
+                ns[g] = _bound(v, ns, memo)
+        return copy
+    if type(value) is tuple:  # sdp_jupyter.run's and Session.apply's (fn, args, kwargs) among them
+        memo[id(value)] = value
+        memo[id(value)] = bound = tuple(_bound(v, ns, memo) for v in value)
+        return bound
+    kind = value if isinstance(value, type) else type(value)
+    if kind.__module__ == "__main__" and id(kind) not in memo:  # a notebook class, or an instance of one
+        memo[id(kind)] = kind
+        for attr, member in list(vars(kind).items()):
+            inner = member.__func__ if isinstance(member, (staticmethod, classmethod)) else member
+            if isinstance(inner, types.FunctionType):
+                new = _bound(inner, ns, memo)
+                setattr(kind, attr, type(member)(new) if inner is not member else new)
+            elif isinstance(member, property):
+                setattr(kind, attr, property(*(f and _bound(f, ns, memo) for f in (member.fget, member.fset,
+                                                                                   member.fdel)), member.__doc__))
+    memo[id(value)] = value
+    return value
+
+
 def job_backend(spec: dict) -> str:
     """The backend this rank's job asked for: $SDP_BACKEND (the launcher sets it from --backend; a
     SageMaker request carries it), else the spec's, else smddp."""
@@ -70,7 +113,7 @@ def run_script(path: str, argv: list[str], push: dict, want_result: bool):
         body, last = compile_parts(f.read(), path, want_result)
     main = types.ModuleType("__main__")
     main.__dict__.update({"__file__": path, "__builtins__": __builtins__, "__cached__": None})
-    main.__dict__.update(push)
+    bind_pushed(push, main.__dict__)
     sys.modules["__main__"] = main
     sys.argv = [path] + argv
     script_dir = os.path.dirname(os.path.abspath(path))
@@ -95,7 +138,10 @@ def save_result(job_dir: str, value, required: bool) -> int:
     from sdp_jupyter import jobdir
 
     try:
-        jobdir.write_private(os.path.join(job_dir, jobdir.RESULT), pickle.dumps(value))
+        # cloudpickle: an instance of a class the cell (or the notebook, by value) defined goes by value
+        import cloudpickle
+
+        jobdir.write_private(os.path.join(job_dir, jobdir.RESULT), cloudpickle.dumps(value))
     except Exception as e:
         print(f"[sdp_jupyter] rank 0's result ({type(value).__name__}) could not be pickled: {e}",
               file=sys.stderr)

@@ -9,10 +9,12 @@ its own channel, the same on every target. A rank waits for the next cell in a b
 answers on the same connection; nothing is polled. Each frame's data is a pickle:
 
     ready              rank R has its process group: {pid, host, rss}
-    cell N             {kind: run | reconnect | shrink | stop, code, ranks, want: none | result | gather,
+    cell N             {kind: run | reconnect | shrink | stop | debug, code, ranks, want: none | result | gather,
                         push (the pushed variables' pickle, made once in the kernel), generation and
-                        replaced (reconnect), generation and members (shrink)}
-    done N             rank R's answer to cell N: {ok, error, interrupted, value, seconds, counts, rss}
+                        replaced (reconnect), generation and members (shrink), rank, lines, echo and
+                        last (debug: pdb's input on that rank, launch/rank/postmortem.py)}
+    done N             rank R's answer to cell N: {ok, error, interrupted, value, seconds, counts, rss,
+                        debug: {output, open, unused, cell, error} (debug)}
 
 A cell is interrupted with SIGUSR2 (a KeyboardInterrupt inside the cell, nothing between cells);
 SIGINT stays the job's Stop. After a cell that failed somewhere the notebook may send `reconnect`:
@@ -44,6 +46,7 @@ import traceback
 from sdp_jupyter import backends
 from sdp_jupyter._env import env_float, env_str
 from sdp_jupyter.launch import channel
+from sdp_jupyter.launch.rank import postmortem
 
 SCRIPT = "from sdp_jupyter.launch.rank.session import serve as _sdp_serve\n_sdp_serve(globals())\n"
 INTERRUPT = signal.SIGUSR2
@@ -76,6 +79,7 @@ class RankSession:
         self.generation = 0
         self._store = None
         self._groups: dict[tuple, object] = {}
+        self._failed = None  # (traceback from the cell's frames on, the cell's label): the last failure here
 
     # ------------------------------------------------------------------ the process group
     def connect(self) -> None:
@@ -205,8 +209,8 @@ class RankSession:
             except Exception as e:  # noqa: BLE001
                 answer.update(ok=False, error=f"the process group could not be made again: {type(e).__name__}: {e}")
             return answer
-        if self.rank not in self.members:  # left by a shrink it did not hear (never so on a live host)
-            return answer
+        if self.rank not in self.members or cell["kind"] == "debug":  # left by a shrink it did not hear
+            return answer  # (never so on a live host); a debug cell for another rank: nothing to do here
         group = self.group_for(ranks)
         if ranks is not None and self.rank not in ranks:
             return answer
@@ -217,16 +221,18 @@ class RankSession:
         if cell.get("push"):  # the pushed variables, unpickled here once
             import pickle
 
-            self.ns.update(pickle.loads(cell["push"]))
+            from sdp_jupyter.launch.rank.bootstrap import bind_pushed
+
+            bind_pushed(pickle.loads(cell["push"]), self.ns)
         self.ns["sdp_group"] = group
         answer["ran"] = True
         started = time.perf_counter()
         try:
             value = self._exec(cell["code"], f"<cell {cell.get('label') or cell['n']}>", want=cell.get("want", "none"))
         except KeyboardInterrupt:
-            answer.update(ok=False, interrupted=True, error=self._trace(sys.exc_info()))
+            answer.update(ok=False, interrupted=True, error=self._trace(sys.exc_info(), cell))
         except BaseException:  # noqa: BLE001 - SystemExit too: the session stays up
-            answer.update(ok=False, error=self._trace(sys.exc_info()))
+            answer.update(ok=False, error=self._trace(sys.exc_info(), cell))
         else:
             first = ranks[0] if ranks else 0
             if value is not None and (cell.get("want") == "gather" or self.rank == first):
@@ -241,6 +247,7 @@ class RankSession:
         from sdp_jupyter.launch.rank.bootstrap import compile_parts
 
         body, last = compile_parts(code, name, want != "none")
+        postmortem.remember_source(name, code)  # pdb's `list` and the traceback show the cell's lines
         _Cell.running = True
         try:
             exec(body, self.ns)
@@ -248,15 +255,47 @@ class RankSession:
         finally:
             _Cell.running = False
 
-    @staticmethod
-    def _trace(info) -> str:
+    def _trace(self, info, cell: dict) -> str:
         kind, exc, tb = info
-        while tb is not None and not tb.tb_frame.f_code.co_filename.startswith("<cell "):
-            tb = tb.tb_next  # the cell's frames only: this loop is not the user's problem
+        tb = postmortem.cell_frames(tb)
+        self._failed = (tb, str(cell.get("label") or cell["n"]))  # kept for %sdp_debug, as %debug keeps its own
         return "".join(traceback.format_exception(kind, exc, tb))
+
+    def debug(self, n: int, cell: dict) -> tuple[int, dict | None]:
+        """Post-mortem pdb on the last cell that failed here, from debug cell `n` on (postmortem.py): it
+        answers every debug cell pdb reads. Returns the next cell's number, and a cell read while pdb
+        waited that was not for it (pdb then ended; the loop runs that cell next)."""
+        if self._failed is None or self._failed[0] is None:
+            self._answer(n, {"ok": True, "ran": True, "debug": {"open": False, "output": "", "error": (
+                f"rank {self.rank} has had no failed cell in this session (or only one whose error came "
+                "before its code ran), so there is no traceback to look into")}})
+            return n + 1, None
+        state = {"n": n, "held": None}
+
+        def more():
+            self._answer(state["n"], {"ok": True, "ran": True, "debug": {"open": True, "output": pm.take(),
+                                                                "cell": self._failed[1]}})
+            state["n"] += 1
+            cell = self.next_cell(state["n"])
+            if cell["kind"] == "debug" and cell.get("rank") == self.rank:
+                return cell.get("lines") or [], bool(cell.get("echo")), bool(cell.get("last"))
+            state["held"] = cell
+            return None
+
+        def running(on: bool) -> None:
+            _Cell.running = on
+
+        pm = postmortem.PostMortem(self._failed[0], more, running)
+        unused = pm.run(cell.get("lines") or [], bool(cell.get("echo")), bool(cell.get("last")))
+        if state["held"] is not None:
+            return state["n"], state["held"]
+        self._answer(state["n"], {"ok": True, "ran": True, "debug": {
+            "open": False, "output": pm.take(), "unused": unused, "cell": self._failed[1]}})
+        return state["n"] + 1, None
 
     def serve(self) -> None:
         signal.signal(INTERRUPT, _interrupt)
+        sys.breakpointhook = postmortem.no_breakpoint  # no terminal here: %sdp_debug instead (docs/session.md)
         # a replacement for a rank that died (SDP_SESSION_JOIN=generation:cell:members): it joins the group the
         # others make again in that cell, answers it, and goes on from the next one
         join = os.environ.pop("SDP_SESSION_JOIN", "")
@@ -274,10 +313,14 @@ class RankSession:
                              "host": socket.gethostname(),
                              "note": f"rank {self.rank} started anew and joined the process group"})
             n += 1
+        held = None  # a cell read while pdb waited for input (launch/rank/postmortem.py)
         while True:
-            cell = self.next_cell(n)
+            cell, held = held or self.next_cell(n), None
             if cell["kind"] == "stop":
                 return
+            if cell["kind"] == "debug" and cell.get("rank") == self.rank:
+                n, held = self.debug(n, cell)
+                continue
             self._answer(n, self.run(cell))
             n += 1
 

@@ -1,0 +1,111 @@
+"""A session driven from Python, as ipyparallel's DirectView is: `execute`, `push`, `pull`, `apply`,
+`stop`, and `with` for a session that ends with the block. `sdp_jupyter.session(...)` starts one;
+`%sdp_session` and `%%sdp_px` are a face on the same object (launch/kernel/session.py: Session).
+
+    with sdp_jupyter.session(nodes=2, backend="gloo") as s:
+        s.push(scale=2, step=step)             # a notebook function goes by value
+        s.execute("import torch.distributed as dist; x = step(dist.get_rank())")
+        s.pull("x")                            # [x on rank 0, x on rank 1]
+        s.apply(lambda k: k * scale, 10)       # [20, 20]
+
+Every call waits for every rank's answer; a cell that failed raises SessionError with the ranks'
+errors, and the session stays up. What goes to the ranks goes by value as --push does
+(launch/kernel/push.py): functions, classes and closures defined in the notebook included.
+"""
+from __future__ import annotations
+
+# the name a pushed call travels under on the ranks (popped by the very expression that calls it)
+_CALL = "_sdp_apply_call"
+
+
+class SessionCalls:
+    """The Python face of a session (mixed into Session, whose `run` and `job` it uses)."""
+
+    def execute(self, code: str, ranks: list | None = None, *, output=None) -> None:
+        """Run `code` on every rank (or `ranks`) in the namespace each rank keeps; raises SessionError
+        when it failed anywhere. `output`: an object with drain() and close() that shows the ranks'
+        output as it comes (the magics pass theirs); None: the ranks' lines are printed here."""
+        self._call(code, ranks, "none", [], {}, output)
+
+    def push(self, ranks: list | None = None, **values) -> None:
+        """Set these variables on every rank (or `ranks`): `push(lr=0.1, Net=Net)`. Notebook functions
+        and classes go by value and read the rank's variables there."""
+        if values:
+            self._call("pass", ranks, "none", list(values), values, None)
+
+    def pull(self, name: str, ranks: list | None = None) -> list:
+        """The value of `name` on each rank, as a list in rank order (None for a rank left out)."""
+        if not name.isidentifier():
+            raise ValueError(f"pull({name!r}): give a variable name, e.g. pull('loss')")
+        return self._call(name, ranks, "gather", [], {}, None)
+
+    def apply(self, fn, *args, **kwargs) -> list:
+        """`fn(*args, **kwargs)` on every rank: the return values as a list in rank order. `fn` may be a
+        notebook function, a lambda or a closure (sent by value, run in the rank's namespace)."""
+        if not callable(fn):
+            raise TypeError(f"apply: {fn!r} is not callable")
+        code = f"(lambda c: c[0](*c[1], **c[2]))(globals().pop({_CALL!r}))"
+        return self._call(code, None, "gather", [_CALL], {_CALL: (fn, args, kwargs)}, None)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _call(self, code: str, ranks, want: str, names: list, values: dict, output):
+        from sdp_jupyter.launch.kernel.session import SessionError
+
+        stream = output if output is not None else _Printed(self.job)
+        try:
+            result = self.run(code, ranks=ranks, want=want, push_names=names, values=values, on_wait=stream.drain)
+        finally:
+            stream.close()
+        if result.failed:
+            raise SessionError(result.message(), self.job)
+        if want == "gather":
+            return [result.value(r) if r in result.ranks else None for r in range(self.job.world_size)]
+        return None
+
+
+class _Printed:
+    """The ranks' output printed here as it comes, each line prefixed `[rank R] ` when there are several."""
+
+    def __init__(self, job):
+        import queue
+
+        self.job, self.lines = job, queue.Queue()
+        self.prefix = job.world_size > 1
+        job.subscribe(self._heard)
+
+    def _heard(self, rank: int, text: str) -> None:
+        self.lines.put(f"[rank {rank}] {text}" if self.prefix else text)
+
+    def drain(self) -> None:
+        import sys
+
+        while not self.lines.empty():
+            sys.stdout.write(self.lines.get())
+        sys.stdout.flush()
+
+    def close(self) -> None:
+        self.job.unsubscribe(self._heard)
+        self.drain()
+
+
+def session(push: dict | None = None, **fields):
+    """`sdp_jupyter.session(nodes=2, backend="gloo", ...)`: start an interactive session and return it.
+
+    Takes every keyword `sdp_jupyter.launch` takes (nodes, procs_per_node, backend, target, hosts,
+    address, env, ...; `push={"X": X}` sends values first). It becomes this kernel's session (the one
+    `%%sdp_px` runs cells on) unless one is already running. Use it in a `with` block, or call
+    `stop()`; it also ends with the kernel."""
+    from sdp_jupyter.launch.kernel import api
+    from sdp_jupyter.launch.kernel import session as sessions
+    from sdp_jupyter.launch.spec import JobSpec
+
+    fields = api.target_keywords(fields)
+    spec = JobSpec(code="pass", **fields)
+    if push and not spec.push:
+        spec = spec.replace(push=list(push))
+    return sessions.start(spec, push=push, as_current=sessions.current() is None)
