@@ -36,30 +36,29 @@ _start_options = sdp_train
 
 
 class _CellStream:
-    """A %%sdp_px cell's output as it comes: every rank's lines, prefixed "[rank R] " when there are
-    several ranks; what arrives just after the last answer is waited for briefly (QUIET seconds)."""
+    """A %%sdp_px cell's output as it comes: with several ranks, a line they all printed once with their
+    ranks (`[ranks 0-3] loss 0.5`), a rank's own line `[rank R] ...` (rank_groups.Stream; the session's
+    --ranks-output raw: every line with its own rank); what arrives just after the last answer is
+    waited for briefly (QUIET seconds), and what is still waiting to merge goes out when the cell ends."""
 
     QUIET = 0.03
 
     def __init__(self, job: Job):
-        import queue
+        from sdp_jupyter.launch.kernel.rank_groups import RAW, Stream
 
         self.job = job
-        self.lines: queue.Queue = queue.Queue()
-        self.prefix = job.world_size > 1
+        self.stream = Stream(job.world_size, RAW if job.spec.ranks_output == RAW else "all")
         self.last = time.monotonic()
         job.subscribe(self._heard)
 
     def _heard(self, rank: int, text: str) -> None:
         self.last = time.monotonic()
-        self.lines.put(f"[rank {rank}] {text}" if self.prefix else text)
+        self.stream.add(rank, text)
 
-    def drain(self) -> None:
-        wrote = False
-        while not self.lines.empty():
-            sys.stdout.write(self.lines.get())
-            wrote = True
-        if wrote:
+    def drain(self, final: bool = False) -> None:
+        text = self.stream.take(final)
+        if text:
+            sys.stdout.write(text)
             sys.stdout.flush()
 
     def close(self) -> None:
@@ -67,7 +66,7 @@ class _CellStream:
         while time.monotonic() - self.last < self.QUIET and time.monotonic() < deadline:
             time.sleep(0.005)
         self.job.unsubscribe(self._heard)
-        self.drain()
+        self.drain(final=True)
 
 
 class _SessionStatus:

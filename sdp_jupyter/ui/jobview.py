@@ -1,5 +1,11 @@
 """JobView: the small live view of a Job (state, elapsed time, per-rank output, Stop button).
 
+With --ranks-output all, the first panel is every rank's output merged (launch/kernel/rank_groups.py):
+a line several ranks printed shows once with their ranks, `[ranks 0-7] epoch 1 done`; the per-rank
+panels below it are the raw view (--ranks-output raw shows only those). A job that failed shows its
+error once: when the cell also raises it (`error_below`), the view leaves it to the error. An ended
+job's view has no Stop button.
+
 It is a view over a `Job`, which works without a notebook; the view only subscribes to the job's
 output lines and redraws from a background thread at a bounded rate (4 per second), so the output
 keeps streaming while other cells run.
@@ -25,8 +31,12 @@ import anywidget
 import ipywidgets as w
 import traitlets
 
+from sdp_jupyter.launch.kernel import rank_groups
+
 REFRESH_S = 0.25
 SHOWN_LINES = 1000  # lines per rank kept in the view; the rank's log has all of them
+
+MERGED = "merged"  # the merged panel's key among the ranks whose panel must be redrawn
 
 _STATE_COLOURS = {"pending": "#888", "running": "#1f77b4", "succeeded": "#2ca02c", "failed": "#d62728",
                   "stopped": "#ff7f0e"}
@@ -143,8 +153,13 @@ class JobView(w.VBox):
         self.job = job
         self._lock = threading.Lock()
         self._lines = {r: collections.deque(maxlen=SHOWN_LINES) for r in range(job.world_size)}
-        self._dirty: set[int] = set()
-        self._live = set(range(job.world_size)) if job.spec.ranks_output == "all" else {0}
+        self._dirty: set = set()  # ranks whose panel changed; MERGED for the merged panel
+        self._live = set(range(job.world_size)) if job.spec.ranks_output in ("all", rank_groups.RAW) else {0}
+        # --ranks-output all: every rank's output merged in the first panel, the raw per-rank panels below
+        self._merger = rank_groups.Stream(job.world_size, "all") \
+            if job.spec.ranks_output == "all" and job.world_size > 1 else None
+        self._merged: collections.deque = collections.deque(maxlen=SHOWN_LINES)
+        self.error_below = False  # the cell raises the job's error under this view: not shown twice
         self.header = w.HTML()
         self.error = w.HTML()
         self.stop_button = StopButton(url=StopServer.get().url(job) if job.live else "",
@@ -159,14 +174,23 @@ class JobView(w.VBox):
             buttons.append(self.dashboard_button)
         self.outputs = [w.Output(layout=w.Layout(max_height="320px", overflow="auto"))
                         for _ in range(job.world_size)]
-        self.ranks = w.Accordion(children=self.outputs, selected_index=0)
+        self.merged = w.Output(layout=w.Layout(max_height="320px", overflow="auto"))
+        self._first = 1 if self._merger else 0  # accordion index of rank 0's panel
+        self.ranks = w.Accordion(children=([self.merged] if self._merger else []) + self.outputs, selected_index=0)
+        if self._merger:
+            self.ranks.set_title(0, f"all {job.world_size} ranks, merged (identical lines once)")
         for r in range(job.world_size):
-            self.ranks.set_title(r, f"rank {r}" + ("" if r in self._live else " (opens its log)"))
+            self.ranks.set_title(self._first + r, f"rank {r}" + ("" if r in self._live else " (opens its log)"))
         self.ranks.observe(self._on_open_rank, names="selected_index")
         super().__init__([w.HBox([self.header] + buttons), self.error, self.ranks, self.extra])
-        for rank, lines in job.subscribe(self._on_line).items():
+        seen = job.subscribe(self._on_line)
+        for rank, lines in seen.items():
             if rank in self._live:
                 self._add(rank, lines)
+        if self._merger:  # what came before this view
+            self._merger.add_seen(seen)
+        if job.done:
+            self._hide_stop()
         self._redraw()
         self._thread = threading.Thread(target=self._refresh_loop, daemon=True, name=f"sdp-view-{job.name}")
         self._thread.start()
@@ -178,6 +202,8 @@ class JobView(w.VBox):
     def _on_line(self, rank: int, text: str) -> None:
         if rank in self._live:
             self._add(rank, [text])
+        if self._merger:
+            self._merger.add(rank, text)
 
     def _add(self, rank: int, lines) -> None:
         with self._lock:
@@ -185,11 +211,12 @@ class JobView(w.VBox):
             self._dirty.add(rank)
 
     def _on_open_rank(self, change) -> None:
-        rank = change.get("new")
-        if rank is None or rank in self._live:
+        index = change.get("new")
+        rank = None if index is None else index - self._first
+        if rank is None or rank < 0 or rank in self._live:
             return
         self._live.add(rank)
-        self.ranks.set_title(rank, f"rank {rank}")
+        self.ranks.set_title(index, f"rank {rank}")
         self._add(rank, self.job.logs(rank, tail=SHOWN_LINES).splitlines(keepends=True))
         self._flush()
 
@@ -207,12 +234,22 @@ class JobView(w.VBox):
             display(self.job.dashboard())
 
     # ------------------------------------------------------------------ drawing
-    def _flush(self) -> None:
+    def _flush(self, final: bool = False) -> None:
         with self._lock:
+            merged = self._merger.take(final) if self._merger else ""
+            if merged:
+                self._merged.extend(merged.splitlines(keepends=True))
+                self._dirty.add(MERGED)
             dirty, self._dirty = self._dirty, set()
-            texts = {r: "".join(self._lines[r]) for r in dirty}
+            texts = {r: "".join(self._merged if r == MERGED else self._lines[r]) for r in dirty}
         for rank, text in texts.items():
-            self.outputs[rank].outputs = ({"output_type": "stream", "name": "stdout", "text": text},)
+            out = self.merged if rank == MERGED else self.outputs[rank]
+            out.outputs = ({"output_type": "stream", "name": "stdout", "text": text},)
+
+    def _hide_stop(self) -> None:
+        """An ended job has nothing to stop: its view offers no Stop button."""
+        self.stop_button.disabled = True
+        self.stop_button.layout.display = "none"
 
     def _redraw(self) -> None:
         job = self.job
@@ -230,12 +267,12 @@ class JobView(w.VBox):
             f" · {job.elapsed:.1f} s · {esc(job.nodes_label)} node(s) × {esc(spec.procs_per_node or 1)}{where} · "
             f"{esc(job.backend_label)}{start}{restarts} · <code>{esc(job.dir)}</code>")
         # a hang the flight recorder sees while the job runs is shown, and goes when the wait ends
-        self.error.value = _problems_html(job.warnings, st.get("error") or (
-            f"waiting: {st['hang']}" if st.get("hang") else None), colour if st.get("error") else "#b26b00",
+        error = None if self.error_below else st.get("error")
+        self.error.value = _problems_html(job.warnings, error or (
+            f"waiting: {st['hang']}" if st.get("hang") else None), colour if error else "#b26b00",
             job.membership)
         if state in ("succeeded", "failed", "stopped"):
-            self.stop_button.disabled = True
-            self.stop_button.description = "Stop"
+            self._hide_stop()
 
     def _refresh_loop(self) -> None:
         while not self.job.done:
@@ -243,6 +280,6 @@ class JobView(w.VBox):
             self._flush()
             self._redraw()
         self.job.wait()  # a live job's output readers have finished when it is done
-        self._flush()
+        self._flush(final=True)
         self._redraw()
         self.job.unsubscribe(self._on_line)

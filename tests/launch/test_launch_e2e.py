@@ -126,7 +126,7 @@ def test_the_error_names_the_rank_that_failed_not_the_peers_it_took_down(tmp_pat
     first, last_line = job.error.splitlines()[:2]
     assert first == "rank 2 (node 2, local rank 0) exited with code 1; its last lines:", job.error
     assert last_line == "rank 2 fails on purpose after step 2", job.error
-    assert "(rank(s) 0, 1 failed too, after it: their collectives lost a peer." in job.error
+    assert "(ranks 0-1 failed too, after it: their collectives lost a peer." in job.error
 
 
 def test_a_rank_stopped_by_sigstop_is_killed_and_named_long_before_the_timeout(tmp_path, jobs_dir, monkeypatch):

@@ -31,11 +31,20 @@ def test_a_failed_cell_names_the_rank_that_raised_before_the_ranks_it_left_waiti
                       1: {"ok": True}, 2: {"ok": False, "error": "Traceback...\nValueError: bad"},
                       3: {"ok": False, "interrupted": True, "error": "KeyboardInterrupt"}}
     text = result.message()
-    assert text.splitlines()[0] == "the cell failed on rank(s) 0, 2, 3"
+    assert text.splitlines()[0] == "the cell failed on ranks 0,2-3"
     assert text.index("rank 2 failed:\nTraceback") < text.index("rank 0 failed: SmddpBackendError")
     assert "rank 3 interrupted: KeyboardInterrupt" in text and text.endswith("The session is still up.")
     assert result.failed == [0, 2, 3] and result.interrupted == [3]
     assert sessions.CellResult(1, [0, 1], answers={0: {"ok": True}, 1: {"ok": True}}).message() == ""
+
+
+def test_ranks_that_raised_the_same_error_in_a_cell_show_one_traceback():
+    boom = 'Traceback (most recent call last):\n  File "<cell 3>", line 2, in <module>\nValueError: boom on a worker\n'
+    result = sessions.CellResult(3, list(range(4)), causes=[1, 2, 3])
+    result.answers = {0: {"ok": True}} | {r: {"ok": False, "error": boom} for r in (1, 2, 3)}
+    text = result.message()
+    assert text.splitlines()[:2] == ["the cell failed on ranks 1-3", "ranks 1-3 failed:"], text
+    assert text.count("Traceback") == 1 and text.count("ValueError: boom on a worker") == 1, text
 
 
 def test_pushed_values_arrive_and_a_dead_rank_ends_the_session_naming_it(jobs_dir):

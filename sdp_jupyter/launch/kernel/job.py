@@ -161,7 +161,7 @@ class Job(Shown):
         default group; ranks 0-2 waited 25 s in it"); None when nothing waits that long. The job goes on."""
         with self._lock:
             running = self._status.get("state") == "running"
-        return self._flight.hang() if running else None
+        return self._flight.hang(self.supervisor) if running else None
 
     @property
     def straggler(self) -> str | None:
@@ -179,6 +179,14 @@ class Job(Shown):
         if not self.done:
             self._flight.request_rings(self.world_size, getattr(self.supervisor, "request_flight", None), wait)
         return self._flight.analyse(self._read_status().get("first_failure"), live=not self.done)
+
+    def stacks(self, ranks: list | None = None, wait: float = 5.0):
+        """Every rank's Python stack now (or `ranks`'), equal stacks grouped, each group saying where it is
+        (`where(rank)`): each node's agent signals its ranks, whose faulthandler writes, also inside a
+        collective or C code (launch/kernel/stacks.py; docs/failures.md). A job running in this process."""
+        from sdp_jupyter.launch.kernel import stacks
+
+        return stacks.of_job(self, ranks, wait)
 
     @property
     def error(self) -> str | None:
@@ -236,36 +244,32 @@ class Job(Shown):
     def follow(self, write: Callable[[str], object] | None = None) -> str:
         """Block until the job ends, writing the shown ranks' output (--ranks-output) as it comes.
 
-        Rank 0 alone is written as is; with ranks_output "all" each line gets a "[rank R] " prefix.
+        Rank 0 alone is written as is; with ranks_output "all" a line several ranks printed is written
+        once, `[ranks 0-7] text` (rank_groups.LineMerger), a rank's own line `[rank R] text`; with "raw"
+        every rank's line with its own "[rank R] " prefix.
         KeyboardInterrupt reaches the caller (which decides whether to stop the job).
         """
-        import queue
         import sys
 
+        from sdp_jupyter.launch.kernel.rank_groups import Stream
+
         write = write or sys.stdout.write
-        prefix = self.spec.ranks_output == "all"
-        lines: queue.Queue = queue.Queue()
+        stream = Stream(self.world_size, self.spec.ranks_output)
+        stream.add_seen(self.subscribe(stream.add))
 
-        def listener(rank, text):
-            if prefix or rank == 0:
-                lines.put(f"[rank {rank}] {text}" if prefix else text)
-
-        for rank, old in sorted(self.subscribe(listener).items()):
-            for text in old:
-                listener(rank, text)
-
-        def drain():
-            while not lines.empty():
-                write(lines.get())
+        def drain(final=False):
+            text = stream.take(final)
+            if text:
+                write(text)
             sys.stdout.flush()
 
         try:
             while not self.done:
                 self.wait(0.1)
                 drain()
-            drain()
         finally:
-            self.unsubscribe(listener)
+            self.unsubscribe(stream.add)
+            drain(final=True)
         return self.state
 
     def raise_for_state(self) -> None:

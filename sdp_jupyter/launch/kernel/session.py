@@ -74,35 +74,29 @@ class CellResult:
         return None if data is None else pickle.loads(data)
 
     def message(self) -> str:
-        """What went wrong, rank by rank (the first traceback in full, the others' last lines)."""
+        """What went wrong, ranks that failed the same way together (rank_groups.group_failures): the
+        cause's traceback once, in full ("ranks 1-3 failed:"), every other error's last line."""
         if not self.failed:
             return ""
-        lines = []
-        shown = False
+        from sdp_jupyter.launch.kernel.rank_groups import failure_lines, group_failures, label
+
         # the cause first: a rank that raised, before those interrupted or failed because of it
         # (a rank that died before anything else)
-        for r in sorted(self.failed, key=lambda r: (not self.answers.get(r, {}).get("died"), r not in self.causes,
-                                                    r not in self.answers,
-                                                    bool(self.answers.get(r, {}).get("interrupted")), r)):
-            a = self.answers.get(r)
-            if a is None:
-                lines.append(f"rank {r}: no answer (still running when the cell was given up)")
-                continue
-            error = (a.get("error") or "").rstrip()
-            kind = "died" if a.get("died") else "interrupted" if a.get("interrupted") else "failed"
-            if not shown:
-                lines.append(f"rank {r} {kind}:\n{error}")
-                shown = True
-            else:
-                last = error.splitlines()[-1] if error else ""
-                lines.append(f"rank {r} {kind}: {last}")
+        order = sorted(self.failed, key=lambda r: (not self.answers.get(r, {}).get("died"), r not in self.causes,
+                                                   r not in self.answers,
+                                                   bool(self.answers.get(r, {}).get("interrupted")), r))
+        got = {r: self.answers[r] for r in order if r in self.answers}
+        lines = failure_lines(group_failures({r: a.get("error") or "" for r, a in got.items()}, {
+            r: "died" if a.get("died") else "interrupted" if a.get("interrupted") else "failed" for r, a in got.items()}))
+        if len(got) < len(order):
+            lines.append(f"{label(set(order) - set(got))}: no answer (still running when the cell was given up)")
         died = [r for r in self.failed if self.answers.get(r, {}).get("died")]
         others = [r for r in self.failed if r not in died]
-        head = (f"rank(s) {', '.join(map(str, died))} died during the cell"
-                + (f"; it failed on rank(s) {', '.join(map(str, others))}" if others else "") if died else
-                f"the cell was interrupted on rank(s) {', '.join(map(str, self.interrupted))}" if
+        head = (f"{label(died)} died during the cell"
+                + (f"; it failed on {label(others)}" if others else "") if died else
+                f"the cell was interrupted on {label(self.interrupted)}" if
                 self.interrupted and len(self.interrupted) == len(self.failed) else
-                f"the cell failed on rank(s) {', '.join(map(str, self.failed))}")
+                f"the cell failed on {label(self.failed)}")
         return "\n".join([head] + lines + self.notes + ["The session is still up."])
 
 

@@ -15,7 +15,8 @@ import threading
 import time
 from typing import Callable
 
-from sdp_jupyter.launch.kernel import rank_report
+from sdp_jupyter import jobdir
+from sdp_jupyter.launch.kernel import rank_groups, rank_report
 
 SETTLE_S = 1.0  # after a rank's failure: how long the other ranks' exits are awaited before naming the cause
 
@@ -142,22 +143,49 @@ def first_cause(failed: list[int], tails: dict[int, str]) -> int:
     return next((peer for peer in blamed if peer in failed), failed[0])
 
 
+GROUP_LINES = 200  # lines of each failed rank's log read to find its last traceback (grouping by cause)
+
+
 def job_error(job, failed: list[int], codes: list, who: Callable[[int], str], host: Callable[[int], str]) -> str:
     """The job's error for ranks that failed, on every target: the cause (`first_cause`, recorded in
-    status.json for the flight recorder), its exit and last lines, then the others. `who(rank)` names a
-    rank the target's way; `host(rank)` is the host it ran on."""
-    cause = first_cause(failed, {r: job.logs(r, tail=rank_report.LAST_LINES) for r in failed})
-    job.update_status(first_failure={"rank": cause, "code": codes[cause], "host": host(cause)})
-    return rank_report.failure_message(job, cause, who(cause), codes[cause]) + others_failed(cause, failed)
+    status.json for the flight recorder), its exit and last lines, then the others. Ranks that raised
+    the same error as the cause themselves are named with it in a first line ("ranks 1-3 raised
+    ValueError: ...", one traceback); a rank is said to have lost a peer only when its own last line
+    says so. The groups go to status.json (`failure_groups`, what %sdp_jobs shows). `who(rank)` names
+    a rank the target's way; `host(rank)` is the host it ran on."""
+    tails = {r: job.logs(r, tail=GROUP_LINES) for r in failed}
+    cause = first_cause(failed, tails)
+    groups, lost = failure_groups(cause, failed, tails, codes)
+    job.update_status(first_failure={"rank": cause, "code": codes[cause], "host": host(cause)},
+                      failure_groups=[g.to_dict() for g in groups]
+                      + ([{"ranks": lost, "error": "", "kind": "lost a peer"}] if lost else []))
+    message = rank_report.failure_message(job, cause, who(cause), codes[cause])
+    if len(groups[0].ranks) > 1:
+        message = f"{groups[0].headline()}, each itself; the first to end:\n{message}"
+    return message + others_failed(groups[1:], lost)
 
 
-def others_failed(cause: int, failed: list[int]) -> str:
-    """The line the job's error adds for the ranks that failed after the cause ('' when none did)."""
-    others = sorted(r for r in failed if r != cause)
-    if not others:
-        return ""
-    return (f"\n(rank(s) {', '.join(map(str, others))} failed too, after it: their collectives lost a peer. "
-            "Their logs are in the job's logs/.)")
+def failure_groups(cause: int, failed: list[int], tails: dict[int, str], codes: list) -> tuple[list, list]:
+    """The failed ranks as (groups of ranks that failed by their own error, the cause's group first;
+    the ranks whose collectives lost a peer). A rank killed by a signal is grouped by the signal."""
+    lost = sorted(r for r in failed if r != cause and lost_a_peer(tails.get(r, ""))[0])
+    own = [cause] + [r for r in failed if r != cause and r not in lost]
+    code = lambda r: codes[r] if r < len(codes) and codes[r] is not None else 1  # noqa: E731
+    kinds = {r: jobdir.describe_exit(code(r)) for r in own if code(r) < 0}
+    texts = {r: "" if r in kinds else tails.get(r, "") for r in own}
+    return rank_groups.group_failures(texts, kinds), lost
+
+
+def others_failed(groups: list, lost: list[int]) -> str:
+    """The lines the job's error adds for the ranks that failed besides the cause's group ('' when none
+    did): each other error once with its ranks, then the ranks that failed because the cause went away."""
+    out = "".join(f"\n(also {g.headline()}: {'its own error' if len(g.ranks) == 1 else 'each its own'}. "
+                  f"{'Its log is' if len(g.ranks) == 1 else 'Their logs are'} in the job's logs/.)" for g in groups)
+    if lost:
+        one = len(lost) == 1
+        out += (f"\n({rank_groups.label(lost)} failed too, after it: {'its' if one else 'their'} collectives "
+                f"lost a peer. {'Its log is' if one else 'Their logs are'} in the job's logs/.)")
+    return out
 
 
 @atexit.register

@@ -1,0 +1,224 @@
+"""Many ranks read as one: output lines merged across ranks and failures grouped by identical cause, in
+one place every view reads (the job view, `Job.follow`, a session cell's output, the job's error, a
+session cell's error and %sdp_jobs). Pure functions over text; no processes, no torch.
+
+- `span(ranks)`: a rank set as people write it, `0-7`, `1,3,5-6`; `label(ranks)`: `rank 3` / `ranks 0-7`.
+- `LineMerger`: (rank, line) as they come -> (ranks, line) groups. The same line from several ranks
+  within WINDOW_S of its first arrival is one group, so the lines of one step merge while a rank's own
+  lines keep their own label; each rank's lines come out in the order it wrote them.
+- `group_failures({rank: text})`: ranks whose last traceback (exception line and stack) is identical,
+  together; `headline` / `describe` say it in one line ("ranks 1-3 raised ValueError: boom").
+"""
+from __future__ import annotations
+
+import re
+import time
+
+WINDOW_S = 1.0  # how long a line waits for the same line from other ranks (ranks of one step drift apart)
+RAW = "raw"  # --ranks-output raw: every rank's lines, each with its own [rank R] label, not merged
+
+
+def span(ranks) -> str:
+    """`0-7`, `1,3,5-6`: sorted, runs of three or more consecutive ranks as a range, pairs as `5-6`."""
+    out, run = [], []
+    for r in sorted(set(int(r) for r in ranks)):
+        if run and r == run[-1] + 1:
+            run.append(r)
+            continue
+        if run:
+            out.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
+        run = [r]
+    if run:
+        out.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
+    return ",".join(out)
+
+
+def label(ranks) -> str:
+    """`rank 3` for one rank, `ranks 0-7` for several."""
+    ranks = set(ranks)
+    return f"rank {span(ranks)}" if len(ranks) == 1 else f"ranks {span(ranks)}"
+
+
+def prefixed(ranks, text: str) -> str:
+    """A merged line as the views print it: `[ranks 0-7] epoch 1 done`."""
+    return f"[{label(ranks)}] {text}"
+
+
+class _Group:
+    __slots__ = ("seq", "text", "ranks", "first")
+
+    def __init__(self, seq: int, text: str, rank: int, first: float):
+        self.seq, self.text, self.ranks, self.first = seq, text, {rank}, first
+
+
+class LineMerger:
+    """Merge the same line from several ranks into one (ranks, line) group.
+
+    `add(rank, text)` as lines arrive; `ready()` returns the groups that are settled, oldest first: a
+    group is settled once every expected rank has it, or WINDOW_S after its first line, or when a later
+    group must go out (groups leave in the order they were opened). A line joins an open group with the
+    same text only if that group is newer than the rank's previous line's group, so every rank's lines
+    keep their order. `flush()` returns everything left (the job or cell ended). Not thread-safe: the
+    views call it under their own lock.
+    """
+
+    def __init__(self, ranks, window: float = WINDOW_S, clock=time.monotonic):
+        self.expected = set(ranks)
+        self.window = window
+        self.clock = clock
+        self._open: list[_Group] = []  # oldest first
+        self._seq = 0
+        self._last: dict[int, int] = {}  # rank -> seq of the group its last line went into
+
+    def add(self, rank: int, text: str) -> None:
+        now = self.clock()
+        after = self._last.get(rank, -1)
+        for group in self._open:
+            if group.seq > after and group.text == text and rank not in group.ranks \
+                    and now - group.first < self.window:
+                group.ranks.add(rank)
+                self._last[rank] = group.seq
+                return
+        self._seq += 1
+        self._open.append(_Group(self._seq, text, rank, now))
+        self._last[rank] = self._seq
+
+    def ready(self) -> list[tuple[frozenset, str]]:
+        """The settled groups, oldest first: a group leaves once it is complete or its window has passed,
+        and takes every older group with it (they would otherwise print after it)."""
+        now = self.clock()
+        cut = 0
+        for i, group in enumerate(self._open):
+            if group.ranks >= self.expected or now - group.first >= self.window:
+                cut = i + 1
+        return self._take(cut)
+
+    def flush(self) -> list[tuple[frozenset, str]]:
+        return self._take(len(self._open))
+
+    def _take(self, n: int) -> list[tuple[frozenset, str]]:
+        out, self._open = self._open[:n], self._open[n:]
+        return [(frozenset(g.ranks), g.text) for g in out]
+
+
+def merge_lines(lines, ranks=None) -> list[tuple[frozenset, str]]:
+    """Lines already written ((rank, text) in arrival order, e.g. a job's tails) merged at once: the
+    same text from several ranks is one group, each rank's order kept (no time window: all arrived)."""
+    lines = list(lines)
+    merger = LineMerger(ranks if ranks is not None else {r for r, _ in lines}, window=float("inf"))
+    for rank, text in lines:
+        merger.add(rank, text)
+    return merger.flush()
+
+
+class Stream:
+    """The text a terminal, a cell or a view writes of many ranks' lines, by --ranks-output `mode`:
+    "all": merged (`[ranks 0-7] text`, a rank's own line `[rank R] text`); RAW: every line with its
+    own `[rank R] `; "0": rank 0's lines alone, as they are. One rank: lines as they are. Thread-safe:
+    `add` from the job's reader threads, `take` from the writer."""
+
+    def __init__(self, world_size: int, mode: str = "all", window: float = WINDOW_S):
+        import threading
+
+        self.every = mode in ("all", RAW)
+        self.labelled = self.every and world_size > 1
+        merge = mode == "all" and world_size > 1
+        self._merger = LineMerger(range(world_size), window=window if merge else 0.0)  # 0: lines go alone
+        self._lock = threading.Lock()
+
+    def add(self, rank: int, text: str) -> None:
+        if self.every or rank == 0:
+            with self._lock:
+                self._merger.add(rank, text)
+
+    def add_seen(self, seen: dict) -> None:
+        """Lines that came before ({rank: [line, ...]}): line i of every rank side by side (a step's lines)."""
+        for i in range(max(map(len, seen.values()), default=0)):
+            for rank, lines in sorted(seen.items()):
+                if i < len(lines):
+                    self.add(rank, lines[i])
+
+    def take(self, final: bool = False) -> str:
+        """The settled lines' text (every line left, when `final`)."""
+        with self._lock:
+            groups = self._merger.flush() if final else self._merger.ready()
+        return "".join(prefixed(ranks, text) if self.labelled else text for ranks, text in groups)
+
+
+# ---------------------------------------------------------------------- failures
+_TRACEBACK = "Traceback (most recent call last):"
+_FRAME = re.compile(r'^\s*File "[^"]*", line \d+')
+
+
+def last_traceback(text: str) -> tuple[str, str]:
+    """A rank's output's last Python traceback: (the stack, its exception line). Without a traceback
+    header (the tail was cut, or the rank died of a signal): the frames present and the last line."""
+    lines = [ln for ln in text.rstrip().splitlines()]
+    start = max((i for i, ln in enumerate(lines) if ln.strip() == _TRACEBACK), default=None)
+    if start is None:
+        last = next((ln for ln in reversed(lines) if ln.strip()), "")
+        frames = [ln for ln in lines if _FRAME.match(ln)]
+        return "\n".join(frames), last.strip()
+    block = [ln for ln in lines[start:] if ln.strip()]
+    # the exception line is the first line after the stack that is not a frame or its source (a
+    # message may run over several lines: the rest of the block)
+    i = 1
+    while i < len(block) and block[i].startswith(" "):
+        i += 1
+    return "\n".join(block[:i]), "\n".join(ln.rstrip() for ln in block[i:]).strip() or block[-1].strip()
+
+
+class FailureGroup:
+    """Ranks that failed the same way: `error` (the exception line), `text` (one rank's full text:
+    its traceback), `kind` ("raised", or what the caller says: "lost a peer", "died", "interrupted")."""
+
+    def __init__(self, ranks, error: str, text: str, kind: str = "raised"):
+        self.ranks, self.error, self.text, self.kind = sorted(ranks), error, text, kind
+
+    def headline(self) -> str:
+        """`ranks 1-3 raised ValueError: boom on a worker` (the exception's first line)."""
+        first = self.error.splitlines()[0] if self.error else ""
+        if self.kind == "raised":
+            return f"{label(self.ranks)} raised {first}" if first else f"{label(self.ranks)} failed"
+        return f"{label(self.ranks)} {self.kind}" + (f": {first}" if first else "")
+
+    def to_dict(self) -> dict:
+        return {"ranks": self.ranks, "error": self.error, "kind": self.kind}
+
+    def __repr__(self) -> str:
+        return f"<FailureGroup {self.headline()}>"
+
+
+def group_failures(texts: dict, kinds: dict | None = None) -> list[FailureGroup]:
+    """{rank: its failure's text} -> groups of ranks with the same kind, exception line and stack, in the
+    order of each group's first rank in `texts` (put the cause first). `kinds`: {rank: kind}, default
+    "raised" (a traceback) or "failed" (none); ranks of different kinds never share a group."""
+    kinds = kinds or {}
+    groups: dict[tuple, FailureGroup] = {}
+    for rank, text in texts.items():
+        stack, error = last_traceback(text or "")
+        # no traceback (SystemExit's message, a C library's last words): the rank "failed", saying that
+        key = (kinds.get(rank, "raised" if _TRACEBACK in (text or "") else "failed"), stack, error)
+        if key in groups:
+            groups[key].ranks = sorted(groups[key].ranks + [rank])
+        else:
+            groups[key] = FailureGroup([rank], error, (text or "").rstrip(), key[0])
+    return list(groups.values())
+
+
+def failure_lines(groups) -> list[str]:
+    """Groups as an error lists them: the first (the cause) with its text in full, the others' last line;
+    `ranks 1-3 failed:` then the traceback once."""
+    return [f"{label(g.ranks)} {g.kind}:\n{g.text}" if i == 0 else
+            f"{label(g.ranks)} {g.kind}: {g.text.splitlines()[-1] if g.text else ''}" for i, g in enumerate(groups)]
+
+
+def describe(groups) -> str:
+    """Groups in one line, as %sdp_jobs shows them: `ranks 1-3 raised ValueError: boom; rank 0 lost a
+    peer`. `groups`: FailureGroup objects or their to_dict() (status.json keeps the dicts)."""
+    parts = []
+    for g in groups:
+        if isinstance(g, dict):
+            g = FailureGroup(g.get("ranks", []), g.get("error", ""), "", g.get("kind", "raised"))
+        parts.append(g.headline())
+    return "; ".join(parts)

@@ -1,0 +1,141 @@
+"""Many ranks read as one (sdp_jupyter/launch/kernel/rank_groups.py): identical lines merged with the ranks
+they came from, failures grouped by identical exception and stack, and the job's error that says a rank
+lost a peer only when its own last line says so. Pure functions: no processes."""
+from __future__ import annotations
+
+from sdp_jupyter.launch.kernel import rank_groups as rg
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def tb(message: str, line: int = 3, kind: str = "ValueError") -> str:
+    return ("Traceback (most recent call last):\n"
+            f'  File "/jobs/j/script.py", line {line}, in <module>\n'
+            f"    raise {kind}({message!r})\n"
+            f"{kind}: {message}\n")
+
+
+def test_rank_sets_read_as_people_write_them():
+    assert rg.span(range(8)) == "0-7"
+    assert rg.span([6, 1, 3, 5]) == "1,3,5-6"
+    assert rg.span([0, 2, 3, 4, 9, 10, 11, 15]) == "0,2-4,9-11,15"
+    assert rg.label([3]) == "rank 3" and rg.label(range(16)) == "ranks 0-15"
+    assert rg.prefixed({0, 1, 2, 3}, "epoch 1 done\n") == "[ranks 0-3] epoch 1 done\n"
+
+
+def test_the_same_line_from_every_rank_is_one_line_and_own_lines_keep_their_rank():
+    clock = Clock()
+    m = rg.LineMerger(range(4), window=1.0, clock=clock)
+    for r in range(4):
+        m.add(r, "hello\n")
+        m.add(r, f"I am rank {r}\n")
+    # "hello" is complete (every rank): it goes at once; the own lines wait out their window
+    assert m.ready() == [(frozenset(range(4)), "hello\n")]
+    assert m.ready() == []
+    clock.t = 1.0
+    assert m.ready() == [(frozenset({r}), f"I am rank {r}\n") for r in range(4)]
+
+
+def test_a_rank_s_lines_keep_their_order_and_a_late_rank_starts_a_new_group():
+    clock = Clock()
+    m = rg.LineMerger(range(2), window=1.0, clock=clock)
+    m.add(0, "B\n")      # rank 0 prints B first
+    m.add(1, "A\n")
+    m.add(1, "B\n")      # rank 1's B must not print before its A: a group of its own, after A
+    m.add(0, "A\n")      # rank 0's A: into the A group, which comes after its B
+    m.add(1, "C\n")
+    m.add(0, "C\n")
+    m.add(0, "B\n")      # rank 0's second B: not into rank 1's B group (older than rank 0's C)
+    out = m.flush()
+    assert out == [(frozenset({0}), "B\n"), (frozenset({0, 1}), "A\n"), (frozenset({1}), "B\n"),
+                   (frozenset({0, 1}), "C\n"), (frozenset({0}), "B\n")]
+    for rank in (0, 1):  # each rank's lines in the order it wrote them
+        assert [t for rs, t in out if rank in rs] == (["B\n", "A\n", "C\n", "B\n"] if rank == 0 else ["A\n", "B\n", "C\n"])
+    # outside the window the same text is a new group (the next epoch's line, not this one's)
+    m.add(0, "step\n")
+    clock.t = 5.0
+    m.add(1, "step\n")
+    assert m.flush() == [(frozenset({0}), "step\n"), (frozenset({1}), "step\n")]
+
+
+def test_a_repeated_line_of_one_rank_is_not_merged_with_itself():
+    out = rg.merge_lines([(0, "x\n"), (0, "x\n"), (1, "x\n"), (1, "x\n")])
+    assert out == [(frozenset({0, 1}), "x\n"), (frozenset({0, 1}), "x\n")]
+
+
+def test_sixteen_ranks_printing_the_same_lines_read_as_one_column():
+    lines = [(r, f"epoch {e} done\n") for e in range(3) for r in range(16)] + [(5, "rank 5 is slow\n")]
+    out = rg.merge_lines(lines)
+    assert [rg.prefixed(rs, t) for rs, t in out] == [f"[ranks 0-15] epoch {e} done\n" for e in range(3)] \
+        + ["[rank 5] rank 5 is slow\n"]
+
+
+def test_failures_are_grouped_by_identical_exception_and_stack():
+    texts = {1: "rank 1 here\n" + tb("boom on a worker"), 2: "rank 2 here\n" + tb("boom on a worker"),
+             3: tb("boom on a worker"), 4: tb("boom on a worker", line=9), 5: tb("other")}
+    groups = rg.group_failures(texts)
+    assert [g.ranks for g in groups] == [[1, 2, 3], [4], [5]]
+    assert groups[0].headline() == "ranks 1-3 raised ValueError: boom on a worker"
+    assert groups[0].text.count("Traceback") == 1
+    assert rg.describe(groups) == ("ranks 1-3 raised ValueError: boom on a worker; rank 4 raised ValueError: "
+                                   "boom on a worker; rank 5 raised ValueError: other")
+    # a message over several lines is part of the exception; a chained one: the last traceback counts
+    two = tb("first") + "\nDuring handling of the above exception, another exception occurred:\n\n" + tb("a\nb")
+    assert rg.last_traceback(two)[1] == "ValueError: a\nb"
+    # without a traceback (SystemExit's message) the rank "failed", saying its last line
+    assert rg.group_failures({0: "step 1\nbye now\n"})[0].headline() == "rank 0 failed: bye now"
+    assert rg.describe([{"ranks": [0, 4], "error": "", "kind": "lost a peer"}]) == "ranks 0,4 lost a peer"
+
+
+class TailsJob:
+    """What job_error reads of a job: its ranks' logs, and the status it records."""
+
+    def __init__(self, tails: dict):
+        self.tails, self.status = tails, {}
+        self.dir = "/jobs/j"
+
+    def logs(self, rank, tail=None):
+        lines = self.tails.get(rank, "").splitlines(keepends=True)
+        return "".join(lines[-tail:] if tail else lines)
+
+    def update_status(self, **kw):
+        self.status.update(kw)
+
+
+LOST = "Traceback ...\nsdp_jupyter.torch.work.SmddpBackendError: rank 1 (node 1 at 10.0.0.3) shut down its process group\n"
+
+
+def test_ranks_that_raised_the_same_error_are_one_group_never_a_cascade():
+    from sdp_jupyter.launch.kernel.supervise import job_error
+
+    job = TailsJob({r: f"own line {r}\n" + tb("boom on a worker") for r in (1, 2, 3)} | {0: LOST})
+    error = job_error(job, [0, 2, 1, 3], [1, 1, 1, 1], lambda r: f"rank {r}", lambda r: "h")
+    lines = error.splitlines()
+    assert lines[0] == "ranks 1-3 raised ValueError: boom on a worker, each itself; the first to end:", error
+    assert lines[1] == "rank 2 exited with code 1; its last lines:", error
+    assert error.count("Traceback") == 1 and "own line 2" in error
+    assert "(rank 0 failed too, after it: its collectives lost a peer." in error
+    assert "ranks 1, 3" not in error and "rank(s)" not in error and "1-3 failed too" not in error
+    assert job.status["first_failure"]["rank"] == 2
+    assert rg.describe(job.status["failure_groups"]) == \
+        "ranks 1-3 raised ValueError: boom on a worker; rank 0 lost a peer"
+
+
+def test_a_rank_with_its_own_different_error_is_named_with_it_not_as_a_lost_peer():
+    from sdp_jupyter.launch.kernel.supervise import job_error
+
+    job = TailsJob({2: tb("bad batch"), 3: tb("'k'", kind="KeyError"), 0: LOST, 1: LOST})
+    error = job_error(job, [0, 2, 3, 1], [1, 1, 1, 1, None], lambda r: f"rank {r}", lambda r: "h")
+    assert error.startswith("rank 2 exited with code 1; its last lines:"), error  # one rank: as before
+    assert "(also rank 3 raised KeyError: 'k': its own error. Its log is in the job's logs/.)" in error
+    assert "(ranks 0-1 failed too, after it: their collectives lost a peer." in error
+    # a rank killed by a signal is grouped by the signal, not by whatever it printed last
+    job = TailsJob({2: tb("bad batch"), 3: "step 4\n", 4: "step 5\n"})
+    error = job_error(job, [2, 3, 4], [0, 0, 1, -9, -9], lambda r: f"rank {r}", lambda r: "h")
+    assert "(also ranks 3-4 was killed by signal SIGKILL: each its own." in error, error
