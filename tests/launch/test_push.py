@@ -117,3 +117,17 @@ def test_the_cell_names_the_notebook_code_it_uses(notebook):
     assert notebook_code(cell, notebook, pushed=["Net"]) == ["helper", "loss", "uses_rank"]
     assert notebook_code("np.zeros(3)", {"np": np}, pushed=[]) == []  # a module's: importable on the ranks
     assert notebook_code("x = (", notebook, pushed=[]) == []  # a syntax error is the magic's to report
+
+
+def test_a_result_holding_the_cells_own_class_comes_back_by_value(notebook, tmp_path):
+    from sdp_jupyter import jobdir
+    from sdp_jupyter.launch.rank.bootstrap import save_result
+
+    tmp_path.chmod(0o700)
+    assert save_result(str(tmp_path), {"model": notebook["Net"](), "loss": 0.5}, required=True) == 0
+    data = (tmp_path / jobdir.RESULT).read_bytes()
+    notebook.clear()  # the kernel has no such class: it comes with the result
+    back = pickle.loads(data)
+    assert back["loss"] == 0.5 and type(back["model"]).__name__ == "Net" and back["model"].k == 2
+    assert save_result(str(tmp_path), [1, "plain"], required=True) == 0
+    assert b"cloudpickle" not in (tmp_path / jobdir.RESULT).read_bytes()  # plain data stays plain pickle

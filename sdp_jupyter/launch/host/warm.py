@@ -49,8 +49,9 @@ from sdp_jupyter._env import env_str
 # pattern, destroy_process_group() and then the model going out of scope, 3 in 14 warm jobs here and
 # 5 in 12 cold ones whose script imported torch._dynamo first). torch.fx's symbolic shapes (sympy among
 # them: a third of that import) carry no such risk (16 of 16); importing them starts no thread.
+# cloudpickle: notebook code by value (launch/kernel/push.py) is unpickled on the ranks (90 ms to import, cold)
 BASE_MODULES = ("torch", "torch.optim", "torch.distributed", "torch.nn.parallel",
-                "torch.fx.experimental.symbolic_shapes", "sdp_jupyter.torch")
+                "torch.fx.experimental.symbolic_shapes", "sdp_jupyter.torch", "cloudpickle")
 MAX_REQUEST = 4 << 20
 READY_TIMEOUT = 120.0
 FOLDER_PREFIX = "sdp-warm-"  # the socket folder of a server started with --socket auto, in the temp folder
