@@ -191,3 +191,32 @@ class SessionMagics(Magics):
         elif args.result:
             self.shell.user_ns[args.result] = result.value(result.ranks[0])
         return None
+
+    @magic_arguments.magic_arguments()
+    @magic_arguments.argument("rank", type=int, help="the rank whose last failed cell pdb opens")
+    @magic_arguments.argument("-c", dest="commands", action="append", default=None, metavar="CMD",
+                              help="a pdb command, run in order (repeatable, as python -m pdb -c); pdb quits "
+                                   "after the last. Without -c pdb reads each command from an input box")
+    @line_magic
+    def sdp_debug(self, line: str = ""):
+        """%sdp_debug RANK [-c CMD ...]: a post-mortem pdb on RANK's traceback of the last session cell
+        that failed there, as %debug is for this kernel; the other ranks wait, and after `q` the session
+        goes on with every rank's variables (docs/session.md). A breakpoint() in a session cell fails
+        the cell at that line: %sdp_debug RANK then opens pdb on that frame."""
+        from sdp_jupyter.launch.kernel import session as sessions
+
+        args = parse_line(self.sdp_debug, line)
+        live = sessions.current()
+        if live is None:
+            raise UsageError("no session is running in this kernel, so there is no rank to debug. Fix: "
+                             "%sdp_session start --nodes 2, then a %%sdp_px cell; %debug looks into this kernel")
+        stream = _CellStream(live.job)  # what the ranks print meanwhile (stderr, a warning) still shows
+        try:
+            out = live.debug(args.rank, args.commands, on_wait=stream.drain)
+        except KeyboardInterrupt:
+            out = "pdb ended (interrupted); the session is still up"
+        finally:
+            stream.close()
+        if out:
+            print(out.rstrip("\n"))
+        return None

@@ -209,8 +209,11 @@ class RankSession:
             except Exception as e:  # noqa: BLE001
                 answer.update(ok=False, error=f"the process group could not be made again: {type(e).__name__}: {e}")
             return answer
-        if self.rank not in self.members or cell["kind"] == "debug":  # left by a shrink it did not hear
-            return answer  # (never so on a live host); a debug cell for another rank: nothing to do here
+        if cell["kind"] == "debug":  # for another rank: nothing runs here; whether this rank has a failure to debug
+            answer["failed_cell"] = self._failed[1] if self._failed and self._failed[0] is not None else None
+            return answer
+        if self.rank not in self.members:  # left by a shrink it did not hear (never so on a live host)
+            return answer
         group = self.group_for(ranks)
         if ranks is not None and self.rank not in ranks:
             return answer

@@ -1,0 +1,105 @@
+"""A post-mortem pdb on one rank of a session (Session.debug, launch/kernel/session_debug.py and
+launch/rank/postmortem.py) without a kernel: a local gloo session of 2 ranks whose cell fails on rank 1
+only; pdb on rank 1 reads the failed frame and its caller, both forms (commands, and line by line), a
+command interrupted, breakpoint() failing at its line; the session goes on with every variable."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from sdp_jupyter.launch import JobSpec
+from sdp_jupyter.launch.kernel import session as sessions
+
+FAILS_ON_1 = """
+import torch.distributed as dist
+kept = 10 + dist.get_rank()
+
+def inner(x):
+    secret = f"s-{x}-{dist.get_rank()}"
+    if dist.get_rank() == 1:
+        raise ValueError("only rank 1 fails")
+    return secret
+
+def outer(v):
+    return inner(v * 3)
+
+outer(7)
+"""
+
+
+@pytest.fixture
+def session(jobs_dir):
+    s = sessions.Session.start(JobSpec(code="pass", nodes=2, backend="gloo"))
+    try:
+        failed = s.run(FAILS_ON_1, label="In[3]")
+        assert failed.failed == [1], failed.message()
+        yield s
+    finally:
+        s.stop()
+
+
+def test_pdb_on_the_failed_rank_reads_the_frame_and_its_caller_and_the_session_goes_on(session):
+    generation = session.generation  # after the failed cell's own mending (gloo: always a reconnect)
+    out = session.debug(1, ["p secret", "up", "p v", "ll", "q"])
+    assert "'s-21-1'" in out and "(Pdb) p v\n7\n" in out, out
+    # the cell's source, registered in the rank's linecache, is what `ll` lists
+    assert "def outer(v):" in out and "return inner(v * 3)" in out, out
+    assert out.splitlines()[0].startswith("> <cell In[3]>(8)inner()"), out
+    # every rank keeps its variables and the group works: no reconnect was needed
+    after = session.run("import torch, torch.distributed as dist\nt = torch.ones(1) * kept\ndist.all_reduce(t)\n"
+                        "(kept, t.item())", want="gather")
+    assert after.failed == [] and [after.value(0), after.value(1)] == [(10, 21.0), (11, 21.0)]
+    assert session.generation == generation  # the debugging needed no reconnect
+    # the failed cell stays the last one to debug, as %debug's does: again, and `q` added when missing
+    assert "(Pdb) p x\n21\n(Pdb) q" in session.debug(1, ["p x"])
+
+
+def test_a_rank_without_a_failed_cell_says_which_one_has_and_commands_after_c_are_named(session):
+    with pytest.raises(sessions.SessionError, match=r"rank 0 has had no failed cell.*%sdp_debug 1"):
+        session.debug(0, ["p 1"])
+    with pytest.raises(sessions.SessionError, match="rank 5 is not in session"):
+        session.debug(5, ["q"])
+    out = session.debug(1, ["p secret", "c", "p v"])
+    assert "pdb ended before these commands: p v" in out, out
+    assert session.run("kept", want="gather").value(1) == 11
+
+
+def test_line_by_line_through_ask_until_q(session):
+    lines = iter(["p secret", "up", "p v", "!print('from a statement', v)", "q"])
+    prompts, shown = [], []
+
+    def ask(prompt):
+        prompts.append(prompt)
+        return next(lines)
+
+    assert session.debug(1, ask=ask, show=shown.append) == ""
+    text = "\n".join(shown)
+    assert prompts == ["(Pdb) "] * 5
+    assert shown[0] == "post-mortem of cell In[3] on rank 1 (the other ranks wait; q ends it)"
+    assert "'s-21-1'" in text and "\n7" in text and "from a statement 7" in text, text
+    assert session.run("kept", want="gather").value(0) == 10
+
+
+def test_a_command_interrupted_returns_to_the_prompt_and_pdb_is_ended(session):
+    # Ctrl-C in the notebook while a pdb command runs on the rank: on_wait raises it, as the kernel would
+    t0 = time.monotonic()
+
+    def on_wait():
+        if time.monotonic() - t0 > 1.5:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        session.debug(1, ["p __import__('time').sleep(60)", "p 'after the sleep'"], on_wait=on_wait)
+    assert time.monotonic() - t0 < 30
+    # the rank is out of pdb and takes cells again, every variable kept
+    again = session.run("kept", want="gather")
+    assert again.failed == [] and [again.value(0), again.value(1)] == [10, 11]
+
+
+def test_breakpoint_fails_the_cell_at_its_line_and_pdb_opens_there(session):
+    r = session.run("import torch.distributed as dist\ndef g(a):\n    local = a + 1\n    if dist.get_rank() == 1:\n"
+                    "        breakpoint()\n    return local\ng(4)\n", label="In[9]")
+    assert r.failed == [1] and "%sdp_debug RANK opens pdb on this frame" in r.message(), r.message()
+    out = session.debug(1, ["p local", "q"])
+    assert out.splitlines()[0].startswith("> <cell In[9]>(5)g()") and "(Pdb) p local\n5\n" in out, out
