@@ -14,6 +14,7 @@ _LAZY = {
     "launch": "sdp_jupyter.launch:launch",
     "run": "sdp_jupyter.launch.kernel.run_function:run",
     "session": "sdp_jupyter.launch.kernel.session_calls:session",
+    "Session": "sdp_jupyter.launch.kernel.session:Session",
     "Job": "sdp_jupyter.launch:Job",
     "JobSpec": "sdp_jupyter.launch:JobSpec",
     "get_job": "sdp_jupyter.launch:get_job",
