@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import queue
 import time
-from dataclasses import dataclass, field
 
-from sdp_jupyter.launch.kernel.job import Job, JobError
+from sdp_jupyter.launch.kernel.job import Job
 from sdp_jupyter.launch.kernel.push import pickle_push
 from sdp_jupyter.launch.kernel.session_calls import SessionCalls
 from sdp_jupyter.launch.kernel.session_debug import SessionDebug
+from sdp_jupyter.launch.kernel.session_result import CellResult, SessionError
 from sdp_jupyter.launch import target_options
 from sdp_jupyter.launch.options import SpecError
 from sdp_jupyter.launch.rank.session import SCRIPT
@@ -39,65 +39,6 @@ TARGETS = target_options.having("sessions")  # where this kernel or an agent sta
 FAILED_GRACE = 1.0     # seconds the other ranks get to finish a cell one rank failed, before they are interrupted
 INTERRUPT_GRACE = 0.5  # seconds interrupted ranks get to answer; still missing: inside a collective (reconnected)
 POLL = 0.02  # seconds at most between looks at the job and the output stream; an answer wakes the wait at once
-
-
-class SessionError(JobError):
-    """A cell failed (on the ranks named), or the session cannot do what was asked."""
-
-
-@dataclass
-class CellResult:
-    """One cell's answers. `answers[rank]`: that rank's {ok, error, interrupted, seconds, rss, ...}."""
-
-    n: int
-    ranks: list
-    answers: dict = field(default_factory=dict)
-    notes: list = field(default_factory=list)
-    seconds: float = 0.0
-    causes: list = field(default_factory=list)  # the ranks that failed before the others were given up on
-
-    @property
-    def failed(self) -> list:
-        return [r for r in self.ranks if not self.answers.get(r, {}).get("ok", False)]
-
-    @property
-    def interrupted(self) -> list:
-        return [r for r in self.ranks if self.answers.get(r, {}).get("interrupted")]
-
-    def value(self, rank: int):
-        import pickle
-
-        answer = self.answers.get(rank, {})
-        if answer.get("value_error"):
-            raise SessionError(f"rank {rank}'s value: {answer['value_error']}")
-        data = answer.get("value")
-        return None if data is None else pickle.loads(data)
-
-    def message(self) -> str:
-        """What went wrong, ranks that failed the same way together (rank_groups.group_failures): the
-        cause's traceback once, in full ("ranks 1-3 failed:"), every other error's last line."""
-        if not self.failed:
-            return ""
-        from sdp_jupyter.launch.kernel.rank_groups import failure_lines, group_failures, label
-
-        # the cause first: a rank that raised, before those interrupted or failed because of it
-        # (a rank that died before anything else)
-        order = sorted(self.failed, key=lambda r: (not self.answers.get(r, {}).get("died"), r not in self.causes,
-                                                   r not in self.answers,
-                                                   bool(self.answers.get(r, {}).get("interrupted")), r))
-        got = {r: self.answers[r] for r in order if r in self.answers}
-        lines = failure_lines(group_failures({r: a.get("error") or "" for r, a in got.items()}, {
-            r: "died" if a.get("died") else "interrupted" if a.get("interrupted") else "failed" for r, a in got.items()}))
-        if len(got) < len(order):
-            lines.append(f"{label(set(order) - set(got))}: no answer (still running when the cell was given up)")
-        died = [r for r in self.failed if self.answers.get(r, {}).get("died")]
-        others = [r for r in self.failed if r not in died]
-        head = (f"{label(died)} died during the cell"
-                + (f"; it failed on {label(others)}" if others else "") if died else
-                f"the cell was interrupted on {label(self.interrupted)}" if
-                self.interrupted and len(self.interrupted) == len(self.failed) else
-                f"the cell failed on {label(self.failed)}")
-        return "\n".join([head] + lines + self.notes + ["The session is still up."])
 
 
 class Session(SessionCalls, SessionDebug):
@@ -183,6 +124,7 @@ class Session(SessionCalls, SessionDebug):
 
     @property
     def alive(self) -> bool:
+        """True until the session's job ended (stopped, or failed)."""
         return not self.job.done
 
     def _check_alive(self) -> None:
@@ -443,6 +385,10 @@ class Session(SessionCalls, SessionDebug):
         self._replaced(died, last, rec, self.members[0], rec.notes)
         self.job.update_status(session_members=list(self.members), session_left=dict(self.left))
         return rec
+
+    def stacks(self, ranks: list | None = None, wait: float = 5.0):
+        """Every rank's Python stack now, equal ones grouped (Job.stacks(); %sdp_stacks): where a cell is."""
+        return self.job.stacks(ranks, wait)
 
 
 def _ranks(ranks: list) -> str:

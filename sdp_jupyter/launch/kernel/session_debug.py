@@ -29,7 +29,7 @@ class SessionDebug:
         failed cell, is not in the session, or the session has ended."""
         import builtins
 
-        from sdp_jupyter.launch.kernel.session import SessionError
+        from sdp_jupyter.launch.kernel.session_result import SessionError
 
         # looked up now: ipykernel puts its input() (the frontend's input box) in builtins per execution
         ask, show = ask or builtins.input, show or builtins.print
@@ -67,7 +67,7 @@ class SessionDebug:
     def _debug_cell(self, rank: int, lines: list, echo: bool, last: bool, on_wait=None) -> dict:
         """One debug cell to `rank` with pdb's next `lines`; that rank's answer (output, open, cell).
         `last`: pdb quits once these lines are read. The session's last cell stays the failed one."""
-        from sdp_jupyter.launch.kernel.session import CellResult, SessionError
+        from sdp_jupyter.launch.kernel.session_result import CellResult, SessionError
 
         n = self._put({"kind": "debug", "rank": rank, "lines": lines, "echo": echo, "last": last})
         result = CellResult(n, list(self.members))
