@@ -201,8 +201,8 @@ class SessionMagics(Magics):
     def sdp_debug(self, line: str = ""):
         """%sdp_debug RANK [-c CMD ...]: a post-mortem pdb on RANK's traceback of the last session cell
         that failed there, as %debug is for this kernel; the other ranks wait, and after `q` the session
-        goes on with every rank's variables (docs/session.md). A breakpoint() in a session cell fails
-        the cell at that line: %sdp_debug RANK then opens pdb on that frame."""
+        goes on with every rank's variables (docs/session.md). A breakpoint() in a %%sdp_px cell needs
+        no magic: its pdb prompts in the cell's input box while the other ranks go on."""
         from sdp_jupyter.launch.kernel import session as sessions
 
         args = parse_line(self.sdp_debug, line)

@@ -97,9 +97,59 @@ def test_a_command_interrupted_returns_to_the_prompt_and_pdb_is_ended(session):
     assert again.failed == [] and [again.value(0), again.value(1)] == [10, 11]
 
 
-def test_breakpoint_fails_the_cell_at_its_line_and_pdb_opens_there(session):
-    r = session.run("import torch.distributed as dist\ndef g(a):\n    local = a + 1\n    if dist.get_rank() == 1:\n"
-                    "        breakpoint()\n    return local\ng(4)\n", label="In[9]")
-    assert r.failed == [1] and "%sdp_debug RANK opens pdb on this frame" in r.message(), r.message()
-    out = session.debug(1, ["p local", "q"])
-    assert out.splitlines()[0].startswith("> <cell In[9]>(5)g()") and "(Pdb) p local\n5\n" in out, out
+BREAKS_ON_1 = """
+import torch, torch.distributed as dist
+def g(a):
+    local = a + 1
+    if dist.get_rank() == 1:
+        breakpoint()
+    t = torch.ones(1) * local
+    dist.all_reduce(t)
+    return t.item()
+g(4)
+"""
+
+
+def _typing(monkeypatch, lines):
+    """input() answers with `lines` (as the frontend's input box would), recording each prompt."""
+    import builtins
+
+    lines, prompts = iter(lines), []
+
+    def ask(prompt=""):
+        prompts.append(prompt)
+        return next(lines)
+
+    monkeypatch.setattr(builtins, "input", ask)
+    return prompts
+
+
+def test_breakpoint_on_one_rank_is_served_from_the_notebook_and_the_cell_goes_on(session, monkeypatch, capsys):
+    prompts = _typing(monkeypatch, ["p local", "n", "p local * 2", "ll", "c"])
+    r = session.run(BREAKS_ON_1, want="gather", label="In[9]")
+    out = capsys.readouterr().out
+    assert r.failed == [] and [r.value(0), r.value(1)] == [10.0, 10.0], r.message()
+    assert prompts == ["(Pdb) "] * 5
+    assert "breakpoint() on rank 1 in cell In[9]" in out and "> <cell In[9]>(7)g()" in out, out
+    # the stop, `p local`, `n` (a second stop, the next line), `p local * 2`, `ll` (the cell's source)
+    assert "\n5\n" in out and "-> t = torch.ones(1) * local" in out and "-> dist.all_reduce(t)" in out, out
+    assert "\n10\n" in out and "def g(a):" in out, out
+    # the session goes on with every variable
+    assert session.run("kept", want="gather").value(1) == 11
+
+
+def test_q_at_a_breakpoint_fails_the_cell_there_and_end_of_input_goes_on(session, monkeypatch, capsys):
+    _typing(monkeypatch, ["p local", "q"])
+    r = session.run(BREAKS_ON_1, want="gather", label="In[10]")
+    text = r.message()  # rank 0 left in its all_reduce fails too, after rank 1 (the cause)
+    assert 1 in r.failed and text.splitlines()[1] == "rank 1 failed:" and "bdb.BdbQuit" in text, text
+    assert "bdb.py" not in text, text  # the cell's frames only
+
+    import builtins
+
+    def no_frontend(prompt=""):
+        raise EOFError
+
+    monkeypatch.setattr(builtins, "input", no_frontend)  # a script: no one to type, so pdb goes on
+    r = session.run(BREAKS_ON_1, want="gather", label="In[11]")
+    assert r.failed == [] and [r.value(0), r.value(1)] == [10.0, 10.0], r.message()

@@ -76,12 +76,13 @@ def test_sdp_debug_with_commands_prints_the_frame_and_its_caller_and_the_next_ce
     assert reply["status"] == "error" and "%sdp_debug 1" in reply["evalue"], reply
 
 
-def test_sdp_debug_reads_each_command_from_the_input_box(kernel):
-    km, kc, jobs = kernel
-    typed = iter(["p secret", "up", "p v", "q"])
-    msg_id = kc.execute("%sdp_debug 1", allow_stdin=True)
+def _typing(kc, code, lines):
+    """Run `code`, answering each input request with the next of `lines` as a person would; (reply
+    content, the prompts asked, the stream text)."""
+    typed = iter(lines)
+    msg_id = kc.execute(code, allow_stdin=True)
     prompts = []
-    while True:  # answer each input request as a person would, until the cell's reply
+    while True:
         try:
             request = kc.get_stdin_msg(timeout=0.2)
         except queue.Empty:
@@ -96,8 +97,6 @@ def test_sdp_debug_reads_each_command_from_the_input_box(kernel):
             continue
         if reply["parent_header"].get("msg_id") == msg_id:
             break
-    assert reply["content"]["status"] == "ok", reply["content"]
-    assert prompts == ["(Pdb) "] * 4
     messages = []
     while True:
         msg = kc.get_iopub_msg(timeout=30)
@@ -105,8 +104,24 @@ def test_sdp_debug_reads_each_command_from_the_input_box(kernel):
             continue
         messages.append(msg)
         if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
-            break
-    out = _text(messages)
+            return reply["content"], prompts, _text(messages)
+
+
+def test_sdp_debug_reads_each_command_from_the_input_box(kernel):
+    km, kc, jobs = kernel
+    reply, prompts, out = _typing(kc, "%sdp_debug 1", ["p secret", "up", "p v", "q"])
+    assert reply["status"] == "ok", reply
+    assert prompts == ["(Pdb) "] * 4
     assert "post-mortem of cell In[" in out and "'s-21-1'" in out and "\n7\n" in out, out
     _ok(kc, "%%sdp_px --gather again\nkept * 2")
     _ok(kc, "assert again == [20, 22], again")
+
+
+def test_breakpoint_in_a_cell_on_one_rank_prompts_in_the_notebook(kernel):
+    km, kc, jobs = kernel
+    cell = ("%%sdp_px --gather sums\nimport torch\ndef g(a):\n    local = a + 1\n    if dist.get_rank() == 1:\n"
+            "        breakpoint()\n    t = torch.ones(1) * local\n    dist.all_reduce(t)\n    return t.item()\ng(4)\n")
+    reply, prompts, out = _typing(kc, cell, ["p local", "c"])
+    assert reply["status"] == "ok", reply
+    assert prompts == ["(Pdb) "] * 2 and "breakpoint() on rank 1 in cell In[" in out and "\n5\n" in out, out
+    _ok(kc, "assert sums == [10.0, 10.0], sums")

@@ -223,7 +223,7 @@ class Session(SessionCalls, SessionDebug):
         failed_at = None
         started = time.monotonic()
         while True:
-            for rank in self._read_answers(result) + self._read_deaths(result):
+            for rank in self._read_answers(result, on_wait) + self._read_deaths(result):
                 if not result.answers[rank].get("ok"):
                     result.causes.append(rank)
                     failed_at = failed_at or time.monotonic()
@@ -240,12 +240,16 @@ class Session(SessionCalls, SessionDebug):
                 on_wait()
             self._pump(POLL)
 
-    def _read_answers(self, result: CellResult) -> list:
+    def _read_answers(self, result: CellResult, on_wait=None) -> list:
         """Load the answers to `result`'s cell that arrived since the last look; the ranks that answered."""
         new = []
         for rank in self.members:
             if rank not in result.answers and (result.n, rank) in self._answers:
-                result.answers[rank] = self._answers.pop((result.n, rank))
+                answer = self._answers.pop((result.n, rank))
+                if "debugging" in answer:  # a breakpoint() stopped the cell there: its pdb served here
+                    self.serve_breakpoint(rank, answer["debugging"], on_wait)
+                    continue
+                result.answers[rank] = answer
                 new.append(rank)
         return new
 

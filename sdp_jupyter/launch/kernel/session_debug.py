@@ -17,6 +17,27 @@ prompt ends pdb.
 from __future__ import annotations
 
 PROMPT = "(Pdb) "
+WAIT = 0.02  # seconds at most between looks at the job while a breakpoint's line is out
+
+
+def _converse(report: dict, send, ask, show, eof: str) -> None:
+    """pdb's output shown and a line asked for, until pdb is no longer open: `send(line)` gives the
+    next report. End of input sends `eof`; Ctrl-C sends `q` and re-raises."""
+    while report.get("open"):
+        text = report.get("output", "")
+        prompt = PROMPT if text.endswith(PROMPT) else ""
+        if text[:len(text) - len(prompt)].strip():
+            show(text[:len(text) - len(prompt)].rstrip("\n"))
+        try:
+            line = ask(prompt or PROMPT)
+        except EOFError:
+            line = eof
+        except KeyboardInterrupt:
+            send("q")
+            raise
+        report = send(line)
+    if report.get("output", "").strip():
+        show(report["output"].rstrip("\n"))
 
 
 class SessionDebug:
@@ -47,22 +68,36 @@ class SessionDebug:
             return answer.get("output", "") + left
         answer = self._debug_cell(rank, [], echo=False, last=False, on_wait=on_wait)
         show(f"post-mortem of cell {answer.get('cell')} on rank {rank} (the other ranks wait; q ends it)")
-        while answer.get("open"):
-            text = answer.get("output", "")
-            prompt = PROMPT if text.endswith(PROMPT) else ""
-            if text[:len(text) - len(prompt)]:
-                show(text[:len(text) - len(prompt)].rstrip("\n"))
-            try:
-                line = ask(prompt or PROMPT)
-            except EOFError:
-                line = "q"
-            except KeyboardInterrupt:
-                self._debug_cell(rank, ["q"], echo=False, last=True, on_wait=on_wait)
-                raise
-            answer = self._debug_cell(rank, [line], echo=False, last=False, on_wait=on_wait)
-        if answer.get("output", "").strip():
-            show(answer["output"].rstrip("\n"))
+        _converse(answer, lambda line: self._debug_cell(rank, [line], echo=False, last=False, on_wait=on_wait),
+                  ask, show, eof="q")
         return ""
+
+    def serve_breakpoint(self, rank: int, report: dict, on_wait=None) -> None:
+        """A breakpoint() stopped the running cell on `rank` (its answer to the cell said "debugging"):
+        pdb there, line by line from input() (the frontend's input box), until it lets the cell go on
+        (`c`; `n`/`s` stop again and come back here) or quits (`q`: the cell fails there with BdbQuit).
+        End of input (no frontend) is `c`; Ctrl-C quits pdb and then interrupts the cell everywhere."""
+        import builtins
+
+        if on_wait is not None:
+            on_wait()  # what the ranks printed before the breakpoint, first
+        builtins.print(f"breakpoint() on rank {rank} in cell {report.get('cell')}: c goes on, q ends the cell "
+                       f"(the other ranks go on until they need rank {rank})")
+        _converse(report, lambda line: self._breakpoint_line(rank, line, on_wait), builtins.input, builtins.print,
+                  eof="c")
+
+    def _breakpoint_line(self, rank: int, line: str, on_wait) -> dict:
+        """One line to the pdb of `rank`'s breakpoint (a "debug" cell the other ranks skip: some are still
+        in the cell); its answer (output, open)."""
+        n = self._put({"kind": "debug", "rank": rank, "lines": [line], "live": True})
+        while (n, rank) not in self._answers:
+            self._check_alive()
+            if rank in self.job.supervisor.lost_ranks():  # the cell's wait reads the death
+                return {"open": False, "output": ""}
+            if on_wait is not None:
+                on_wait()
+            self._pump(WAIT)
+        return self._answers.pop((n, rank)).get("debug") or {}
 
     def _debug_cell(self, rank: int, lines: list, echo: bool, last: bool, on_wait=None) -> dict:
         """One debug cell to `rank` with pdb's next `lines`; that rank's answer (output, open, cell).

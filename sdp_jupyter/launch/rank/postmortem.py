@@ -1,13 +1,19 @@
-"""A post-mortem pdb on a session rank (`%sdp_debug RANK`): the last failed cell's traceback, looked
-into from the notebook while the rank's variables stay as they are.
+"""A session rank's pdb, driven from the notebook: post-mortem on the last failed cell's traceback
+(`%sdp_debug RANK`), or live where a cell calls breakpoint() (sys.breakpointhook on a session rank).
 
 pdb runs on the rank's main thread (where the cell ran: thread-local state such as the CUDA device
-is the cell's), on the traceback kept from the last cell that failed on this rank. Its input lines
-come in session cells of kind "debug" (launch/kernel/session_debug.py sends them); when pdb asks for
-a line and the cells so far gave none left, the rank answers the cell with pdb's output so far and
-reads the next cell: one more "debug" cell gives the next lines, anything else ends pdb (as end of
-input does) and is then run as usual. So a debugging exchange is one cell per round trip, answered
-in cell order like every cell, and needs no frames but the session's own.
+is the cell's). Its input lines come in session cells of kind "debug" (launch/kernel/session_debug.py
+sends them); when pdb asks for a line and the cells so far gave none left, the rank answers the
+current debug cell with pdb's output so far and reads the next cell: one more "debug" cell gives the
+next lines, anything else ends pdb (as end of input does) and is then run as usual. So a debugging
+exchange is one cell per round trip, answered in cell order like every cell, and needs no frames but
+the session's own.
+
+A breakpoint() stops a cell that is running: the rank's first prompt goes back as an answer to that
+cell marked "debugging" (not its result), which the kernel's wait for the cell serves (input() in the
+notebook), sending the lines as debug cells marked "live" that only this rank reads (the others may
+still be inside the cell). When pdb lets the cell go on (`c`, or `n` until the next stop) the last
+debug cell is answered closed and the cell's own answer comes when it ends.
 
 While pdb runs a command (`p slow()`), the session's interrupt (SIGUSR2 -> KeyboardInterrupt) stops
 that command: pdb's loop catches it and prompts again.
@@ -57,24 +63,16 @@ class Lines:
         return False
 
 
-class PostMortem:
-    """pdb on `tb`, fed by `Lines`; `take()` gives the output since the last take."""
+class Exchange:
+    """pdb's input and output as debug cells over `link` (the rank's session: answer(n, answer), read(),
+    hold(cell), running(on), rank, and cell_now, the running cell's number). `pending`: the debug cell
+    whose answer waits for pdb's next prompt; None when a breakpoint() stopped a running cell, which the
+    first prompt then tells the kernel (an answer to that cell marked "debugging": not its result)."""
 
-    def __init__(self, tb, more: Callable[[], tuple[list, bool, bool] | None], running: Callable[[bool], None]):
-        self.tb = tb
+    def __init__(self, link, pending: int | None, label: str):
+        self.link, self.pending, self.label = link, pending, label
         self.out = io.StringIO()
-        self.stdin = Lines(self.out, self._waiting(more, running))
-        self.running = running
-        self.debugger = pdb.Pdb(stdin=self.stdin, stdout=self.out, nosigint=True, readrc=False)
-
-    def _waiting(self, more, running):
-        def wait():
-            running(False)  # an interrupt between commands is not one pdb should see
-            try:
-                return more()
-            finally:
-                running(True)
-        return wait
+        self.stdin = Lines(self.out, self.more)
 
     def take(self) -> str:
         text = self.out.getvalue()
@@ -82,20 +80,71 @@ class PostMortem:
         self.out.truncate()
         return text
 
-    def run(self, lines: list, echo: bool, last: bool) -> list:
-        """Drive pdb with `lines` (and further ones from `more`) until it ends; the lines it never read."""
-        self.stdin.give(lines, echo, last)
-        self.running(True)
+    def more(self) -> tuple[list, bool, bool] | None:
+        self.link.running(False)  # an interrupt between commands is not one pdb should see
         try:
-            # a statement's print() (`!print(x)`) and input() go where pdb's own output and input go
-            with contextlib.redirect_stdout(self.out), _stdin(self.stdin):
-                self.debugger.reset()
-                self.debugger.interaction(None, self.tb)
+            report = {"open": True, "output": self.take(), "cell": self.label}
+            if self.pending is None:
+                self.link.answer(self.link.cell_now, {"debugging": report})
+            else:
+                self.link.answer(self.pending, {"ok": True, "ran": True, "debug": report})
+            self.pending = None
+            cell = self.link.read()
+            if cell["kind"] == "debug" and cell.get("rank") == self.link.rank:
+                self.pending = cell["n"]
+                return cell.get("lines") or [], bool(cell.get("echo")), bool(cell.get("last"))
+            self.link.hold(cell)  # not for pdb: it ends (end of input), and the cell loop runs this one
+            return None
         finally:
-            self.running(False)
-            sys.settrace(None)  # `step`/`next` in a post-mortem must leave no trace function on the rank
-            self.debugger.forget()
-        return list(self.stdin.lines)
+            self.link.running(True)
+
+    def resumed(self) -> None:
+        """pdb let the program go on (a post-mortem: ended): the debug cell waiting is answered, closed."""
+        if self.pending is not None:
+            self.link.answer(self.pending, {"ok": True, "ran": True, "debug": {
+                "open": False, "output": self.take(), "cell": self.label, "unused": list(self.stdin.lines)}})
+            self.pending = None
+
+
+class RemotePdb(pdb.Pdb):
+    """pdb whose every stop is served through an Exchange; our own frames (the cell loop) are skipped,
+    so `next` past a cell's end does not step into the loop."""
+
+    def __init__(self, exchange: Exchange):
+        super().__init__(stdin=exchange.stdin, stdout=exchange.out, skip=["sdp_jupyter.*"], nosigint=True,
+                         readrc=False)
+        self.exchange = exchange
+
+    def interaction(self, frame, traceback):
+        try:
+            super().interaction(frame, traceback)
+        finally:
+            self.exchange.resumed()
+
+
+def post_mortem(link, tb, cell: dict, label: str) -> None:
+    """pdb on `tb` from debug cell `cell` on, until it ends; answers every debug cell it reads."""
+    exchange = Exchange(link, cell["n"], label)
+    exchange.stdin.give(cell.get("lines") or [], bool(cell.get("echo")), bool(cell.get("last")))
+    debugger = RemotePdb(exchange)
+    link.running(True)
+    try:
+        # a statement's print() (`!print(x)`) and input() go where pdb's own output and input go
+        with contextlib.redirect_stdout(exchange.out), _stdin(exchange.stdin):
+            debugger.reset()
+            debugger.interaction(None, tb)
+    finally:
+        link.running(False)
+        sys.settrace(None)  # `step`/`next` in a post-mortem must leave no trace function on the rank
+        debugger.forget()
+
+
+def breakpoint_hook(link):
+    """sys.breakpointhook for a session rank: pdb on the caller's frame, each stop served from the
+    notebook (launch/kernel/session_debug.py) while the cell waits; the other ranks go on."""
+    def hook(*args, **kwargs):
+        RemotePdb(Exchange(link, None, link.cell_label)).set_trace(sys._getframe(1))
+    return hook
 
 
 @contextlib.contextmanager
@@ -109,14 +158,14 @@ def _stdin(replacement):
 
 
 def cell_frames(tb):
-    """`tb` from the first frame of a session cell on (`<cell ...>`): the rank's cell loop is not the
-    user's problem; nor is the hook that made breakpoint() raise."""
+    """`tb` from the first frame of a session cell on (`<cell ...>`) to the last before pdb's own: the
+    rank's cell loop and the debugger are not the user's problem."""
     while tb is not None and not tb.tb_frame.f_code.co_filename.startswith("<cell "):
         tb = tb.tb_next
     last = tb
     while last is not None and last.tb_next is not None:
-        if last.tb_next.tb_frame.f_code is no_breakpoint.__code__:
-            last.tb_next = None  # a breakpoint() ends the traceback, and pdb opens, at the breakpoint() line
+        if last.tb_next.tb_frame.f_globals.get("__name__") == "bdb":
+            last.tb_next = None  # `q` at a breakpoint: the BdbQuit comes from pdb's tracing, not the cell
         last = last.tb_next
     return tb
 
@@ -128,12 +177,3 @@ def remember_source(name: str, code: str) -> None:
 
     linecache.cache[name] = (len(code), None, code.splitlines(True), name)
 
-
-def no_breakpoint(*args, **kwargs):
-    """sys.breakpointhook on a session rank: a live pdb inside a running cell is not served (its
-    prompt would have to reach the notebook while the kernel waits for the cell's answers: see
-    docs/session.md), and the rank has no terminal, so breakpoint() fails the cell at that line, and
-    `%sdp_debug RANK` opens pdb on that very frame."""
-    raise RuntimeError("breakpoint() on a session rank: pdb cannot prompt inside a running cell (the rank has no "
-                       "terminal). The cell fails here instead; %sdp_debug RANK opens pdb on this frame, with its "
-                       "variables (or raise an exception where you want to stop)")

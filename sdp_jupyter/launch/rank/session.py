@@ -11,10 +11,11 @@ answers on the same connection; nothing is polled. Each frame's data is a pickle
     ready              rank R has its process group: {pid, host, rss}
     cell N             {kind: run | reconnect | shrink | stop | debug, code, ranks, want: none | result | gather,
                         push (the pushed variables' pickle, made once in the kernel), generation and
-                        replaced (reconnect), generation and members (shrink), rank, lines, echo and
-                        last (debug: pdb's input on that rank, launch/rank/postmortem.py)}
+                        replaced (reconnect), generation and members (shrink), rank, lines, echo, last
+                        and live (debug: pdb's input on that rank, launch/rank/postmortem.py)}
     done N             rank R's answer to cell N: {ok, error, interrupted, value, seconds, counts, rss,
-                        debug: {output, open, unused, cell, error} (debug)}
+                        debug: {output, open, unused, cell, error} (debug)}; or, while cell N runs,
+                        {debugging: {output, open, cell}}: a breakpoint() there waits for pdb's input
 
 A cell is interrupted with SIGUSR2 (a KeyboardInterrupt inside the cell, nothing between cells);
 SIGINT stays the job's Stop. After a cell that failed somewhere the notebook may send `reconnect`:
@@ -80,6 +81,9 @@ class RankSession:
         self._store = None
         self._groups: dict[tuple, object] = {}
         self._failed = None  # (traceback from the cell's frames on, the cell's label): the last failure here
+        self._n = 0  # the number of the next cell to read
+        self._held = None  # a cell read while pdb waited for input, run next (launch/rank/postmortem.py)
+        self.cell_now, self.cell_label = 0, "0"  # the cell running: where a breakpoint() stopped
 
     # ------------------------------------------------------------------ the process group
     def connect(self) -> None:
@@ -228,6 +232,7 @@ class RankSession:
 
             bind_pushed(pickle.loads(cell["push"]), self.ns)
         self.ns["sdp_group"] = group
+        self.cell_now, self.cell_label = cell["n"], str(cell.get("label") or cell["n"])
         answer["ran"] = True
         started = time.perf_counter()
         try:
@@ -257,6 +262,7 @@ class RankSession:
             return eval(last, self.ns) if last is not None else None
         finally:
             _Cell.running = False
+            sys.settrace(None)  # a pdb a breakpoint() started (postmortem.py) ends with its cell
 
     def _trace(self, info, cell: dict) -> str:
         kind, exc, tb = info
@@ -264,41 +270,40 @@ class RankSession:
         self._failed = (tb, str(cell.get("label") or cell["n"]))  # kept for %sdp_debug, as %debug keeps its own
         return "".join(traceback.format_exception(kind, exc, tb))
 
-    def debug(self, n: int, cell: dict) -> tuple[int, dict | None]:
-        """Post-mortem pdb on the last cell that failed here, from debug cell `n` on (postmortem.py): it
-        answers every debug cell pdb reads. Returns the next cell's number, and a cell read while pdb
-        waited that was not for it (pdb then ended; the loop runs that cell next)."""
+    def debug(self, cell: dict) -> None:
+        """Post-mortem pdb on the last cell that failed here, from debug `cell` on (postmortem.py): it
+        answers every debug cell pdb reads; a cell read while pdb waited that was not for it ends pdb
+        and is held for the loop."""
         if self._failed is None or self._failed[0] is None:
-            self._answer(n, {"ok": True, "ran": True, "debug": {"open": False, "output": "", "error": (
+            self._answer(cell["n"], {"ok": True, "ran": True, "debug": {"open": False, "output": "", "error": (
                 f"rank {self.rank} has had no failed cell in this session (or only one whose error came "
                 "before its code ran), so there is no traceback to look into")}})
-            return n + 1, None
-        state = {"n": n, "held": None}
+            return
+        postmortem.post_mortem(self, self._failed[0], cell, self._failed[1])
 
-        def more():
-            self._answer(state["n"], {"ok": True, "ran": True, "debug": {"open": True, "output": pm.take(),
-                                                                "cell": self._failed[1]}})
-            state["n"] += 1
-            cell = self.next_cell(state["n"])
-            if cell["kind"] == "debug" and cell.get("rank") == self.rank:
-                return cell.get("lines") or [], bool(cell.get("echo")), bool(cell.get("last"))
-            state["held"] = cell
-            return None
+    # what postmortem.py's pdb uses to talk to the notebook through the cells
+    def answer(self, n: int, answer: dict) -> None:
+        self._answer(n, answer)
 
-        def running(on: bool) -> None:
-            _Cell.running = on
+    def read(self) -> dict:
+        """The next cell (one held while pdb waited first)."""
+        if self._held is not None:
+            cell, self._held = self._held, None
+            return cell
+        cell = self.next_cell(self._n)
+        self._n += 1
+        return cell
 
-        pm = postmortem.PostMortem(self._failed[0], more, running)
-        unused = pm.run(cell.get("lines") or [], bool(cell.get("echo")), bool(cell.get("last")))
-        if state["held"] is not None:
-            return state["n"], state["held"]
-        self._answer(state["n"], {"ok": True, "ran": True, "debug": {
-            "open": False, "output": pm.take(), "unused": unused, "cell": self._failed[1]}})
-        return state["n"] + 1, None
+    def hold(self, cell: dict) -> None:
+        self._held = cell
+
+    @staticmethod
+    def running(on: bool) -> None:
+        _Cell.running = on  # an interrupt is a KeyboardInterrupt only while something runs
 
     def serve(self) -> None:
         signal.signal(INTERRUPT, _interrupt)
-        sys.breakpointhook = postmortem.no_breakpoint  # no terminal here: %sdp_debug instead (docs/session.md)
+        sys.breakpointhook = postmortem.breakpoint_hook(self)  # pdb served from the notebook (docs/session.md)
         # a replacement for a rank that died (SDP_SESSION_JOIN=generation:cell:members): it joins the group the
         # others make again in that cell, answers it, and goes on from the next one
         join = os.environ.pop("SDP_SESSION_JOIN", "")
@@ -316,16 +321,15 @@ class RankSession:
                              "host": socket.gethostname(),
                              "note": f"rank {self.rank} started anew and joined the process group"})
             n += 1
-        held = None  # a cell read while pdb waited for input (launch/rank/postmortem.py)
+        self._n = n
         while True:
-            cell, held = held or self.next_cell(n), None
+            cell = self.read()
             if cell["kind"] == "stop":
                 return
             if cell["kind"] == "debug" and cell.get("rank") == self.rank:
-                n, held = self.debug(n, cell)
-                continue
-            self._answer(n, self.run(cell))
-            n += 1
+                self.debug(cell)
+            elif not (cell["kind"] == "debug" and cell.get("live")):  # a breakpoint's lines: for its rank only
+                self._answer(cell["n"], self.run(cell))
 
     def _answer(self, n: int, answer: dict) -> None:
         answer.update(counts=self.counts(), rss=_rss())
