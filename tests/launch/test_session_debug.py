@@ -153,3 +153,15 @@ def test_q_at_a_breakpoint_fails_the_cell_there_and_end_of_input_goes_on(session
     monkeypatch.setattr(builtins, "input", no_frontend)  # a script: no one to type, so pdb goes on
     r = session.run(BREAKS_ON_1, want="gather", label="In[11]")
     assert r.failed == [] and [r.value(0), r.value(1)] == [10.0, 10.0], r.message()
+
+
+def test_breakpoints_on_both_ranks_are_served_one_after_the_other(session, monkeypatch, capsys):
+    _typing(monkeypatch, ["p ('at', dist.get_rank())", "c", "p ('at', dist.get_rank())", "c"])
+    r = session.run("import torch.distributed as dist\nbreakpoint()\ndone = dist.get_rank()\nthreads = []\n"
+                    "import threading\ndef in_a_thread():\n    try:\n        breakpoint()\n    except RuntimeError as e:\n"
+                    "        threads.append(str(e))\nt = threading.Thread(target=in_a_thread)\nt.start()\nt.join()\n"
+                    "(done, threads)", want="gather", label="In[12]")
+    out = capsys.readouterr().out
+    assert r.failed == [] and [v[0] for v in (r.value(0), r.value(1))] == [0, 1], r.message()
+    assert "('at', 0)" in out and "('at', 1)" in out, out
+    assert "only in the cell's own thread" in r.value(1)[1][0]

@@ -90,6 +90,8 @@ class Exchange:
                 self.link.answer(self.pending, {"ok": True, "ran": True, "debug": report})
             self.pending = None
             cell = self.link.read()
+            while cell["kind"] == "debug" and cell.get("live") and cell.get("rank") != self.link.rank:
+                cell = self.link.read()  # another rank's breakpoint, served first: this one waits its turn
             if cell["kind"] == "debug" and cell.get("rank") == self.link.rank:
                 self.pending = cell["n"]
                 return cell.get("lines") or [], bool(cell.get("echo")), bool(cell.get("last"))
@@ -142,7 +144,18 @@ def post_mortem(link, tb, cell: dict, label: str) -> None:
 def breakpoint_hook(link):
     """sys.breakpointhook for a session rank: pdb on the caller's frame, each stop served from the
     notebook (launch/kernel/session_debug.py) while the cell waits; the other ranks go on."""
+    import os
+    import threading
+
+    pid = os.getpid()
+
     def hook(*args, **kwargs):
+        # the cell's connection is read by the cell's own thread only; a forked DataLoader worker shares it
+        if os.getpid() != pid or threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("breakpoint() in a session rank is served from the notebook only in the cell's own "
+                               "thread, not in another thread or a DataLoader worker process. Fix: call it where "
+                               "the cell runs (num_workers=0 to step through loading), or raise there and use "
+                               "%sdp_debug RANK on the failed frame")
         RemotePdb(Exchange(link, None, link.cell_label)).set_trace(sys._getframe(1))
     return hook
 
