@@ -8,24 +8,10 @@ import time
 
 import pytest
 
+from helpers.debug_cells import BREAKS_ON_1, FAILS_ON_1
 from sdp_jupyter.launch import JobSpec
 from sdp_jupyter.launch.kernel import session as sessions
 
-FAILS_ON_1 = """
-import torch.distributed as dist
-kept = 10 + dist.get_rank()
-
-def inner(x):
-    secret = f"s-{x}-{dist.get_rank()}"
-    if dist.get_rank() == 1:
-        raise ValueError("only rank 1 fails")
-    return secret
-
-def outer(v):
-    return inner(v * 3)
-
-outer(7)
-"""
 
 
 @pytest.fixture
@@ -97,17 +83,6 @@ def test_a_command_interrupted_returns_to_the_prompt_and_pdb_is_ended(session):
     assert again.failed == [] and [again.value(0), again.value(1)] == [10, 11]
 
 
-BREAKS_ON_1 = """
-import torch, torch.distributed as dist
-def g(a):
-    local = a + 1
-    if dist.get_rank() == 1:
-        breakpoint()
-    t = torch.ones(1) * local
-    dist.all_reduce(t)
-    return t.item()
-g(4)
-"""
 
 
 def _typing(monkeypatch, lines):

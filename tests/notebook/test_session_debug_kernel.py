@@ -1,7 +1,7 @@
 """%sdp_debug in a real ipykernel: a %%sdp_px cell fails on rank 1 only; pdb on rank 1, with its
 commands given (-c) and typed into the frontend's input box (the kernel's stdin channel, as %debug
 reads), shows the failed frame's local and its caller's argument; the next cell runs on both ranks
-with every variable kept."""
+with every variable kept. A breakpoint() on rank 1 prompts in the input box and the cell goes on."""
 from __future__ import annotations
 
 import queue
@@ -9,26 +9,13 @@ import queue
 import pytest
 
 from conftest import wait_no_processes
+from helpers.debug_cells import BREAKS_ON_1, FAILS_ON_1
 from helpers.kernel import execute
 from tools.main_job import kernel_env
 
 pytestmark = pytest.mark.slow
 
-FAILS_ON_1 = """%%sdp_px
-import torch.distributed as dist
-kept = 10 + dist.get_rank()
-
-def inner(x):
-    secret = f"s-{x}-{dist.get_rank()}"
-    if dist.get_rank() == 1:
-        raise ValueError("only rank 1 fails")
-    return secret
-
-def outer(v):
-    return inner(v * 3)
-
-outer(7)
-"""
+FAILS_CELL = "%%sdp_px\n" + FAILS_ON_1.lstrip("\n")
 
 
 def _text(messages):
@@ -52,7 +39,7 @@ def kernel(tmp_path_factory):
     try:
         _ok(kc, "%load_ext sdp_jupyter")
         assert "2 ranks ready" in _ok(kc, "%sdp_session start --nodes 2 --backend gloo --name dbg", timeout=180)
-        reply, messages = execute(kc, FAILS_ON_1, timeout=120)
+        reply, messages = execute(kc, FAILS_CELL, timeout=120)
         assert reply["status"] == "error" and "rank 1 failed" in "\n".join(reply["traceback"]), reply
         yield km, kc, jobs
     finally:
@@ -119,9 +106,7 @@ def test_sdp_debug_reads_each_command_from_the_input_box(kernel):
 
 def test_breakpoint_in_a_cell_on_one_rank_prompts_in_the_notebook(kernel):
     km, kc, jobs = kernel
-    cell = ("%%sdp_px --gather sums\nimport torch\ndef g(a):\n    local = a + 1\n    if dist.get_rank() == 1:\n"
-            "        breakpoint()\n    t = torch.ones(1) * local\n    dist.all_reduce(t)\n    return t.item()\ng(4)\n")
-    reply, prompts, out = _typing(kc, cell, ["p local", "c"])
+    reply, prompts, out = _typing(kc, "%%sdp_px --gather sums\n" + BREAKS_ON_1.lstrip("\n"), ["p local", "c"])
     assert reply["status"] == "ok", reply
     assert prompts == ["(Pdb) "] * 2 and "breakpoint() on rank 1 in cell In[" in out and "\n5\n" in out, out
     _ok(kc, "assert sums == [10.0, 10.0], sums")
