@@ -213,6 +213,7 @@ class Finding:
     first_difference: int | None = None  # the seq the table marks
     logs: dict[int, RankLog] = field(default_factory=dict)
     last: int = 8  # operations per rank shown
+    awaited: list[int] = field(default_factory=list)  # a stall's ranks the others wait for (JobFlight locates them)
 
     def table(self, last: int | None = None) -> list[list[str]]:
         return table(self.logs, self.last if last is None else last, self.first_difference)
@@ -388,7 +389,7 @@ def _stalled(logs: dict[int, RankLog], group: str, now: float, warn_s: float, ex
                          f"or a rank that is not a member calling it?)")
     else:
         return None
-    return Finding("; ".join(sentences), group, s, logs)
+    return Finding("; ".join(sentences), group, s, logs, awaited=sorted({*frozen, *silent, *absent}))
 
 
 def analyse(folder: "str | os.PathLike | FlightLog", *, exits: list | dict | None = None, now: float | None = None,
@@ -434,18 +435,28 @@ def analyse(folder: "str | os.PathLike | FlightLog", *, exits: list | dict | Non
 
 def live_sentence(job_dir: "str | os.PathLike | FlightLog", warn_s: float | None = None) -> str | None:
     """While a job runs: who waits where and who has not arrived, once a wait has passed warn_s."""
+    return live_finding(job_dir, warn_s).sentence
+
+
+def live_finding(job_dir: "str | os.PathLike | FlightLog", warn_s: float | None = None) -> Finding:
+    """live_sentence's Finding (its `awaited`: the ranks the others wait for)."""
     try:
-        return analyse(job_dir, now=time.time(), warn_s=warn_s, live=True).sentence
+        return analyse(job_dir, now=time.time(), warn_s=warn_s, live=True)
     except Exception:  # noqa: BLE001 - a status read must never fail on a half-written file
-        return None
+        return Finding(None)
 
 
 def cause(job_dir: str | os.PathLike, first_failure: dict | None = None, warn_s: float | None = None) -> str | None:
     """After a job failed: the flight recorder's sentence, or None when it has nothing to say."""
+    return cause_finding(job_dir, first_failure, warn_s).sentence
+
+
+def cause_finding(job_dir: str | os.PathLike, first_failure: dict | None = None, warn_s: float | None = None) -> Finding:
+    """cause()'s Finding (its `awaited`: the ranks the others waited for)."""
     try:
-        return analyse(job_dir, first_failure=first_failure, warn_s=warn_s).sentence
+        return analyse(job_dir, first_failure=first_failure, warn_s=warn_s)
     except Exception:  # noqa: BLE001
-        return None
+        return Finding(None)
 
 
 # ---------------------------------------------------------------------------------------------- stragglers

@@ -67,6 +67,11 @@ def log_path(job_dir: str | os.PathLike, rank: int) -> Path:
     return Path(job_dir) / LOGS / f"rank-{rank}.log"
 
 
+def stacks_path(job_dir: str | os.PathLike, rank: int) -> Path:
+    """Where a rank's Python stacks go when asked (launch/rank/stack_signal.py; read by its node's agent)."""
+    return Path(job_dir) / LOGS / f"stacks-rank-{int(rank)}.txt"
+
+
 def host_log_path(job_dir: str | os.PathLike, host: int) -> Path:
     """A SageMaker host's output (its CloudWatch stream, every rank of host algo-<host+1>)."""
     return Path(job_dir) / LOGS / f"algo-{host + 1}.log"
@@ -446,7 +451,7 @@ def list_job_dirs(root: str | os.PathLike | None = None) -> list[Path]:
 
 __all__ = ["STATES", "FINAL_STATES", "SCRIPT", "SPEC", "STATUS", "RESULT", "PUSH", "LOGS", "METRICS", "CHECKPOINTS",
            "MODEL", "OUTPUT", "DATA", "TRAIN_CHANNEL", "SAGEMAKER_SOURCE", "SAGEMAKER_REQUEST", "REHEARSAL", "CONTAINER_JOB_DIR",
-           "KNOWN_ENTRIES", "LINE_CAP", "READ_CAP", "jobs_root", "new_job_name", "log_path", "host_log_path",
+           "KNOWN_ENTRIES", "LINE_CAP", "READ_CAP", "jobs_root", "new_job_name", "log_path", "stacks_path", "host_log_path",
            "agent_log_path", "sampler_log_path", "rank_metrics_path", "flight_metrics_name", "flight_metrics_path",
            "flight_paths", "FLIGHT_FIELDS", "FLIGHT_REQUEST", "flight_request_path", "node_metrics_path", "is_metrics_name",
            "metrics_paths", "UnsafeJobDir", "ensure_private_dir", "write_private", "open_private", "load_pickle",

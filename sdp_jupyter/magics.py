@@ -191,6 +191,25 @@ class SdpMagics(Magics):
         return found  # shown as the sentence and the table (HTML in a notebook, text in a terminal)
 
     @magic_arguments.magic_arguments()
+    @magic_arguments.argument("name", nargs="?", help="job name (default: this kernel's session, else its latest job)")
+    @magic_arguments.argument("--ranks", type=int, nargs="+", default=None, help="only these ranks (default: all)")
+    @magic_arguments.argument("--wait", type=float, default=5.0, help="seconds to wait for the ranks (default 5)")
+    @line_magic
+    def sdp_stacks(self, line: str = ""):
+        """Every rank's Python stack now, equal stacks grouped, each group with where it is (its innermost
+        frame of your code, the collective it waits in): also inside a collective or C code, nothing
+        attached to the ranks (docs/failures.md, "Where is every rank?")."""
+        from sdp_jupyter.launch.kernel import session as sessions
+
+        args = parse_line(self.sdp_stacks, line)
+        live = sessions.current() if args.name is None else None
+        job = live.job if live is not None else self._job(args.name)
+        try:
+            return job.stacks(args.ranks, wait=args.wait)
+        except (JobError, ValueError) as e:
+            raise UsageError(str(e)) from None
+
+    @magic_arguments.magic_arguments()
     @magic_arguments.argument("name", nargs="?", help="job name (default: the latest job of this kernel)")
     @line_magic
     def sdp_wait(self, line: str = ""):

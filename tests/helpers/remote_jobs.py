@@ -98,12 +98,12 @@ print(json.dumps({"state": job.state, "error": job.error, "dir": str(job.dir), "
 '''
 
 
-def drive(cluster, launch_args: dict, env: dict | None = None) -> subprocess.Popen:
+def drive(cluster, launch_args: dict, env: dict | None = None, driver: str | None = None) -> subprocess.Popen:
     """Start the driver on h0 with these launch() arguments (code: TRAIN unless given); its stdin stays
-    open for commands."""
+    open for commands. `driver`: another driver's code (LAUNCH, then what it does with `job`)."""
     full = dict(env or os.environ)
     full["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), full.get("PYTHONPATH")]))
-    proc = cluster.popen(0, [sys.executable, "-c", DRIVER, json.dumps({"code": TRAIN, **launch_args})], env=full,
+    proc = cluster.popen(0, [sys.executable, "-c", driver or DRIVER, json.dumps({"code": TRAIN, **launch_args})], env=full,
                          text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proc.jobs_dir = launch_args.get("jobs_dir")  # what next_line shows of the job when the driver goes quiet
     return proc

@@ -34,6 +34,8 @@ frame, so it is never on a command line, in the host's environment or in a file.
                                                     respawn (or "session": true in the start frame)
                         cell {n, data}              a session's cell for the node's ranks
                         interrupt {}                interrupt the cell the node's ranks run
+                        stacks {id, ranks, wait}    the ranks' (None: all) Python stacks; answered by
+                                                    stacks {id, dumps, errors} (launch/host/rank_stacks.py)
                         respawn {rank, join}        start a session's dead rank again (SDP_SESSION_JOIN=join);
                                                     in a session, a node whose rank died waits for this or `stop`
 
@@ -164,6 +166,8 @@ class Agent:
                         from sdp_jupyter import jobdir
 
                         jobdir.write_private(jobdir.flight_request_path(self.job_dir), str(time.time()))
+                elif kind == "stacks":
+                    self._stacks(message)
                 elif kind == "stop":
                     self._stop_ranks(float(message.get("sigint_grace", 3)), float(message.get("sigterm_grace", 2)))
                 elif kind == "bye":
@@ -379,6 +383,16 @@ class Agent:
 
         for proc in (self._node.procs if self._node is not None else []):
             signal_rank(proc, INTERRUPT)
+
+    def _stacks(self, m: dict) -> None:
+        """Job.stacks(): the Python stacks of the node's ranks asked for (None: all), answered from a thread
+        of its own (up to m["wait"] s) while this loop goes on reading (launch/host/rank_stacks.py)."""
+        from sdp_jupyter.launch.host import rank_stacks
+
+        node, asked = self._node, m.get("ranks")
+        procs = {r: node.proc(r) for r in self._envs if node is not None and (asked is None or r in asked)}
+        threading.Thread(target=lambda: self.send({"type": "stacks", "id": m["id"], **rank_stacks.collect(
+            procs, self.job_dir, float(m.get("wait", 3.0)))}), daemon=True, name="sdp-agent-stacks").start()
 
     def _tail_metrics(self, stop: threading.Event) -> None:
         """Send every complete new line of the metrics files, a frame per bounded read (jobdir's

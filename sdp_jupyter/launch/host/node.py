@@ -92,6 +92,10 @@ class NodeRanks:
                     self.on_piece(rank, note)
                     ranks.signal_group(proc.pid, signal.SIGKILL)
 
+    def proc(self, rank: int):
+        """`rank`'s process (its latest, after a respawn), None for a rank this node does not run."""
+        return self.procs[self._index[rank]] if rank in self._index else None
+
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]

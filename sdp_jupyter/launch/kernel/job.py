@@ -186,7 +186,7 @@ class Job(Shown):
         collective or C code (launch/kernel/stacks.py; docs/failures.md). A job running in this process."""
         from sdp_jupyter.launch.kernel import stacks
 
-        return stacks.of_job(self, ranks, wait)
+        return stacks.of_job(self, ranks, wait, JobError)
 
     @property
     def error(self) -> str | None:

@@ -16,6 +16,9 @@ from pathlib import Path
 from sdp_jupyter import jobdir
 
 
+LOCATE_EVERY = 15.0  # seconds between two requests for the stacks of the ranks a hang waits for
+
+
 def hang_warn_s(env: dict | None) -> float | None:
     """A job's SDP_HANG_WARN_S from its spec's environment (None: what the ranks' flight lines say they use)."""
     try:
@@ -33,7 +36,9 @@ class JobFlight:
         self.warn_s = hang_warn_s(env)
         self._lock = threading.Lock()
         self._log = None         # sdp_jupyter.flight.FlightLog, made when first asked
-        self._hang_cache = None  # (monotonic time, sentence) of the last analysis
+        self._hang_cache = None  # (monotonic time, sentence, awaited ranks) of the last analysis
+        self._located: dict[int, str] = {}  # where each awaited rank is, from its stack (hang)
+        self._located_at, self._locating = -LOCATE_EVERY, False  # when its stacks were last asked; asking now
 
     def log(self):
         """The ranks' flight files and arrivals, followed (sdp_jupyter.flight.FlightLog; with the lock held)."""
@@ -43,16 +48,46 @@ class JobFlight:
             self._log = flight.FlightLog(self.dir, arrivals=True, window=100_000)
         return self._log
 
-    def hang(self) -> str | None:
+    def hang(self, run=None) -> str | None:
         """While the job runs: the analyser's live sentence, or None; one analysis a second at most, of
-        the lines written since the last one."""
+        the lines written since the last one. With `run` (the job's supervisor, which can ask for stacks:
+        launch/kernel/remote_inspect.py), it ends saying where each rank the others wait for is, in its
+        own code ("rank 3 is in stuck_in_data_loading() at script.py:5"), from that rank's stack, asked
+        once and again every LOCATE_EVERY seconds while the wait lasts, aside (a status read never waits)."""
         from sdp_jupyter import flight
 
         now = time.monotonic()
         with self._lock:
             if self._hang_cache is None or now - self._hang_cache[0] >= 1.0:
-                self._hang_cache = (now, flight.live_sentence(self.log(), self.warn_s))
-            return self._hang_cache[1]
+                found = flight.live_finding(self.log(), self.warn_s)
+                self._hang_cache = (now, found.sentence, found.awaited)
+                if found.sentence is None:
+                    self._located = {}  # the wait is over: where they were is no longer news
+                elif found.awaited and hasattr(run, "request_stacks"):
+                    self._locate(run, found.awaited, now)
+            _, sentence, awaited = self._hang_cache
+            where = [f"rank {r} is {self._located[r]}" for r in awaited if r in self._located]
+            return "; ".join([sentence, *where]) if sentence and where else sentence
+
+    def _locate(self, run, ranks: list[int], now: float) -> None:
+        """Ask `ranks`' stacks in a thread of its own, unless asked less than LOCATE_EVERY s ago (the lock held)."""
+        if self._locating or now - self._located_at < LOCATE_EVERY:
+            return
+        self._locating, self._located_at = True, now
+
+        def ask():
+            from sdp_jupyter.launch.kernel import stacks
+
+            try:
+                found = stacks.gather(run, self.dir, ranks)
+                located = {r: found.where(r) for r, st in found.ranks.items() if st.error is None}
+            except Exception:  # noqa: BLE001 - the job ended meanwhile: the sentence goes on without it
+                located = {}
+            with self._lock:
+                self._located.update(located)
+                self._locating = False
+
+        threading.Thread(target=ask, daemon=True, name=f"sdp-locate-{self.dir.name}").start()
 
     def straggler(self, final: bool) -> str | None:
         """The stragglers analysis's sentence (`final`: the job has ended); None when no rank stands out."""
@@ -93,7 +128,11 @@ class JobFlight:
         stopping them)."""
         from sdp_jupyter import flight
 
-        why = flight.cause(self.dir, first_failure)
+        found = flight.cause_finding(self.dir, first_failure)
+        why = found.sentence
+        with self._lock:  # where the ranks the others waited for were, when last asked (hang)
+            why = "; ".join([why] + [f"rank {r} was {self._located[r]}" for r in found.awaited if r in self._located]) \
+                if why else why
         if why and why not in error:
             return f"{error}\nflight recorder: {why}"
         return error

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 
 from sdp_jupyter import jobdir
+from sdp_jupyter.launch.kernel import stacks
 
 
 class ViewCut:
@@ -31,7 +32,6 @@ class ViewCut:
 LAST_LINES = 12  # lines of a failed rank's output quoted in the job's error
 _CRASH_LINES = 400  # how far back a crashed rank's log is read for its stacks
 
-_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line \d+ in (?P<func>\S+)')
 _FATAL = re.compile(r"\[sdp_jupyter\] fatal signal \d+ \(\w+\) in thread '(?P<thread>[^']*)'")
 
 
@@ -50,21 +50,11 @@ def crash_summary(log: str) -> str:
                 native.append(frame)
             engine = any("_engine" in f for f in native[1:])  # [0] is the handler itself
             where = f" in thread '{m.group('thread')}'" + (" inside the smddp engine" if engine else "")
-    # faulthandler lists the crashing thread's stack first, then the others', each innermost first.
-    # Per stack: the torch.distributed call if there is one, else the outermost call of the numpy
-    # face (sdp_jupyter.comm: all_reduce rather than the wait it called); the first stack that has one.
-    comm = None
-    for line in lines + [""]:
-        m = _FRAME.match(line)
-        if not m:
-            if comm is not None and not line.strip():  # the end of a stack that ran a collective
-                return f"{where} during sdp_jupyter.comm {comm}"
-            continue
-        path, func = m.group("file").replace("\\", "/"), m.group("func")
-        if path.endswith("torch/distributed/distributed_c10d.py") and not func.startswith("_") and func != "wrapper":
-            return f"{where} during torch.distributed.{func}"
-        if "/sdp_jupyter/comm/" in path and not func.startswith("_"):  # communicator, routing, work
-            comm = func
+    # faulthandler lists the crashing thread's stack first, then the others': the first that ran a collective
+    for thread in stacks.parse(log):
+        call = stacks.collective(thread.frames)
+        if call:
+            return f"{where} during {call}"
     return where
 
 

@@ -23,6 +23,7 @@ from sdp_jupyter.launch.kernel import supervise, warm_pool
 from sdp_jupyter.launch.kernel.job import Job
 from sdp_jupyter.launch.kernel.preparation import create_job
 from sdp_jupyter.launch.kernel.remote_heal import HealChannel
+from sdp_jupyter.launch.kernel.remote_inspect import InspectChannel
 from sdp_jupyter.launch.kernel.remote_session import SessionChannel
 from sdp_jupyter import backends
 from sdp_jupyter.launch.spec import JobSpec, SpecError
@@ -51,7 +52,7 @@ def start_job(run: "RemoteRun", push_bytes: bytes | None, **status) -> Job:
     return job
 
 
-class RemoteRun(SessionChannel, HealChannel, supervise.Run):
+class RemoteRun(SessionChannel, HealChannel, InspectChannel, supervise.Run):
     """The supervisor of one remote job: its links (one agent per node), attempts, restarts and stop.
 
     A target subclasses it with `open_links()` (start every node's agent; the links put frames into
@@ -453,17 +454,14 @@ class RemoteRun(SessionChannel, HealChannel, supervise.Run):
             self._out(int(message["rank"]), message["text"], logged=self.logs_written)
         elif message["type"] == "metrics":
             self._metrics(message)
+        elif message["type"] == "stacks":  # Job.stacks()'s answer (launch/kernel/remote_inspect.py)
+            self._stacks_answer(message)
         elif message["type"] == "answer":  # a session's rank's (launch/host/session_relay.py)
             self.session_mail.put((message["kind"], message.get("n"), int(message["rank"]),
                                    channel.unb64(message["data"])))
         else:
             return False
         return True
-
-    def request_flight(self) -> None:
-        """Job.flight(): every host's ranks write their flight recorders' rings (they come back as metrics do)."""
-        for conn in self.nodes():
-            conn.send({"type": "flight"})
 
     def _out(self, rank: int, text: str, logged: bool = False) -> None:
         """A piece of a rank's output into its log (unless `logged` already) and its view."""

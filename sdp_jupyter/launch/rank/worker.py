@@ -21,6 +21,8 @@ from sdp_jupyter.launch.process import arm_parent_death_signal
 from sdp_jupyter.launch.rank.bootstrap import (arm_crash_report, finish_distributed, job_backend, load_push, run_script,
                                                save_result, user_frames, watch_backend)
 
+_STACKS: list = []  # the stacks file, open for the process's life (launch/rank/stack_signal.py)
+
 
 def script_arguments(spec: dict) -> list[str]:
     """The script's argv[1:]: --args, then each hyperparameter as --KEY VALUE (SageMaker's convention)."""
@@ -62,6 +64,9 @@ def main() -> int:
     arm_parent_death_signal()
     arm_crash_report()
     job_dir = os.environ["SDP_JOB_DIR"]
+    from sdp_jupyter.launch.rank import stack_signal
+
+    _STACKS.append(stack_signal.arm(job_dir, int(os.environ.get("RANK", "0"))))  # its Python stacks on request
     from sdp_jupyter import jobdir
 
     with open(os.path.join(job_dir, jobdir.SPEC)) as f:
