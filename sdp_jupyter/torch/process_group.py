@@ -14,6 +14,7 @@ from sdp_jupyter.comm import (COLL_ALLGATHER, COLL_ALLREDUCE, COLL_BARRIER, COLL
                               OPS, Communicator, SmddpError)
 from sdp_jupyter.torch.tensors import (Staging, block, dtype_code, moved, op_code, send_buffer, stage_chunk_bytes_from_env,
                                        staged, staged_all)
+from sdp_jupyter.torch.compiled import run_eagerly
 from sdp_jupyter.torch.work import FutureCompleter, SmddpWork, backend_error, unsupported
 from sdp_jupyter._env import env_str
 
@@ -445,3 +446,6 @@ class StoreAdapter:
 
     def get(self, key: str) -> bytes:
         return bytes(self._store.get(key))
+
+
+run_eagerly(ProcessGroupSMDDP, SmddpWork, FutureCompleter)  # torch.compile: never traced (torch/compiled.py)
