@@ -63,11 +63,11 @@ def test_sdp_debug_with_commands_prints_the_frame_and_its_caller_and_the_next_ce
     assert reply["status"] == "error" and "%sdp_debug 1" in reply["evalue"], reply
 
 
-def _typing(kc, code, lines):
+def _typing(kc, code, lines, allow_stdin=True):
     """Run `code`, answering each input request with the next of `lines` as a person would; (reply
-    content, the prompts asked, the stream text)."""
+    content, the prompts asked, the stream text). `allow_stdin=False`: a frontend without input."""
     typed = iter(lines)
-    msg_id = kc.execute(code, allow_stdin=True)
+    msg_id = kc.execute(code, allow_stdin=allow_stdin)
     prompts = []
     while True:
         try:
@@ -109,4 +109,8 @@ def test_breakpoint_in_a_cell_on_one_rank_prompts_in_the_notebook(kernel):
     reply, prompts, out = _typing(kc, "%%sdp_px --gather sums\n" + BREAKS_ON_1.lstrip("\n"), ["p local", "c"])
     assert reply["status"] == "ok", reply
     assert prompts == ["(Pdb) "] * 2 and "breakpoint() on rank 1 in cell In[" in out and "\n5\n" in out, out
+    _ok(kc, "assert sums == [10.0, 10.0], sums")
+    # a frontend that takes no input (a notebook run by nbclient, papermill): pdb goes on at once
+    reply, prompts, out = _typing(kc, "%%sdp_px --gather sums\n" + BREAKS_ON_1.lstrip("\n"), [], allow_stdin=False)
+    assert reply["status"] == "ok" and prompts == [], reply
     _ok(kc, "assert sums == [10.0, 10.0], sums")

@@ -22,7 +22,7 @@ WAIT = 0.02  # seconds at most between looks at the job while a breakpoint's lin
 
 def _converse(report: dict, send, ask, show, eof: str) -> None:
     """pdb's output shown and a line asked for, until pdb is no longer open: `send(line)` gives the
-    next report. End of input sends `eof`; Ctrl-C sends `q` and re-raises."""
+    next report. End of input (or no input at all) sends `eof`; Ctrl-C sends `q` and re-raises."""
     while report.get("open"):
         text = report.get("output", "")
         prompt = PROMPT if text.endswith(PROMPT) else ""
@@ -30,8 +30,8 @@ def _converse(report: dict, send, ask, show, eof: str) -> None:
             show(text[:len(text) - len(prompt)].rstrip("\n"))
         try:
             line = ask(prompt or PROMPT)
-        except EOFError:
-            line = eof
+        except (EOFError, NotImplementedError):  # no one to type: stdin closed, a frontend without input
+            line = eof  # (ipykernel's StdinNotImplementedError, e.g. a notebook run by nbclient)
         except KeyboardInterrupt:
             send("q")
             raise
