@@ -60,5 +60,40 @@ def compiled_recipes(backend: str, compile_backend: str) -> dict:
     rank = dist.get_rank()
     out["functional all_reduce in a compiled function"] = [step(torch.ones(8) * (rank + 1)),
                                                            step(torch.arange(8.0) + rank)]
+    out.update(_sharded_recipes(compile_backend))
     dist.destroy_process_group()
+    return out
+
+
+def _sharded_recipes(compile_backend: str) -> dict:
+    """torch.compile over FSDP2 (fully_shard per layer and the root) and over a tensor-parallel model
+    (ColwiseParallel, RowwiseParallel) on a 1-D mesh of every rank: the full weights after 3 steps."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    out = {}
+    for recipe in ("compiled FSDP2", "compiled tensor parallel"):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+        if recipe == "compiled FSDP2":
+            for layer in (model[0], model[2], model):
+                fully_shard(layer, mesh=mesh)
+            seed = dist.get_rank()  # data parallel: each rank its own batch
+        else:
+            parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+            seed = 0  # tensor parallel: every rank the same batch
+        compiled = torch.compile(model, backend=compile_backend)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(seed)
+        for _ in range(3):
+            x, y = torch.randn(4, 32, generator=g), torch.randn(4, 8, generator=g)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(compiled(x), y).backward()
+            opt.step()
+        out[recipe] = [p.full_tensor().detach().clone() for p in model.parameters()]
     return out
