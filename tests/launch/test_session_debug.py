@@ -39,6 +39,9 @@ def test_pdb_on_the_failed_rank_reads_the_frame_and_its_caller_and_the_session_g
     assert session.generation == generation  # the debugging needed no reconnect
     # the failed cell stays the last one to debug, as %debug's does: again, and `q` added when missing
     assert "(Pdb) p x\n21\n(Pdb) q" in session.debug(1, ["p x"])
+    # pdb's `interact` reads the same lines, and what runs out of them ends too
+    out = session.debug(1, ["interact", "print('in interact', x * 2)"])
+    assert "in interact 42" in out, out
 
 
 def test_a_rank_without_a_failed_cell_says_which_one_has_and_commands_after_c_are_named(session):

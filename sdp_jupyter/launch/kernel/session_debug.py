@@ -25,7 +25,7 @@ def _converse(report: dict, send, ask, show, eof: str) -> None:
     next report. End of input (or no input at all) sends `eof`; Ctrl-C sends `q` and re-raises."""
     while report.get("open"):
         text = report.get("output", "")
-        prompt = PROMPT if text.endswith(PROMPT) else ""
+        prompt = text.rpartition("\n")[2]  # what asks for the line: pdb's, or `interact`'s ">>> "
         if text[:len(text) - len(prompt)].strip():
             show(text[:len(text) - len(prompt)].rstrip("\n"))
         try:

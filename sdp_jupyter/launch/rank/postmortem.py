@@ -42,7 +42,9 @@ class Lines:
 
     def readline(self) -> str:
         while not self.lines:
-            if self.last:  # so nothing waits for a line no one will send
+            if self.last:  # so nothing waits for a line no one will send: `q`, then end of input (for
+                self.last = False  # pdb's `interact`, which `q` does not end) until pdb has quit
+                self.more = lambda: None
                 if self.echo:
                     self.out.write("q\n")
                 return "q\n"
