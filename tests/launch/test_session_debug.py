@@ -1,7 +1,9 @@
 """A post-mortem pdb on one rank of a session (Session.debug, launch/kernel/session_debug.py and
 launch/rank/postmortem.py) without a kernel: a local gloo session of 2 ranks whose cell fails on rank 1
 only; pdb on rank 1 reads the failed frame and its caller, both forms (commands, and line by line), a
-command interrupted, breakpoint() failing at its line; the session goes on with every variable."""
+command interrupted; breakpoint() on one rank and on both served through input() (monkeypatched, as
+the frontend's input box), `q` there, no one to type, another thread; the session goes on with every
+variable."""
 from __future__ import annotations
 
 import time
