@@ -74,6 +74,43 @@ def test_a_stack_without_user_code_or_python_frames_still_says_where():
     assert stacks.collective(frames) == "sdp_jupyter.comm all_gather"
 
 
+class _AskedRun:
+    """A job's supervisor as JobFlight sees it: counts the stacks requests, rank 3 in its own function."""
+
+    def __init__(self):
+        self.asked = []
+
+    def request_stacks(self, ranks, wait):
+        self.asked.append(list(ranks))
+        return {3: _dump([], ['  File "/jobs/j/script.py", line 5 in stuck_in_data_loading'] + SCRIPT)}, {}
+
+
+def test_the_hang_sentence_says_where_the_awaited_rank_is_asking_once(tmp_path):
+    """Ranks 0-2 wait in all_reduce #7 for rank 3: the live sentence ends with where rank 3 is, from one
+    request (not one per status read), and the failed job's error says where it was."""
+    from sdp_jupyter import flight
+    from sdp_jupyter.launch.kernel.job_flight import JobFlight
+
+    now, fields = time.time(), list(flight.FIELDS)
+    entry = lambda seq, state: [seq, "all_reduce", "float32", 1000, "sum", state, now - 25, now - 25, 0]  # noqa: E731
+    (tmp_path / jobdir.METRICS).mkdir()
+    for r in range(4):
+        line = {"t": now, "kind": "flight-live", "rank": r, "group": "default", "world_size": 4, "host": f"h{r}",
+                "state": "idle" if r == 3 else "waiting", "fields": fields, "every": 1.0,
+                "last": entry(6, "finished") if r == 3 else entry(7, "started")}
+        jobdir.flight_metrics_path(tmp_path, r).write_text(json.dumps(line) + "\n")
+    run, flights = _AskedRun(), JobFlight(tmp_path, {"SDP_HANG_WARN_S": "1"})
+    first = flights.hang(run)
+    assert first.startswith("rank 3 (host h3) never entered all_reduce #7 of the default group"), first
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and "stuck_in" not in (said := flights.hang(run) or ""):
+        time.sleep(0.2)
+    assert said.endswith("; rank 3 is in stuck_in_data_loading() at script.py:5"), said
+    assert run.asked == [[3]]  # once for this wait, whatever the number of reads (again after LOCATE_EVERY)
+    error = flights.explained("rank 0 failed", None)
+    assert error.endswith("; rank 3 was in stuck_in_data_loading() at script.py:5"), error
+
+
 def _sleeper(tmp_path, armed: bool) -> subprocess.Popen:
     """A process that sleeps inside a function (in C: time.sleep), its handler armed or not."""
     code = ("import sys, time\n"
@@ -213,7 +250,7 @@ def test_a_sessions_stacks_say_where_its_cell_is(jobs_dir):
     from sdp_jupyter.launch import JobSpec
     from sdp_jupyter.launch.kernel import session as sessions
 
-    s = sessions.Session.start(JobSpec(code="pass", nodes=2, backend="gloo"))
+    s = sessions.start(JobSpec(code="pass", nodes=2, backend="gloo"))  # this kernel's session: %sdp_stacks' default
     try:
         s.run("import time, os\ndef stuck_in_data_loading():\n    time.sleep(8)\n")
         cell = threading.Thread(target=s.run, args=("stuck_in_data_loading()",), kwargs={"ranks": [1]})
@@ -226,6 +263,12 @@ def test_a_sessions_stacks_say_where_its_cell_is(jobs_dir):
         assert found.ranks[1].threads[0].frames[-1].file == "<cell 1>", found.text()  # the session's loop cut
         # rank 0 between cells, in the session's loop (its job script is sdp_jupyter's, not the user's)
         assert "script.py" not in found.where(0) and "<cell" not in found.where(0), found.text()
+        from IPython.testing.globalipapp import get_ipython
+
+        from sdp_jupyter.magics import SdpMagics
+
+        said = SdpMagics(shell=get_ipython()).sdp_stacks("")
+        assert said.job_name == s.job.name and "stuck_in_data_loading" in said.where(1), said.text()
         cell.join(timeout=30)
     finally:
         s.stop()
