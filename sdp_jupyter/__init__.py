@@ -13,7 +13,7 @@ __version__ = "0.1.0"  # the only place the version is written: pyproject.toml r
 _LAZY = {
     "launch": "sdp_jupyter.launch:launch",
     "run": "sdp_jupyter.launch.kernel.run_function:run",
-    "session": "sdp_jupyter.launch.kernel.session_calls:session",
+    "session": "sdp_jupyter.launch.kernel.session:session",
     "Session": "sdp_jupyter.launch.kernel.session:Session",
     "Job": "sdp_jupyter.launch:Job",
     "JobSpec": "sdp_jupyter.launch:JobSpec",

@@ -442,3 +442,18 @@ def start(spec: JobSpec, push: dict | None = None, as_current: bool = True) -> S
                                         "%sdp_session stop ends it first")
     _CURRENT = Session.start(spec, push=push)
     return _CURRENT
+
+
+def session(push: dict | None = None, **fields):
+    """`sdp_jupyter.session(nodes=2, backend="gloo", ...)`: start an interactive session and return it.
+
+    Takes every keyword `sdp_jupyter.launch` takes (nodes, procs_per_node, backend, target, hosts,
+    address, env, ...; `push={"X": X}` sends values first). It becomes this kernel's session (the one
+    `%%sdp_px` runs cells on) unless one is already running. Use it in a `with` block, or call
+    `stop()`; it also ends with the kernel."""
+    from sdp_jupyter.launch.kernel import api
+
+    spec = JobSpec(code="pass", **api.target_keywords(fields))
+    if push and not spec.push:
+        spec = spec.replace(push=list(push))
+    return start(spec, push=push, as_current=current() is None)

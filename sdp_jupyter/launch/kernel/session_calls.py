@@ -8,7 +8,7 @@
         s.pull("x")                            # [x on rank 0, x on rank 1]
         s.apply(lambda k: k * scale, 10)       # [20, 20]
 
-Every call waits for every rank's answer; a cell that failed raises SessionError with the ranks'
+`sdp_jupyter.session` is launch/kernel/session.py's `session`. Every call waits for every rank's answer; a cell that failed raises SessionError with the ranks'
 errors, and the session stays up. What goes to the ranks goes by value as --push does
 (launch/kernel/push.py): functions, classes and closures defined in the notebook included.
 """
@@ -54,7 +54,7 @@ class SessionCalls:
         self.stop()
 
     def _call(self, code: str, ranks, want: str, names: list, values: dict, output):
-        from sdp_jupyter.launch.kernel.session import SessionError
+        from sdp_jupyter.launch.kernel.session_result import SessionError
 
         stream = output if output is not None else _Printed(self.job)
         try:
@@ -91,21 +91,3 @@ class _Printed:
     def close(self) -> None:
         self.job.unsubscribe(self._heard)
         self.drain()
-
-
-def session(push: dict | None = None, **fields):
-    """`sdp_jupyter.session(nodes=2, backend="gloo", ...)`: start an interactive session and return it.
-
-    Takes every keyword `sdp_jupyter.launch` takes (nodes, procs_per_node, backend, target, hosts,
-    address, env, ...; `push={"X": X}` sends values first). It becomes this kernel's session (the one
-    `%%sdp_px` runs cells on) unless one is already running. Use it in a `with` block, or call
-    `stop()`; it also ends with the kernel."""
-    from sdp_jupyter.launch.kernel import api
-    from sdp_jupyter.launch.kernel import session as sessions
-    from sdp_jupyter.launch.spec import JobSpec
-
-    fields = api.target_keywords(fields)
-    spec = JobSpec(code="pass", **fields)
-    if push and not spec.push:
-        spec = spec.replace(push=list(push))
-    return sessions.start(spec, push=push, as_current=sessions.current() is None)
