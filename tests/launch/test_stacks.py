@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -30,7 +29,7 @@ def _dump(rank_main: str, user: list[str]) -> str:
     return "\n".join([header,
                       "Thread 0x00007f0000000002 (most recent call first):",
                       f'  File "{LIB}threading.py", line 320 in wait',
-                      f'  File "/pkg/sdp_jupyter/comm/flight.py", line 251 in _watchdog',
+                      '  File "/pkg/sdp_jupyter/comm/flight.py", line 251 in _watchdog',
                       "",
                       "Current thread 0x00007f0000000001 (most recent call first):",
                       *rank_main, *user,
@@ -38,7 +37,7 @@ def _dump(rank_main: str, user: list[str]) -> str:
                       '  File "<frozen runpy>", line 88 in _run_code', ""])
 
 
-WAITING = [f'  File "/pkg/sdp_jupyter/comm/work.py", line 106 in _wait_engine',
+WAITING = ['  File "/pkg/sdp_jupyter/comm/work.py", line 106 in _wait_engine',
            f'  File "{SITE}torch/distributed/distributed_c10d.py", line 3252 in all_reduce',
            f'  File "{SITE}torch/distributed/c10d_logger.py", line 83 in wrapper']
 SCRIPT = ['  File "/jobs/j/script.py", line 11 in <module>']
@@ -129,7 +128,9 @@ def test_the_agents_half_signals_only_an_armed_rank_and_reads_its_dump(tmp_path)
             said = rank_stacks.collect({0: proc}, tmp_path, wait=5.0)
             assert said["errors"] == {} and proc.poll() is None
             found = stacks.rank_stack(0, said["dumps"][0])
-            assert found.where == "in stuck_in_data_loading() at <string>:5", said
+            # line 4 or 5: the signal may come as print() returns, before the sleep
+            assert found.where in ("in stuck_in_data_loading() at <string>:5",
+                                   "in stuck_in_data_loading() at <string>:4"), said
             assert len(found.threads) == 1
     finally:
         proc.kill()
