@@ -137,9 +137,9 @@ def fast_exit(code: int) -> None:
 
     if not env_bool("SDP_FAST_EXIT", True):
         sys.exit(code)
+    import _io
     import atexit
     import gc
-    import io
     import threading
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # already exiting: a stop's SIGINT must not interrupt that
@@ -148,7 +148,10 @@ def fast_exit(code: int) -> None:
         shutdown()
     atexit._run_exitfuncs()
     for obj in gc.get_objects():
-        if issubclass(type(obj), io.IOBase):  # type(): never trips a module's deprecation __getattr__
+        # type(): never trips a module's deprecation __getattr__. _io._IOBase, the C base every io class
+        # derives from, not the ABC io.IOBase: with torch loaded (170,000 objects, 500 types), the ABC's
+        # subclass check of each new type cost 0.15 s a rank, this 0.03 s
+        if issubclass(type(obj), _io._IOBase):
             try:
                 if not obj.closed and obj.writable():
                     obj.flush()
