@@ -91,12 +91,14 @@ def test_magic_line_round_trips_through_the_magic_parser():
     assert JobSpec(code="x").to_magic_line() == "%%sdp_train"
 
 
-def test_every_option_maps_to_a_field_or_is_wait():
+def test_every_option_maps_to_a_field_or_steers_the_magic_only():
+    from sdp_jupyter.cli import NOTEBOOK_ONLY
+
     fields = set(JobSpec.__dataclass_fields__)
     flags = [opt.flag for opt in all_options()]
     assert len(flags) == len(set(flags)), "two providers define the same option"
-    for opt in all_options():
-        assert (opt.field or "").split(".")[0] in fields or opt.flag == "--wait", opt
+    for opt in all_options():  # --wait, --no-auto-push: the magic's, never the CLI's (nothing to wait for, no notebook)
+        assert (opt.field or "").split(".")[0] in fields or opt.field is None and opt.flag in NOTEBOOK_ONLY, opt
 
 
 @pytest.mark.skipif(importlib.util.find_spec("sdp_jupyter.launch.kernel.sagemaker") is None,
