@@ -53,14 +53,17 @@ class _JobTable:
 
     @staticmethod
     def _why(job: Job) -> str:
-        """The flight recorder's sentence: who waits where (running), or what failed (failed)."""
+        """The flight recorder's sentence: who waits where (running), or what failed (failed); else the
+        failed ranks grouped by cause (`ranks 1-3 raised ValueError: boom; rank 0 lost a peer`)."""
+        from sdp_jupyter.launch.kernel.rank_groups import describe
+
         st = job.status
         if st.get("hang"):
             return "waiting: " + st["hang"]
         for line in str(st.get("error") or "").splitlines():
             if line.startswith("flight recorder: "):
                 return line[len("flight recorder: "):]
-        return ""
+        return describe(st.get("failure_groups") or []) if st.get("state") == "failed" else ""
 
     def __repr__(self) -> str:
         if not self.rows:

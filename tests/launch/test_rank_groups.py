@@ -35,11 +35,34 @@ def test_the_same_line_from_every_rank_is_one_line_and_own_lines_keep_their_rank
     for r in range(4):
         m.add(r, "hello\n")
         m.add(r, f"I am rank {r}\n")
-    # "hello" is complete (every rank): it goes at once; the own lines wait out their window
-    assert m.ready() == [(frozenset(range(4)), "hello\n")]
-    assert m.ready() == []
+    # "hello" is complete; rank 0's own line too (every rank has a different line waiting: none can
+    # join it); rank 1's waits, as rank 0 might still print it, until its window has passed
+    assert m.ready() == [(frozenset(range(4)), "hello\n"), (frozenset({0}), "I am rank 0\n")]
     clock.t = 1.0
-    assert m.ready() == [(frozenset({r}), f"I am rank {r}\n") for r in range(4)]
+    assert m.ready() == [(frozenset({r}), f"I am rank {r}\n") for r in range(1, 4)]
+    # a line some ranks have not printed yet waits for them, up to the window
+    m.add(0, "step 1\n")
+    m.add(2, "step 1\n")
+    assert m.ready() == []
+    clock.t = 1.5
+    m.add(1, "step 1\n")
+    assert m.ready() == []
+    clock.t = 2.0
+    assert m.ready() == [(frozenset({0, 1, 2}), "step 1\n")]
+
+
+def test_the_same_traceback_merges_after_each_rank_s_own_lines():
+    clock = Clock()
+    m = rg.LineMerger(range(4), window=1.0, clock=clock)
+    trace = tb("boom").splitlines(keepends=True)
+    for r in (1, 3, 2):  # each rank's output comes in one piece: its own line, then its traceback
+        for text in [f"I am rank {r}\n"] + trace:
+            m.add(r, text)
+    m.add(0, "I am rank 0\n")
+    clock.t = 1.0
+    out = [rg.prefixed(rs, t) for rs, t in m.ready()]
+    assert out[:3] == ["[rank 1] I am rank 1\n", "[rank 3] I am rank 3\n", "[rank 2] I am rank 2\n"]
+    assert out[3:] == [rg.prefixed({1, 2, 3}, t) for t in trace] + ["[rank 0] I am rank 0\n"]
 
 
 def test_a_rank_s_lines_keep_their_order_and_a_late_rank_starts_a_new_group():
@@ -139,3 +162,21 @@ def test_a_rank_with_its_own_different_error_is_named_with_it_not_as_a_lost_peer
     job = TailsJob({2: tb("bad batch"), 3: "step 4\n", 4: "step 5\n"})
     error = job_error(job, [2, 3, 4], [0, 0, 1, -9, -9], lambda r: f"rank {r}", lambda r: "h")
     assert "(also ranks 3-4 was killed by signal SIGKILL: each its own." in error, error
+
+
+def test_the_stream_writes_by_ranks_output():
+    lines = [(r, "same\n") for r in range(3)] + [(1, "own\n")]
+
+    def written(mode, world=3):
+        stream = rg.Stream(world, mode)
+        for rank, text in lines:
+            stream.add(rank, text)
+        return stream.take(final=True)
+
+    assert written("all") == "[ranks 0-2] same\n[rank 1] own\n"
+    assert written("raw") == "[rank 0] same\n[rank 1] same\n[rank 2] same\n[rank 1] own\n"  # never merged
+    assert written("0") == "same\n"  # rank 0's lines alone, as they are
+    assert written("all", world=1) == "same\nsame\nsame\nown\n"  # one rank: no labels
+    raw = rg.Stream(2, "raw")  # raw lines go out at once, not after a window
+    raw.add(1, "x\n")
+    assert raw.take() == "[rank 1] x\n"

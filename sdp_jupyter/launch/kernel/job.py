@@ -463,9 +463,10 @@ class Job(Shown):
                          f"({', '.join(entry.get('hosts', []))})")
         return lines
 
-    def summary(self) -> str:
+    def summary(self, error: bool = True) -> str:
         """The job in a few lines: name, state, elapsed time, nodes x processes, where, backend, how the
-        ranks started, restarts and directory; then any warnings, a hang or straggler, and the error."""
+        ranks started, restarts and directory; then any warnings, a hang or straggler, and the error
+        (`error=False`: not the error, which the caller raises right after, so it is said once)."""
         st = self._read_status()
         start = f", {self.start_label}" if self.start_label else ""
         where = f" on {self.where_label}" if self.where_label else ""
@@ -482,7 +483,7 @@ class Job(Shown):
         straggler = self.straggler
         if straggler:
             line += "\nstraggler: " + straggler
-        if st.get("error"):
+        if error and st.get("error"):
             line += "\n" + st["error"]
         return line
 

@@ -5,16 +5,20 @@ session cell's error and %sdp_jobs). Pure functions over text; no processes, no 
 - `span(ranks)`: a rank set as people write it, `0-7`, `1,3,5-6`; `label(ranks)`: `rank 3` / `ranks 0-7`.
 - `LineMerger`: (rank, line) as they come -> (ranks, line) groups. The same line from several ranks
   within WINDOW_S of its first arrival is one group, so the lines of one step merge while a rank's own
-  lines keep their own label; each rank's lines come out in the order it wrote them.
+  lines keep their own label; each rank's lines come out in the order it wrote them. `Stream` is what
+  a terminal, a cell and the job view write of it, by --ranks-output.
 - `group_failures({rank: text})`: ranks whose last traceback (exception line and stack) is identical,
   together; `headline` / `describe` say it in one line ("ranks 1-3 raised ValueError: boom").
 """
 from __future__ import annotations
 
+import collections
+import itertools
 import re
 import time
 
 WINDOW_S = 1.0  # how long a line waits for the same line from other ranks (ranks of one step drift apart)
+LOOKAHEAD = 64  # how far down a rank's waiting lines a head's text is looked for (bounds the work per line)
 RAW = "raw"  # --ranks-output raw: every rank's lines, each with its own [rank R] label, not merged
 
 
@@ -44,61 +48,66 @@ def prefixed(ranks, text: str) -> str:
     return f"[{label(ranks)}] {text}"
 
 
-class _Group:
-    __slots__ = ("seq", "text", "ranks", "first")
-
-    def __init__(self, seq: int, text: str, rank: int, first: float):
-        self.seq, self.text, self.ranks, self.first = seq, text, {rank}, first
-
-
 class LineMerger:
     """Merge the same line from several ranks into one (ranks, line) group.
 
-    `add(rank, text)` as lines arrive; `ready()` returns the groups that are settled, oldest first: a
-    group is settled once every expected rank has it, or WINDOW_S after its first line, or when a later
-    group must go out (groups leave in the order they were opened). A line joins an open group with the
-    same text only if that group is newer than the rank's previous line's group, so every rank's lines
-    keep their order. `flush()` returns everything left (the job or cell ended). Not thread-safe: the
-    views call it under their own lock.
+    `add(rank, text)` as lines arrive: each rank's lines wait in its own queue. `ready()` takes groups
+    off the queues' heads, oldest head first (`_next`: one no other rank still has further down): its
+    text with every rank whose head is the same text and came within `window` of it. A group goes out once no rank can still join it (every
+    expected rank has a line waiting, so every head is known) or its window has passed; the oldest head
+    not ready holds back the rest, so output keeps the order lines came in. Merging heads only keeps each
+    rank's lines in the order it wrote them, and lets a shared line merge even after ranks' own lines
+    (every rank's own `I am rank R`, then the same traceback from each). `flush()` takes everything (the
+    job or cell ended). Not thread-safe: Stream and the views call it under a lock.
     """
 
     def __init__(self, ranks, window: float = WINDOW_S, clock=time.monotonic):
         self.expected = set(ranks)
         self.window = window
         self.clock = clock
-        self._open: list[_Group] = []  # oldest first
+        self._queues: dict[int, collections.deque] = {}  # rank -> (arrival, seq, text) waiting
         self._seq = 0
-        self._last: dict[int, int] = {}  # rank -> seq of the group its last line went into
 
     def add(self, rank: int, text: str) -> None:
-        now = self.clock()
-        after = self._last.get(rank, -1)
-        for group in self._open:
-            if group.seq > after and group.text == text and rank not in group.ranks \
-                    and now - group.first < self.window:
-                group.ranks.add(rank)
-                self._last[rank] = group.seq
-                return
         self._seq += 1
-        self._open.append(_Group(self._seq, text, rank, now))
-        self._last[rank] = self._seq
+        self._queues.setdefault(rank, collections.deque()).append((self.clock(), self._seq, text))
 
     def ready(self) -> list[tuple[frozenset, str]]:
-        """The settled groups, oldest first: a group leaves once it is complete or its window has passed,
-        and takes every older group with it (they would otherwise print after it)."""
-        now = self.clock()
-        cut = 0
-        for i, group in enumerate(self._open):
-            if group.ranks >= self.expected or now - group.first >= self.window:
-                cut = i + 1
-        return self._take(cut)
+        """The groups that are settled, in the order their first lines came."""
+        return self._take(final=False)
 
     def flush(self) -> list[tuple[frozenset, str]]:
-        return self._take(len(self._open))
+        return self._take(final=True)
 
-    def _take(self, n: int) -> list[tuple[frozenset, str]]:
-        out, self._open = self._open[:n], self._open[n:]
-        return [(frozenset(g.ranks), g.text) for g in out]
+    def _take(self, final: bool) -> list[tuple[frozenset, str]]:
+        out = []
+        now = self.clock()
+        while True:
+            heads = {r: q[0] for r, q in self._queues.items() if q}
+            if not heads:
+                return out
+            rank = self._next(heads)
+            first, _seq, text = heads[rank]
+            # the head itself, and the same text from other ranks within the window (0: lines go alone)
+            group = {rank} | {r for r, (t, _, head) in heads.items() if head == text and t - first < self.window}
+            settled = final or now - first >= self.window or all(r in heads for r in self.expected)
+            if not settled:
+                return out
+            for r in group:
+                self._queues[r].popleft()
+            out.append((frozenset(group), text))
+
+    def _next(self, heads: dict) -> int:
+        """The head to take next: the oldest whose text no other rank has further down its queue (that
+        rank's earlier lines go first, so the same line can merge with it: each rank's own line, then
+        the same traceback); the oldest of all when every head is held so (A, B on one rank, B, A on another)."""
+        order = sorted(heads, key=lambda r: heads[r][:2])
+        for rank in order:
+            first, _, head = heads[rank]
+            if not any(head == text and t - first < self.window
+                       for q in self._queues.values() for t, _, text in itertools.islice(q, 1, LOOKAHEAD)):
+                return rank
+        return order[0]
 
 
 def merge_lines(lines, ranks=None) -> list[tuple[frozenset, str]]:

@@ -53,7 +53,9 @@ def wait_shown(job: Job) -> None:
     if widget:
         from IPython.display import display
 
-        display(job.view())
+        view = job.view()
+        view.error_below = True  # the JobError raised below carries the error: the view does not repeat it
+        display(view)
     try:
         if widget:
             job.wait()
@@ -63,5 +65,5 @@ def wait_shown(job: Job) -> None:
         job.stop()
         print(job.summary())
         raise JobError(f"job {job.name} was stopped (Ctrl-C); its logs are in {job.dir / 'logs'}", job) from None
-    print(job.summary())
+    print(job.summary(error=False))  # raise_for_state's JobError says the error, once
     job.raise_for_state()
