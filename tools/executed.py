@@ -43,7 +43,7 @@ OUTPUTS = NOTEBOOKS / "outputs"
 # namespaces (root; the notebook tests run them and leave their copies in EXECUTED).
 PUBLISHED = ("01_quickstart.ipynb", "02_job_setup.ipynb", "03_monitoring.ipynb", "04_sagemaker.ipynb",
              "05_model_parallel.ipynb", "06_ray.ipynb", "08_interactive_session.ipynb",
-             "10_headline_benchmark.ipynb")
+             "10_headline_benchmark.ipynb", "12_notebook_is_the_program.ipynb")
 STAMP = "sdp_outputs"  # the stored copy's metadata key: {"cells": digest of the cells, "sdp_jupyter": version}
 WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
 WIDGET_STATE_MAX = 256 * 1024  # bytes of JSON: the job view and a dashboard or two; not a plot's every point

@@ -109,6 +109,24 @@ def drive(cluster, launch_args: dict, env: dict | None = None, driver: str | Non
     return proc
 
 
+# A notebook that runs a function of its own on the ranks (sdp_jupyter.run): its `__main__` is the
+# notebook's, so what it defines goes by value. A class reading a notebook global inside; each rank
+# returns [rank, host, world, 60]
+RUN_FUNCTION = r'''
+import json, os, sys, sdp_jupyter
+args = json.loads(sys.argv[1])
+args.pop("code")  # run() makes the job's code from the function
+SCALE = 3
+class Net:
+    def forward(self, x):
+        return x * SCALE
+def f(n, scale=1):
+    import socket, torch.distributed as dist
+    return [int(os.environ["RANK"]), socket.gethostname(), dist.get_world_size(), Net().forward(n) * scale]
+print(json.dumps({"values": sdp_jupyter.run(f, args=(10,), kwargs={"scale": 2}, **args)}), flush=True)
+'''
+
+
 def tell(proc, command: str) -> None:
     proc.stdin.write(command + "\n")
     proc.stdin.flush()

@@ -100,13 +100,14 @@ def test_a_function_reading_a_global_that_cannot_travel_names_that_global(notebo
 
 
 def test_a_cuda_tensor_is_refused_with_the_fix():
-    from sdp_jupyter.launch.kernel import push
+    import torch
 
-    class FakeCuda:  # what the check reads of a torch tensor: its module, is_cuda, device
-        is_cuda, device = True, "cuda:0"
-    FakeCuda.__module__ = "torch"
+    class OnGPU(torch.Tensor):  # what the check reads of a CUDA tensor on a machine without one
+        is_cuda = True
+    t = torch.Tensor._make_subclass(OnGPU, torch.zeros(2))
     with pytest.raises(SpecError, match=r"push tensor.cpu\(\) and move it to the rank's device"):
-        push.pickle_push(["t"], {"t": {"w": FakeCuda()}})
+        pickle_push(["t"], {"t": {"w": t}})
+    assert pickle_push(["t"], {"t": torch.zeros(2)})  # a CPU tensor travels
 
 
 def test_the_cell_names_the_notebook_code_it_uses(notebook):

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from helpers.heal_job import HEAL_JOB, check_remote_heal
-from helpers.remote_jobs import TRAIN, drive, drive_cells, drive_session, next_line, tell
+from helpers.remote_jobs import RUN_FUNCTION, TRAIN, drive, drive_cells, drive_session, next_line, tell
 from sdp_jupyter.launch import JobSpec, SpecError
 from sdp_jupyter.launch.kernel import link, remote
 from sdp_jupyter.testing.cluster import signal_all
@@ -166,6 +166,16 @@ def test_four_ray_nodes_train_like_the_local_run(ray_hosts, hosts, tmp_path, job
     assert torch.allclose(local.result()["params"], remote_result["params"], rtol=1e-5, atol=1e-6)
     assert _wait_clean(hosts, 10) == {}
     print(f"\n[ray] test cluster memory (4 nodes, RSS of Ray's processes): {ray_hosts.memory_mb():.0f} MB")
+
+
+@pytest.mark.slow
+def test_run_a_notebook_function_on_ray_nodes(ray_hosts, hosts, tmp_path):
+    args = {"target": "ray", "ray": {"address": ray_hosts.address}, "jobs_dir": str(tmp_path), "nodes": 2,
+            "backend": "gloo"}
+    out = next_line(drive(ray_hosts.cluster, args, env=ray_hosts.env, driver=RUN_FUNCTION), timeout=180)
+    assert [v[0] for v in out["values"]] == [0, 1] and all(v[2:] == [2, 60] for v in out["values"]), out
+    assert len({v[1] for v in out["values"]}) == 2, out  # two Ray nodes (STRICT_SPREAD)
+    assert _wait_clean(hosts, 10) == {}
 
 
 @pytest.mark.slow

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from helpers.heal_job import HEAL_JOB, check_remote_heal
-from helpers.remote_jobs import LAUNCH, REPO, TRAIN, drive_cells, next_line
+from helpers.remote_jobs import LAUNCH, REPO, RUN_FUNCTION, TRAIN, drive_cells, next_line
 from sdp_jupyter.launch import Job, JobSpec, SpecError
 from sdp_jupyter.launch.kernel import slurm
 from sdp_jupyter.testing.cluster import signal_all
@@ -53,12 +53,12 @@ for step in range(start, 6):
 '''
 
 
-def _drive(sh, jobs, code=TRAIN, prefix=(), env=None, **args):
+def _drive(sh, jobs, code=TRAIN, prefix=(), env=None, driver=DRIVER, **args):
     full = sh.env(env)
     full["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), full.get("PYTHONPATH")]))
     full.pop("SLURM_JOB_ID", None)
     spec = {"code": code, "target": "slurm", "jobs_dir": str(jobs), **args}
-    proc = sh.cluster.popen(0, list(prefix) + [sys.executable, "-c", DRIVER, json.dumps(spec)], env=full, text=True,
+    proc = sh.cluster.popen(0, list(prefix) + [sys.executable, "-c", driver, json.dumps(spec)], env=full, text=True,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proc.jobs_dir = str(jobs)  # next_line shows the jobs' status and logs when the driver goes quiet
     return proc
@@ -121,6 +121,14 @@ def test_without_sbatch_the_error_says_where_to_run():
 
 
 # ---------------------------------------------------------------------------------- a real Slurm
+@pytest.mark.slow
+def test_run_a_notebook_function_on_slurm_nodes(slurm_hosts, tmp_path):
+    out = next_line(_drive(slurm_hosts, tmp_path, driver=RUN_FUNCTION, nodes=2, backend="gloo"), timeout=180)
+    assert [v[0] for v in out["values"]] == [0, 1] and all(v[2:] == [2, 60] for v in out["values"]), out
+    hosts = {v[1] for v in out["values"]}
+    assert len(hosts) == 2 and hosts <= set(slurm_hosts.names), out  # one rank on each of two Slurm nodes
+
+
 @pytest.mark.slow
 def test_two_and_three_nodes_train_like_the_local_run(slurm_hosts, hosts, tmp_path, jobs_dir):
     import torch

@@ -41,10 +41,24 @@ def test_notebook_runs(path: Path, request):
         check_elastic(nb, jobs, run.hosts)
     if path.name == "04_sagemaker.ipynb":
         check_rehearsal(nb)
+    if path.name == "12_notebook_is_the_program.ipynb":
+        check_notebook_code(nb)
     if path.name == "05_model_parallel.ipynb":  # tp x pp with --backend smddp: no gloo group at all
         logs = (jobs / "gpt_tp2_pp2" / "logs")
         said = [(logs / f"rank-{r}.log").read_text() for r in range(4)]
         assert all("process groups on: smddp\n" in s for s in said), said[0][-2000:]
+
+
+def check_notebook_code(nb):
+    """Notebook code by value, run(fn), the session object, every rank's stack and a post-mortem: each
+    cell said what it should."""
+    said = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    assert "sending Net, loss_fn, shard from the notebook by value" in said, said[:3000]
+    assert re.search(r"accuracy on every rank: \[(0\.\d+), \1\]", said), said[:3000]
+    assert "samples per rank: [898, 898]" in said
+    assert "rank 1 is in stuck_in_data_loading()" in said and "in torch.distributed.all_reduce()" in said
+    assert "(Pdb) p secret\n12\n" in said and "(Pdb) p values\n[1, 2, 3]\n" in said
+    assert "[(0, 'still here'), (1, 'still here')]" in said
 
 
 def check_executed_copy(name: str, jobs: Path):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import ast
 import io
 import pickle
+import sys
 
 import cloudpickle
 
@@ -157,8 +158,8 @@ def _fix(part) -> str:
 
 
 def _is_cuda_tensor(obj) -> bool:
-    kind = type(obj)
-    return kind.__module__.split(".")[0] == "torch" and getattr(obj, "is_cuda", False) is True
+    torch = sys.modules.get("torch")  # the kernel never imports torch: a tensor here means the notebook did
+    return torch is not None and isinstance(obj, torch.Tensor) and obj.is_cuda
 
 
 class _PushPickler(cloudpickle.Pickler):
