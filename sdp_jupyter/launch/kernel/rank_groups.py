@@ -18,7 +18,7 @@ import re
 import time
 
 WINDOW_S = 1.0  # how long a line waits for the same line from other ranks (ranks of one step drift apart)
-LOOKAHEAD = 64  # how far down a rank's waiting lines a head's text is looked for (bounds the work per line)
+LOOKAHEAD = 16  # how far down a rank's waiting lines a head's text is looked for (bounds the work per line)
 RAW = "raw"  # --ranks-output raw: every rank's lines, each with its own [rank R] label, not merged
 
 
@@ -102,10 +102,13 @@ class LineMerger:
         rank's earlier lines go first, so the same line can merge with it: each rank's own line, then
         the same traceback); the oldest of all when every head is held so (A, B on one rank, B, A on another)."""
         order = sorted(heads, key=lambda r: heads[r][:2])
+        further: dict[str, float] = {}  # text -> its earliest arrival below a queue's head
+        for q in self._queues.values():
+            for t, _, text in itertools.islice(q, 1, LOOKAHEAD):
+                further[text] = min(t, further.get(text, t))
         for rank in order:
             first, _, head = heads[rank]
-            if not any(head == text and t - first < self.window
-                       for q in self._queues.values() for t, _, text in itertools.islice(q, 1, LOOKAHEAD)):
+            if head not in further or further[head] - first >= self.window:
                 return rank
         return order[0]
 
