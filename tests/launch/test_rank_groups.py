@@ -6,6 +6,14 @@ from __future__ import annotations
 from sdp_jupyter.launch.kernel import rank_groups as rg
 
 
+def merged(lines, ranks=None) -> list:
+    """Lines already written, (rank, text) in arrival order, merged at once (the job or cell ended)."""
+    m = rg.LineMerger(ranks if ranks is not None else {r for r, _ in lines})
+    for rank, text in lines:
+        m.add(rank, text)
+    return m.flush()
+
+
 class Clock:
     def __init__(self):
         self.t = 0.0
@@ -88,13 +96,13 @@ def test_a_rank_s_lines_keep_their_order_and_a_late_rank_starts_a_new_group():
 
 
 def test_a_repeated_line_of_one_rank_is_not_merged_with_itself():
-    out = rg.merge_lines([(0, "x\n"), (0, "x\n"), (1, "x\n"), (1, "x\n")])
+    out = merged([(0, "x\n"), (0, "x\n"), (1, "x\n"), (1, "x\n")])
     assert out == [(frozenset({0, 1}), "x\n"), (frozenset({0, 1}), "x\n")]
 
 
 def test_sixteen_ranks_printing_the_same_lines_read_as_one_column():
     lines = [(r, f"epoch {e} done\n") for e in range(3) for r in range(16)] + [(5, "rank 5 is slow\n")]
-    out = rg.merge_lines(lines)
+    out = merged(lines)
     assert [rg.prefixed(rs, t) for rs, t in out] == [f"[ranks 0-15] epoch {e} done\n" for e in range(3)] \
         + ["[rank 5] rank 5 is slow\n"]
 

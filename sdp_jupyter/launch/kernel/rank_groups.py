@@ -113,16 +113,6 @@ class LineMerger:
         return order[0]
 
 
-def merge_lines(lines, ranks=None) -> list[tuple[frozenset, str]]:
-    """Lines already written ((rank, text) in arrival order, e.g. a job's tails) merged at once: the
-    same text from several ranks is one group, each rank's order kept (no time window: all arrived)."""
-    lines = list(lines)
-    merger = LineMerger(ranks if ranks is not None else {r for r, _ in lines}, window=float("inf"))
-    for rank, text in lines:
-        merger.add(rank, text)
-    return merger.flush()
-
-
 class Stream:
     """The text a terminal, a cell or a view writes of many ranks' lines, by --ranks-output `mode`:
     "all": merged (`[ranks 0-7] text`, a rank's own line `[rank R] text`); RAW: every line with its
