@@ -241,3 +241,22 @@ def test_stale_socket_folders_of_killed_servers_are_removed(tmp_path):
         assert (live / "pool.sock").exists() and starting.exists() and other.exists()
     finally:
         server.close()
+
+
+def test_an_smddp_job_forks_with_dynamo_and_a_gloo_job_on_that_pool_starts_cold(tmp_path, jobs_dir, pool):
+    """torch._dynamo (an optimizer's first step() imports it: most of the quickstart's warm cell) is in the
+    pool for smddp jobs; a gloo job on such a pool starts cold, saying why (the tutorial ending above)."""
+    script = write(tmp_path / "which.py", """
+        import sys
+        "torch._dynamo" in sys.modules
+    """)
+    job = LocalLauncher(warm=True).start(JobSpec(script=script, nodes=1, backend="smddp", result=True))
+    assert job.wait(180) == "succeeded", job.summary()
+    assert job.status["start"] == "warm" and job.result() is True
+    job = run(script, True, nodes=1, result=True)  # gloo
+    assert job.wait(120) == "succeeded", job.summary()
+    assert job.status["start"] == "cold" and job.result() is False
+    assert "preloaded torch._dynamo for its smddp jobs" in job.status["start_reason"], job.status
+    warm_pool.shutdown()  # the next pool imports what its jobs name again: no torch._dynamo for gloo
+    job = run(script, True, nodes=1, result=True)
+    assert job.wait(180) == "succeeded" and job.status["start"] == "warm" and job.result() is False

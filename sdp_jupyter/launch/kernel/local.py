@@ -134,12 +134,14 @@ class LocalRun(RemoteRun):
     def _warm_fields(self) -> dict[int, dict]:
         if not warm_pool.wanted(self.warm_choice):
             return {}
-        address, reason = warm_pool.warm_up(self.spec.preload).address()  # the pings go on meanwhile
+        pool = warm_pool.warm_up(warm_pool.job_preload(self.spec))
+        refused = warm_pool.refusal(pool, self.spec.backend)
+        address, reason = (None, refused) if refused else pool.address()  # the pings go on meanwhile
         fields = {"warm": address} if address else {"cold_reason": reason}
         return {conn.node: fields for conn in self.nodes()}
 
     def _warm_after(self) -> None:
-        warm_pool.job_done(self.warm_choice, self.spec.preload)
+        warm_pool.job_done(self.warm_choice, warm_pool.job_preload(self.spec))
 
     def _started_where(self, node: int) -> str:
         return ""

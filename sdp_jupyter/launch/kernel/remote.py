@@ -192,14 +192,15 @@ class RemoteRun(SessionChannel, HealChannel, InspectChannel, supervise.Run):
         for conn in self.nodes():
             key = self.pool_key(conn.node)
             if key is not None and warm_pool.wanted(self.warm_choice, key):
-                pools[conn.node] = self.warm_pool(conn.node, self.spec.preload)  # starts in the background
+                pools[conn.node] = self.warm_pool(conn.node, warm_pool.job_preload(self.spec))  # in the background
         deadline = time.monotonic() + warm_pool.READY_TIMEOUT
         for pool in pools.values():
             while not pool.started() and time.monotonic() < deadline and not self._stop.is_set():
                 pool.ready(timeout=channel.HEARTBEAT_EVERY)
         fields = {}
         for node, pool in pools.items():
-            address, reason = pool.address(timeout=0)
+            refused = warm_pool.refusal(pool, self.spec.backend)
+            address, reason = (None, refused) if refused else pool.address(timeout=0)
             fields[node] = {"warm": address} if address else {"cold_reason": reason}
         return fields
 
@@ -226,7 +227,7 @@ class RemoteRun(SessionChannel, HealChannel, InspectChannel, supervise.Run):
     def _warm_after(self) -> None:
         """After the job: start the hosts' pools for the next (warm_pool.job_done decides)."""
         if self.warm_after_job and self.pool_key(0) is not None:
-            warm_pool.job_done(self.warm_choice, self.spec.preload, start=self._warm_next)
+            warm_pool.job_done(self.warm_choice, warm_pool.job_preload(self.spec), start=self._warm_next)
 
     def links_in_run(self) -> None:  # a target whose agents start in the run's thread (local) does it here
         pass

@@ -115,6 +115,27 @@ _POOL_LOCK = threading.Lock()
 _PRELOAD: set[str] = set()
 _HELD: dict = {}  # key (target, host, ...) -> another host's Pool, held by this process
 
+# An optimizer's first step() imports torch._dynamo (torch._disable_dynamo's first call): 1.4-2.3 s a rank
+# on 2 cores, most of the quickstart's warm cell (3.6 s without it in the pool, 1.4 s with). It is
+# preloaded for smddp jobs only: with torch._dynamo imported before a gloo DistributedDataParallel model is
+# made, torch's gloo process group can hang in its destructor at the model's end (docs/warm.md). A gloo or
+# nccl job whose pool holds it starts cold, saying why.
+DYNAMO = "torch._dynamo"
+DYNAMO_BACKENDS = ("smddp",)
+
+
+def job_preload(spec) -> list[str]:
+    """What a job's pool imports: its --preload modules, and torch._dynamo for an smddp job."""
+    return list(spec.preload) + ([DYNAMO] if spec.backend in DYNAMO_BACKENDS else [])
+
+
+def refusal(pool: "Pool", backend: str) -> str | None:
+    """Why a job on `backend` must not fork its ranks from `pool` (which preloaded torch._dynamo), or None."""
+    if DYNAMO in pool.preload and backend not in DYNAMO_BACKENDS:
+        return (f"this kernel's warm pool preloaded {DYNAMO} for its smddp jobs, and a {backend} "
+                "DistributedDataParallel model made after that import can hang at its end (docs/warm.md)")
+    return None
+
 
 def warm_up(preload: list[str] | tuple = ()) -> Pool:
     """Start (or reuse) this process's pool, replacing it if the code changed or new modules are named."""
@@ -208,11 +229,13 @@ def start_rank(argv: list, env: dict, cwd: str | None = None, preload: list[str]
 
 @atexit.register
 def shutdown() -> None:
+    """Close every pool this process holds; the next starts from the modules its job names."""
     global _POOL
     with _POOL_LOCK:
         pools = [_POOL] + list(_HELD.values())
         _POOL = None
         _HELD.clear()
+        _PRELOAD.clear()
     for pool in pools:
         if pool is not None:
             pool.close()
