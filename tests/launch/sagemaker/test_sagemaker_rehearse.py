@@ -305,3 +305,20 @@ def test_engine_auto_on_a_type_aws_refuses_installs_ours_in_a_fresh_image(tmp_pa
     view = job.view()  # the job view says it too
     view._redraw()
     assert "smddp engine: sdp_jupyter&#x27;s engine (sdp_jupyter" in view.header.value, view.header.value
+
+
+def test_run_a_function_in_a_rehearsal(tmp_path):
+    """sdp_jupyter.run on the SageMaker target: the function goes by value in the job's source, every host
+    calls it after the process group is up, the values come back from the job's output."""
+    import sdp_jupyter
+
+    scale = 10
+
+    def where(k):  # a closure (it reads `scale` from this test): by value, as a notebook's function goes
+        import torch.distributed as dist
+        return [os.environ["SM_CURRENT_HOST"], dist.get_rank() * k * scale]
+
+    options = {"rehearse": True, "instance_type": "ml.m5.xlarge", "poll_interval": 0.2}
+    values = sdp_jupyter.run(where, args=(2,), target="sagemaker", nodes=2, procs_per_node=1, backend="gloo",
+                             name="rehearsed-run", jobs_dir=str(tmp_path / "jobs"), sagemaker=options)
+    assert values == [["algo-1", 0], ["algo-2", 20]]

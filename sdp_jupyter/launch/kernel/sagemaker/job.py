@@ -186,9 +186,10 @@ class SageMakerJob(Job):
 
         return SageMakerJobView(self)
 
-    def summary(self) -> str:
+    def summary(self, error: bool = True) -> str:
+        """Job.summary, then the SageMaker job, the engine it used and, for a rehearsal, what it did not check."""
         sm = self.sagemaker
-        line = super().summary()
+        line = super().summary(error)
         extra = (f"\nSageMaker: {sm.get('training_job_name')} in {sm.get('region')}, "
                  f"{self.spec.nodes} x {sm.get('instance_type')}, status {sm.get('status', '?')}"
                  f"/{sm.get('secondary_status', '?')}")
