@@ -2,7 +2,6 @@
 sdp_jupyter.launch.kernel.session.Session (registered with the others by `%load_ext sdp_jupyter`)."""
 from __future__ import annotations
 
-import sys
 import time
 
 from IPython.core import magic_arguments
@@ -10,7 +9,8 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.display import display
 
-from sdp_jupyter.launch import Job, JobSpec, SpecError
+from sdp_jupyter.launch import JobSpec, SpecError
+from sdp_jupyter.launch.kernel.session_calls import CellStream
 from sdp_jupyter.magic_args import parse_line, syntax_error_message, with_options
 from sdp_jupyter._display import widgets_enabled
 
@@ -33,40 +33,6 @@ def sdp_train(line: str, cell: str):
 
 
 _start_options = sdp_train
-
-
-class _CellStream:
-    """A %%sdp_px cell's output as it comes: with several ranks, a line they all printed once with their
-    ranks (`[ranks 0-3] loss 0.5`), a rank's own line `[rank R] ...` (rank_groups.Stream; the session's
-    --ranks-output raw: every line with its own rank); what arrives just after the last answer is
-    waited for briefly (QUIET seconds), and what is still waiting to merge goes out when the cell ends."""
-
-    QUIET = 0.03
-
-    def __init__(self, job: Job):
-        from sdp_jupyter.launch.kernel.rank_groups import RAW, Stream
-
-        self.job = job
-        self.stream = Stream(job.world_size, RAW if job.spec.ranks_output == RAW else "all")
-        self.last = time.monotonic()
-        job.subscribe(self._heard)
-
-    def _heard(self, rank: int, text: str) -> None:
-        self.last = time.monotonic()
-        self.stream.add(rank, text)
-
-    def drain(self, final: bool = False) -> None:
-        text = self.stream.take(final)
-        if text:
-            sys.stdout.write(text)
-            sys.stdout.flush()
-
-    def close(self) -> None:
-        deadline = time.monotonic() + 0.5
-        while time.monotonic() - self.last < self.QUIET and time.monotonic() < deadline:
-            time.sleep(0.005)
-        self.job.unsubscribe(self._heard)
-        self.drain(final=True)
 
 
 class _SessionStatus:
@@ -167,7 +133,7 @@ class SessionMagics(Magics):
             raise UsageError(f"--ranks {args.ranks!r}: give rank numbers separated by commas, e.g. --ranks 0,3") from None
         names = [n for n in args.push.replace(" ", "").split(",") if n]
         want = "gather" if args.gather else "result" if args.result else "none"
-        stream = _CellStream(live.job)
+        stream = CellStream(live.job)
         try:
             result = live.run(cell, ranks=ranks, want=want, push_names=names, values=self.shell.user_ns,
                               on_wait=stream.drain, label=f"In[{self.shell.execution_count}]")
@@ -210,7 +176,7 @@ class SessionMagics(Magics):
         if live is None:
             raise UsageError("no session is running in this kernel, so there is no rank to debug. Fix: "
                              "%sdp_session start --nodes 2, then a %%sdp_px cell; %debug looks into this kernel")
-        stream = _CellStream(live.job)  # what the ranks print meanwhile (stderr, a warning) still shows
+        stream = CellStream(live.job)  # what the ranks print meanwhile (stderr, a warning) still shows
         try:
             out = live.debug(args.rank, args.commands, on_wait=stream.drain)
         except KeyboardInterrupt:

@@ -14,6 +14,9 @@ errors, and the session stays up. What goes to the ranks goes by value as --push
 """
 from __future__ import annotations
 
+import sys
+import time
+
 # the name a pushed call travels under on the ranks (popped by the very expression that calls it)
 _CALL = "_sdp_apply_call"
 
@@ -24,7 +27,7 @@ class SessionCalls:
     def execute(self, code: str, ranks: list | None = None, *, output=None) -> None:
         """Run `code` on every rank (or `ranks`) in the namespace each rank keeps; raises SessionError
         when it failed anywhere. `output`: an object with drain() and close() that shows the ranks'
-        output as it comes (the magics pass theirs); None: the ranks' lines are printed here."""
+        output as it comes; None: a CellStream, printing the ranks' lines here, merged as %%sdp_px does."""
         self._call(code, ranks, "none", [], {}, output)
 
     def push(self, ranks: list | None = None, **values) -> None:
@@ -56,7 +59,7 @@ class SessionCalls:
     def _call(self, code: str, ranks, want: str, names: list, values: dict, output):
         from sdp_jupyter.launch.kernel.session_result import SessionError
 
-        stream = output if output is not None else _Printed(self.job)
+        stream = output if output is not None else CellStream(self.job)
         try:
             result = self.run(code, ranks=ranks, want=want, push_names=names, values=values, on_wait=stream.drain)
         finally:
@@ -68,26 +71,36 @@ class SessionCalls:
         return None
 
 
-class _Printed:
-    """The ranks' output printed here as it comes, each line prefixed `[rank R] ` when there are several."""
+class CellStream:
+    """A session cell's output as it comes (%%sdp_px, Session.execute/pull/apply): with several ranks, a
+    line they all printed once with their ranks (`[ranks 0-3] loss 0.5`), a rank's own line `[rank R] ...`
+    (rank_groups.Stream; the session's --ranks-output raw: every line with its own rank); what arrives
+    just after the last answer is waited for briefly (QUIET seconds), and what is still waiting to merge
+    goes out when the cell ends."""
+
+    QUIET = 0.03
 
     def __init__(self, job):
-        import queue
+        from sdp_jupyter.launch.kernel.rank_groups import RAW, Stream
 
-        self.job, self.lines = job, queue.Queue()
-        self.prefix = job.world_size > 1
+        self.job = job
+        self.stream = Stream(job.world_size, RAW if job.spec.ranks_output == RAW else "all")
+        self.last = time.monotonic()
         job.subscribe(self._heard)
 
     def _heard(self, rank: int, text: str) -> None:
-        self.lines.put(f"[rank {rank}] {text}" if self.prefix else text)
+        self.last = time.monotonic()
+        self.stream.add(rank, text)
 
-    def drain(self) -> None:
-        import sys
-
-        while not self.lines.empty():
-            sys.stdout.write(self.lines.get())
-        sys.stdout.flush()
+    def drain(self, final: bool = False) -> None:
+        text = self.stream.take(final)
+        if text:
+            sys.stdout.write(text)
+            sys.stdout.flush()
 
     def close(self) -> None:
+        deadline = time.monotonic() + 0.5
+        while time.monotonic() - self.last < self.QUIET and time.monotonic() < deadline:
+            time.sleep(0.005)
         self.job.unsubscribe(self._heard)
-        self.drain()
+        self.drain(final=True)
