@@ -448,8 +448,8 @@ class JobSpec:
                 parts.append("--args=" + shlex.quote(shlex.join(value)))
             elif opt.field == "push":
                 parts += ["--push", ",".join(value)]
-            elif opt.field in ("timeout", "elastic_wait"):
-                parts += ["--timeout", f"{value:g}"]
+            elif opt.field in ("timeout", "elastic_wait"):  # numbers as written: 60, not 60.0
+                parts += [opt.flag, f"{value:g}"]
             elif opt.kind in ("flag", "csv"):  # --warm / --cold (one field, two flags), --preload
                 parts += _render_key(opt, value)
             else:

@@ -89,6 +89,10 @@ def test_magic_line_round_trips_through_the_magic_parser():
     assert values["wait"] is True
     assert JobSpec.from_options(values, code="x") == spec
     assert JobSpec(code="x").to_magic_line() == "%%sdp_train"
+    # an elastic job's wait is --elastic-wait (it was written as --timeout, which kills the copied job)
+    elastic = JobSpec(code="x", nodes="2:3", elastic_wait=60, timeout=300)
+    assert "--elastic-wait 60 --timeout 300" in elastic.to_magic_line()
+    assert JobSpec.from_options(_parse_magic_line(elastic.to_magic_line()), code="x") == elastic
 
 
 def test_every_option_maps_to_a_field_or_steers_the_magic_only():
