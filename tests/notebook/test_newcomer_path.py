@@ -80,7 +80,9 @@ def check_command(command: str) -> str | None:
     if argv[:2] == ["pip", "install"] or argv[:4] == ["python", "-m", "pip", "install"]:
         extras = set(PYPROJECT["project"]["optional-dependencies"])
         for arg in argv:
-            m = re.fullmatch(r"(?:sdp_jupyter|\.)\[([\w,-]+)\]", arg)
+            if re.fullmatch(r"sdp_jupyter(\[[\w,-]+\])?", arg):  # pip would look for it on an index
+                return f"{arg}: no package index serves sdp_jupyter; install from a checkout (pip install -e '.[...]')"
+            m = re.fullmatch(r"\.\[([\w,-]+)\]", arg)
             if m and not set(m.group(1).split(",")) <= extras:
                 return f"{arg}: pyproject.toml defines the extras {sorted(extras)}"
     elif argv[:2] == ["python", "-m"] and argv[2].startswith("sdp_jupyter"):
@@ -116,9 +118,10 @@ def stream_text(nb, starts: str) -> str:
 
 
 def test_check_command_can_fail():
-    assert check_command("./dev.sh deploy") and check_command("pip install 'sdp_jupyter[nonesuch]'")
+    assert check_command("./dev.sh deploy") and check_command("pip install '.[nonesuch]'")
+    assert check_command("pip install 'sdp_jupyter[rehearse]'")  # no index serves it
     assert check_command("python -m sdp_jupyter.nonesuch") and check_command("python benchmarks/nonesuch.py")
-    assert check_command("./dev.sh main") is None and check_command("pip install 'sdp_jupyter[rehearse]'") is None
+    assert check_command("./dev.sh main") is None and check_command("pip install -e '.[rehearse]'") is None
     with pytest.raises(Exception, match="--nodes"):
         check_magic("%%sdp_train --nodes zero")
 

@@ -140,7 +140,8 @@ def rehearse(launcher, plan, push_bytes):
         from sdp_jupyter.testing import sagemaker_standin
     except ImportError as e:
         raise SpecError("--rehearse", f"needs the SageMaker SDK, moto and boto3 ({e}). "
-                        "Fix: pip install 'sdp_jupyter[rehearse]' (it includes [sagemaker])") from None
+                        "Fix: pip install -e '.[rehearse]' in your sdp_jupyter checkout (the extra "
+                        "includes [sagemaker]; no package index serves sdp_jupyter)") from None
     served = check(plan)
     if plan.region and plan.region != sagemaker_standin.REGION:
         plan.warnings.append(f"--region {plan.region}: a rehearsal plays {sagemaker_standin.REGION}")
