@@ -365,9 +365,26 @@ def describe(qualname: str, obj, level: str, meanings: Meanings, module=None) ->
         ([escape(" ".join(doc.split())) + "\n\n"] if doc else [])
 
 
+def _own_and_mixed_in(cls) -> dict:
+    """The class's own members, and those of the sdp_jupyter classes mixed into it that are not public
+    names themselves (Session's SessionCalls and SessionDebug: their methods are Session's on this page)."""
+    import sdp_jupyter
+
+    public = {id(getattr(sdp_jupyter, n, None)) for n in sdp_jupyter.__all__}
+    for module_name in API_MODULES:
+        module = importlib.import_module(module_name)
+        public |= {id(getattr(module, n, None)) for n in getattr(module, "__all__", ())}
+    found: dict = {}
+    for base in reversed(cls.__mro__[1:]):
+        if base.__module__.startswith("sdp_jupyter") and id(base) not in public:
+            found.update(vars(base))
+    found.update(vars(cls))
+    return found
+
+
 def members(qualname: str, cls, meanings: Meanings) -> list[str]:
     rows = []
-    for name, raw in vars(cls).items():
+    for name, raw in _own_and_mixed_in(cls).items():
         if name.startswith("_"):
             continue
         if isinstance(raw, property):
