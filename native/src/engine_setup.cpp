@@ -141,7 +141,11 @@ void Connections::check_local_ranks(const std::function<bool()>* settled) {
     if (n == 1) return;
     // Gone, but the wait that asked may be over: then nothing is failed, latched or sent.
     if (settled && (*settled)()) return;
-    bool clean = gone_flag && *gone_flag;
+    bool clean = *gone_flag;
+    // A rank that shut down its process group cleanly fails only a collective that runs while it is
+    // gone: between collectives this rank may have nothing left that needs it (a scatter from
+    // another node's root reaches a node's ranks as messages, and their leader may be done first).
+    if (clean && !op_.running) return;
     op_.fail(topo_.rank_name(who_rank) + (clean ? " had shut down its process group" : " exited or closed its connection") +
              (op_.running ? " during " + op_.desc() : std::string(" while this rank was idle")));
   };
@@ -152,7 +156,9 @@ void Connections::check_local_ranks(const std::function<bool()>* settled) {
       local_gone_[l] = gone;
     }
   } else {
-    probe(leader_fd_, topo_.leader_of(topo_.node), nullptr);
+    bool gone = leader_gone_;
+    probe(leader_fd_, topo_.leader_of(topo_.node), &gone);
+    leader_gone_ = gone;
   }
 }
 
@@ -160,12 +166,15 @@ void Connections::close(double bye_deadline) {
   stopping_.store(true);
   if (acceptor_.joinable()) acceptor_.join();
   links_.close_all(bye_deadline);
+  char b = 'B';  // goodbye: this rank shut down its process group (not a crash)
   for (int& fd : local_fds_) {
-    if (fd >= 0) ::close(fd);
+    if (fd >= 0) {
+      write_all(fd, &b, 1, bye_deadline);
+      ::close(fd);
+    }
     fd = -1;
   }
   if (leader_fd_ >= 0) {
-    char b = 'B';
     write_all(leader_fd_, &b, 1, bye_deadline);
     ::close(leader_fd_);
     leader_fd_ = -1;

@@ -158,6 +158,29 @@ def split_gather_scatter():
     return out
 
 
+def leader_leaves_first():
+    """4 ranks, 2 per node: the last scatter comes from rank 3 (node 1), so node 0's ranks get their
+    blocks as messages and need nothing of their leader. Rank 0 takes its block, shuts down its process
+    group and exits; rank 1 calls the scatter 0.5 s later (its engine idle all that while, seeing the
+    leader go). Then every rank still in the group needs the leader: rank 1's barrier names its goodbye."""
+    rank, world = _init("smddp")
+    dist.barrier()
+    if rank == 1:
+        time.sleep(0.5)
+    got = torch.full((4,), -1.0)
+    dist.scatter(got, [torch.full((4,), float(r)) for r in range(world)] if rank == 3 else None, src=3)
+    out = {"scatter": got.tolist()}
+    if rank == 0:
+        dist.destroy_process_group()
+        return out
+    try:
+        dist.barrier()
+        out["barrier"] = "passed"
+    except Exception as exc:  # noqa: BLE001 - the message is the value compared
+        out["barrier"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
 def parked_messages():
     """A 64 MiB message that arrives while its receiver has no receive from the sender posted stays
     in the socket (the send is not complete a second later) and lands in the receive once posted;

@@ -171,6 +171,19 @@ def test_scatter_across_nodes_moves_the_roots_node_blocks_in_shared_memory_gathe
                 assert got["peer_read_bytes"] == (block if split and rank in mates else 0), (rank, op, size, root, got)
 
 
+def test_a_leader_that_shut_down_fails_only_what_needs_it():
+    """A node leader that shut down its process group cleanly while a rank of its node was idle: that
+    rank's scatter from another node's root (messages only) still succeeds, and only a collective that
+    needs the leader fails, naming its goodbye rather than a crash (CI once: the idle rank latched
+    "rank 0 exited or closed its connection while this rank was idle" and failed that scatter)."""
+    results = assert_all_ok(run_ranks("backend_workers:leader_leaves_first", 4, 2,
+                                      env={**_HELPERS_ENV, "SDP_TIMEOUT": "20"}, timeout=90))
+    assert [v["scatter"] for v in results] == [[float(r)] * 4 for r in range(4)], results
+    assert "barrier" not in results[0], results[0]
+    assert "rank 0 (node 0) had shut down its process group during barrier" in results[1]["barrier"], results[1]
+    assert all(v["barrier"] != "passed" for v in results[2:]), results
+
+
 @pytest.mark.parametrize("world,per_node", [(3, 3), (3, 1)])
 def test_messages_and_uneven_all_to_all_and_sparse_match_gloo(world, per_node):
     """send/recv with tags, any source, batch_isend_irecv, uneven all_to_all, sparse all_reduce:

@@ -93,25 +93,27 @@ def _weights(tmp_path, backend: str, fail: bool) -> tuple[str, str]:
     script = tmp_path / "train.py"
     script.write_text(TRAIN)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-           f"127.0.0.1:{free_port()}", "--nnodes", "1", "--max-restarts", "1", "--nproc-per-node", "2",
+           f"127.0.0.1:{free_port()}", "--nnodes", "1", "--max-restarts", "1" if fail else "0", "--nproc-per-node", "2",
            str(script), backend, str(tmp_path / f"{backend}.pt"), "fail" if fail else "-", "40", "20", "0.1"]
     p = subprocess.run(cmd, env=_env(tmp_path), capture_output=True, text=True, timeout=180, cwd=str(tmp_path))
     out = p.stdout + p.stderr
     lines = [ln.split(None, 3) for ln in p.stdout.splitlines() if ln.startswith("WEIGHTS")]
     if backend == "gloo" and not fail and lines and lines[0][1] == "0" and aborted_at_exit(out):
         # the reference finished attempt 0 (rank 0 prints after the last collective), then torch's gloo
-        # aborted a rank at interpreter exit and torchrun started the group again (helpers/gloo_exit.py)
+        # aborted a rank at interpreter exit (helpers/gloo_exit.py). The reference runs without restarts:
+        # a second attempt of gloo under this rendezvous can hang on the first one's addresses (CI, 180 s)
         lines = lines[:1]
     else:
-        assert p.returncode == 0, f"{backend} under torchrun --max-restarts 1: exit {p.returncode}\n{out[-4000:]}"
+        assert p.returncode == 0, f"{backend} under torchrun: exit {p.returncode}\n{out[-4000:]}"
     assert len(lines) == 1, out[-4000:]
     _, attempt, _world, weights = lines[0]
     return attempt, weights
 
 
 def test_smddp_resumes_after_torchrun_restarts_the_worker_group(tmp_path):
-    """gloo is the reference without a failure: under this rendezvous gloo itself reads the first
-    attempt's addresses now and then ("Gloo connectFullMesh failed ... Connection refused")."""
+    """gloo is the reference without a failure, and without restarts: under this rendezvous gloo itself
+    reads the first attempt's addresses now and then ("Gloo connectFullMesh failed ... Connection
+    refused"), and a restarted gloo group has hung for the whole timeout."""
     gloo = _weights(tmp_path, "gloo", fail=False)
     smddp = _weights(tmp_path, "smddp", fail=True)
     assert (gloo[0], smddp[0]) == ("0", "1"), (gloo, smddp)  # smddp finished in the second attempt

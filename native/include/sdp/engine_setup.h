@@ -68,6 +68,7 @@ class Connections {
   std::vector<int> local_fds_;    // leader: liveness sockets of the other local ranks, by local index
   std::vector<bool> local_gone_;  // leader: local rank said goodbye
   int leader_fd_ = -1;            // non-leader: liveness socket to the node leader
+  bool leader_gone_ = false;      // non-leader: the leader said goodbye
 
   // set-up hand-off from the acceptor thread
   std::mutex accept_mu_;
