@@ -148,7 +148,7 @@ class SessionMagics(Magics):
         except sessions.SessionError:
             stream.close()
             raise
-        stream.close()
+        stream.close(result)
         if result.failed:
             raise sessions.SessionError(result.message(), live.job)
         if args.gather:

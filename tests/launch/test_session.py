@@ -55,6 +55,11 @@ def test_pushed_values_arrive_and_a_dead_rank_ends_the_session_naming_it(jobs_di
         r = s.run("import os\nscale * (int(os.environ['RANK']) + 1)", want="gather", push_names=["scale"],
                   values={"scale": 2.5})
         assert r.failed == [] and [r.value(0), r.value(1)] == [2.5, 5.0]
+        # whether a cell printed: the notebook waits for late lines only after one that did
+        assert not r.printed and [a["printed"] for a in r.answers.values()] == [0, 0], r.answers
+        r = s.run("import sys, warnings\nif int(os.environ['RANK']) == 1:\n    print('hi')\n"
+                  "    warnings.warn('careful')")
+        assert r.printed and r.answers[0]["printed"] == 0 and r.answers[1]["printed"] > len("hi\n"), r.answers
         with pytest.raises(SpecError, match="'missing' is not defined in the notebook"):
             s.run("x = 1", push_names=["missing"], values={})
         with pytest.raises(SpecError, match="rank 5 is not in this session"):

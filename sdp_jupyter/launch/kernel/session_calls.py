@@ -60,10 +60,11 @@ class SessionCalls:
         from sdp_jupyter.launch.kernel.session_result import SessionError
 
         stream = output if output is not None else CellStream(self.job)
+        result = None
         try:
             result = self.run(code, ranks=ranks, want=want, push_names=names, values=values, on_wait=stream.drain)
         finally:
-            stream.close()
+            stream.close(result)
         if result.failed:
             raise SessionError(result.message(), self.job)
         if want == "gather":
@@ -74,9 +75,10 @@ class SessionCalls:
 class CellStream:
     """A session cell's output as it comes (%%sdp_px, Session.execute/pull/apply): with several ranks, a
     line they all printed once with their ranks (`[ranks 0-3] loss 0.5`), a rank's own line `[rank R] ...`
-    (rank_groups.Stream; the session's --ranks-output raw: every line with its own rank); what arrives
-    just after the last answer is waited for briefly (QUIET seconds), and what is still waiting to merge
-    goes out when the cell ends."""
+    (rank_groups.Stream; the session's --ranks-output raw: every line with its own rank); after a cell
+    whose ranks printed, what arrives just after the last answer is waited for briefly (QUIET seconds;
+    the output travels apart from the answers), and what is still waiting to merge goes out when the
+    cell ends."""
 
     QUIET = 0.03
 
@@ -98,9 +100,11 @@ class CellStream:
             sys.stdout.write(text)
             sys.stdout.flush()
 
-    def close(self) -> None:
+    def close(self, result=None) -> None:
+        """`result`: the cell's CellResult; None (the cell raised here): wait as after a cell that printed."""
         deadline = time.monotonic() + 0.5
-        while time.monotonic() - self.last < self.QUIET and time.monotonic() < deadline:
+        while (result is None or result.printed) and time.monotonic() - self.last < self.QUIET \
+                and time.monotonic() < deadline:
             time.sleep(0.005)
         self.job.unsubscribe(self._heard)
         self.drain(final=True)

@@ -28,6 +28,11 @@ class CellResult:
         return [r for r in self.ranks if not self.answers.get(r, {}).get("ok", False)]
 
     @property
+    def printed(self) -> bool:
+        """Whether any rank wrote to its stdout or stderr in this cell (a rank that did not say: yes)."""
+        return any(a.get("printed", 1) for a in self.answers.values()) or len(self.answers) < len(self.ranks)
+
+    @property
     def interrupted(self) -> list:
         return [r for r in self.ranks if self.answers.get(r, {}).get("interrupted")]
 

@@ -13,7 +13,7 @@ answers on the same connection; nothing is polled. Each frame's data is a pickle
                         push (the pushed variables' pickle, made once in the kernel), generation and
                         replaced (reconnect), generation and members (shrink), rank, lines, echo, last
                         and live (debug: pdb's input on that rank, launch/rank/postmortem.py)}
-    done N             rank R's answer to cell N: {ok, error, interrupted, value, seconds, counts, rss,
+    done N             rank R's answer to cell N: {ok, error, interrupted, value, seconds, printed, counts, rss,
                         debug: {output, open, unused, cell, error} (debug)}; or, while cell N runs,
                         {debugging: {output, open, cell}}: a breakpoint() there waits for pdb's input
 
@@ -55,6 +55,32 @@ INTERRUPT = signal.SIGUSR2
 
 class _Cell:
     running = False
+
+
+class _Counted:
+    """sys.stdout or sys.stderr for the session's life, counting the characters written through it, so
+    that a cell's answer says whether it printed: the notebook then waits for late lines only after a
+    cell that did (a silent `apply` or `x = 1` answers in milliseconds). Everything else is the stream's."""
+
+    def __init__(self, stream):
+        self._stream = stream
+        self.chars = 0
+
+    def write(self, text):
+        self.chars += len(text)
+        return self._stream.write(text)
+
+    def writelines(self, lines):
+        for line in lines:
+            self.write(line)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def _written() -> int:
+    """What the counted streams have passed on so far (a stream replaced by the user counts nothing)."""
+    return sum(getattr(s, "chars", 0) for s in (sys.stdout, sys.stderr) if isinstance(s, _Counted))
 
 
 def _interrupt(signum, frame):
@@ -234,7 +260,7 @@ class RankSession:
         self.ns["sdp_group"] = group
         self.cell_now, self.cell_label = cell["n"], str(cell.get("label") or cell["n"])
         answer["ran"] = True
-        started = time.perf_counter()
+        started, written = time.perf_counter(), _written()
         try:
             value = self._exec(cell["code"], f"<cell {cell.get('label') or cell['n']}>", want=cell.get("want", "none"))
         except KeyboardInterrupt:
@@ -249,6 +275,7 @@ class RankSession:
                 except Exception as e:  # noqa: BLE001
                     answer["value_error"] = f"{type(value).__name__} cannot be pickled: {e}"
         answer["seconds"] = time.perf_counter() - started
+        answer["printed"] = _written() - written
         return answer
 
     def _exec(self, code: str, name: str, want: str):
@@ -303,6 +330,7 @@ class RankSession:
 
     def serve(self) -> None:
         signal.signal(INTERRUPT, _interrupt)
+        sys.stdout, sys.stderr = _Counted(sys.stdout), _Counted(sys.stderr)
         sys.breakpointhook = postmortem.breakpoint_hook(self)  # pdb served from the notebook (docs/session.md)
         # a replacement for a rank that died (SDP_SESSION_JOIN=generation:cell:members): it joins the group the
         # others make again in that cell, answers it, and goes on from the next one
