@@ -17,7 +17,9 @@ the ones named), each in a fresh kernel with a private jobs folder and never AWS
 local moto server), and writes their scrubbed copies to notebooks/outputs/. Each copy's metadata
 (`STAMP`) records a digest of the notebook's cells (their kinds and sources) and the sdp_jupyter
 version that ran it; `python tools/executed.py check` (and tests/notebook/test_notebooks.py) says which
-stored copy no longer matches its notebook or the current version, so it must be refreshed.
+stored copy no longer matches its notebook or the current version, so it must be refreshed. When only
+markdown changed, `python tools/executed.py prose NAME ...` copies it into the stored copy and re-stamps it
+(its outputs came from the same code); a changed code cell is refused.
 """
 from __future__ import annotations
 
@@ -252,9 +254,43 @@ def refresh(names=PUBLISHED, timeout: int = 600) -> int:
     return failed
 
 
+def prose(name: str) -> str | None:
+    """Bring a stored copy up to its notebook when only markdown cells changed: their text is copied in
+    (scrubbed) and the copy re-stamped; its outputs stay, as they came from the same code. Returns why
+    not (a code cell or the cells' kinds differ: run `refresh`), or None when done."""
+    import nbformat
+
+    path, copy_path = NOTEBOOKS / name, OUTPUTS / name
+    if not copy_path.is_file():
+        return f"no stored copy {copy_path.relative_to(REPO)}: run refresh"
+    nb, stored = nbformat.read(path, as_version=4), nbformat.read(copy_path, as_version=4)
+    kinds = [c.cell_type for c in nb.cells]
+    if kinds != [c.cell_type for c in stored.cells]:
+        return "the notebook's cells were added, removed or changed kind: run refresh"
+    for i, (cell, old) in enumerate(zip(nb.cells, stored.cells)):
+        if cell.cell_type != "markdown" and scrub_text(cell.source) != old.source:
+            return f"code cell {i} changed: run refresh"
+    for cell, old in zip(nb.cells, stored.cells):
+        if cell.cell_type == "markdown":
+            old.source = scrub_text(cell.source)
+    stored.metadata[STAMP] = {**stored.metadata.get(STAMP, {}), "cells": stamp(path)["cells"]}
+    text = nbformat.writes(stored) + "\n"
+    if found := leaks(text):
+        return f"the copy would hold {sorted(set(found))[:5]}"
+    copy_path.write_text(text)
+    return None
+
+
 def main(argv: list[str]) -> int:
     usage = ("usage: python tools/executed.py refresh [NAME.ipynb ...]  (run the notebooks, store their copies "
-             "in notebooks/outputs/)\n       python tools/executed.py check  (say which stored copies are stale)")
+             "in notebooks/outputs/)\n       python tools/executed.py check  (say which stored copies are stale)"
+             "\n       python tools/executed.py prose NAME.ipynb ...  (only markdown changed: copy it into the "
+             "stored copies)")
+    if argv and argv[0] == "prose":
+        why = {n: prose(n) for n in argv[1:]}
+        for n, reason in why.items():
+            print(f"{n}: {reason or 'markdown copied, re-stamped'}")
+        return 1 if any(why.values()) else 0
     if not argv or argv[0] not in ("refresh", "check"):
         print(usage, file=sys.stderr)
         return 2

@@ -216,6 +216,27 @@ def test_a_stored_copy_of_other_cells_or_another_version_is_stale(tmp_path, monk
     assert executed.stale()["gone.ipynb"] == "not a PUBLISHED notebook: delete it"
 
 
+def test_prose_copies_changed_markdown_into_a_stored_copy_and_refuses_changed_code(tmp_path, monkeypatch):
+    import nbformat
+    from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
+
+    name = executed.PUBLISHED[0]
+    for attr, value in (("NOTEBOOKS", tmp_path), ("OUTPUTS", tmp_path / "outputs"), ("PUBLISHED", (name,)),
+                        ("REPO", tmp_path)):
+        monkeypatch.setattr(executed, attr, value)
+    nbformat.write(new_notebook(cells=[new_markdown_cell("old words"), new_code_cell("print(1)")]), tmp_path / name)
+    ran = new_notebook(cells=[new_markdown_cell("old words"), new_code_cell("print(1)", outputs=[
+        new_output("stream", name="stdout", text="1\n")])], metadata={executed.STAMP: executed.stamp(tmp_path / name)})
+    (tmp_path / "outputs").mkdir()
+    nbformat.write(ran, tmp_path / "outputs" / name)
+    nbformat.write(new_notebook(cells=[new_markdown_cell("new words"), new_code_cell("print(1)")]), tmp_path / name)
+    assert executed.stale() and executed.prose(name) is None and executed.stale() == {}
+    stored = nbformat.read(tmp_path / "outputs" / name, as_version=4)
+    assert stored.cells[0].source == "new words" and stored.cells[1].outputs[0].text == "1\n"
+    nbformat.write(new_notebook(cells=[new_markdown_cell("new words"), new_code_cell("print(2)")]), tmp_path / name)
+    assert executed.prose(name) == "code cell 1 changed: run refresh" and executed.stale()
+
+
 def test_scrub_takes_out_planted_secrets_paths_and_colour_codes(tmp_path, monkeypatch):
     import nbformat
     from nbformat.v4 import new_code_cell, new_notebook, new_output
