@@ -98,6 +98,7 @@ class JobSetup(Shown):
         launch_job=None,
         **plan_fields,
     ):
+        plan_fields = scaling.renamed_procs_per_node(plan_fields, "JobSetup()")
         known = {f.name for f in dc_fields(scaling.Plan)}
         unknown = sorted(set(plan_fields) - known)
         if unknown:
@@ -142,6 +143,7 @@ class JobSetup(Shown):
         """Change fields (``set(nodes=4, rule="sqrt")``), as the form does. A choice that is not one
         of the allowed values is refused here (ValueError naming it); a number field given as text that
         is not a number is kept and blocks the launch, as in the form. Returns the setup."""
+        changes = scaling.renamed_procs_per_node(changes, "JobSetup.set()")
         unknown = sorted(set(changes) - set(self._values))
         if unknown:
             raise TypeError(f"JobSetup.set() got unknown field(s) {', '.join(unknown)}; known: "
@@ -165,12 +167,12 @@ class JobSetup(Shown):
             if v["target"] == "sagemaker":
                 if "instance_type" not in given:
                     v["instance_type"] = DEFAULT_SAGEMAKER_INSTANCE
-            elif "gpus_per_node" not in given:
-                v["gpus_per_node"] = max(1, instances.get(instances.LOCAL).gpus)
+            elif "procs_per_node" not in given:
+                v["procs_per_node"] = max(1, instances.get(instances.LOCAL).gpus)
         if v["target"] == "sagemaker":
             if v["instance_type"] == instances.LOCAL:
                 v["instance_type"] = DEFAULT_SAGEMAKER_INSTANCE
-            v["gpus_per_node"] = max(1, instances.get(v["instance_type"]).gpus)
+            v["procs_per_node"] = max(1, instances.get(v["instance_type"]).gpus)
         else:
             v["instance_type"] = instances.LOCAL
 
@@ -389,6 +391,7 @@ class JobSetup(Shown):
 def setup_from_options(values: dict) -> JobSetup:
     """A JobSetup from parsed `%sdp_setup` options (argparse dests; None = not given)."""
     kwargs = {k: v for k, v in values.items() if v is not None}
+    kwargs = scaling.renamed_procs_per_node(kwargs, "%sdp_setup --gpus-per-node")
     for flag in ("batchnorm", "drop_last"):
         if flag in kwargs:
             kwargs[flag] = kwargs[flag] == "yes"

@@ -35,7 +35,7 @@ Sources
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import InitVar, asdict, dataclass, field
 
 from sdp_jupyter import instances
 from sdp_jupyter.launch import target_options
@@ -69,9 +69,9 @@ WARNING = "warning"
 # --- the rules -----------------------------------------------------------------------------------
 
 
-def global_batch(nodes: int, gpus_per_node: int, per_gpu_batch: int) -> int:
+def global_batch(nodes: int, procs_per_node: int, per_gpu_batch: int) -> int:
     """Samples per optimizer step across all workers: nodes x GPUs per node x per-GPU batch."""
-    return nodes * gpus_per_node * per_gpu_batch
+    return nodes * procs_per_node * per_gpu_batch
 
 
 def iterations_per_epoch(dataset_size: int, global_batch_size: int, drop_last: bool = True) -> int:
@@ -222,15 +222,33 @@ class ScalingWarning:
         return f"{self.message} {self.advice}"
 
 
+def renamed_procs_per_node(values: dict, where: str) -> dict:
+    """`values` with ``gpus_per_node`` (the old name of processes per node) moved to ``procs_per_node``,
+    with a FutureWarning naming `where`; both given is an error."""
+    if "gpus_per_node" not in values:
+        return values
+    import warnings
+
+    values = dict(values)
+    old = values.pop("gpus_per_node")
+    if values.get("procs_per_node") is not None:
+        raise TypeError(f"{where}: give procs_per_node only (gpus_per_node is its old name)")
+    warnings.warn(f"{where}: gpus_per_node is now procs_per_node (--procs-per-node), the name %%sdp_train and "
+                  "launch() use; the old name goes in 0.2", FutureWarning, stacklevel=3)
+    values["procs_per_node"] = old
+    return values
+
+
 @dataclass(frozen=True)
 class Plan:
-    """What a user chooses. ``gpus_per_node`` counts worker processes; on SageMaker it is the
+    """What a user chooses. ``procs_per_node`` counts worker processes per node (``--procs-per-node``
+    everywhere; ``gpus_per_node`` is its old name, still accepted with a warning); on SageMaker it is the
     instance type's GPU count and a different value is ignored."""
 
     target: str = "local"
     instance_type: str = "local"
     nodes: int = 1
-    gpus_per_node: int = 1
+    procs_per_node: int = 1
     backend: str = "smddp"
     mode: str = "keep_per_gpu"
     per_gpu_batch: int = 32  #: used by keep_per_gpu
@@ -248,8 +266,12 @@ class Plan:
     price_per_hour: float | None = None  #: per node-hour; None: the catalogue's (often unknown)
     cpus: int | None = None  #: cores for local workers; None: instances.usable_cpus()
     engine: str = "auto"  #: SageMaker's --engine: who provides smddp (instances.ENGINES)
+    gpus_per_node: InitVar[int | None] = None  #: procs_per_node's old name (warns)
 
-    def __post_init__(self):
+    def __post_init__(self, gpus_per_node: int | None = None):
+        if gpus_per_node is not None:
+            object.__setattr__(self, "procs_per_node", renamed_procs_per_node({"gpus_per_node": gpus_per_node},
+                                                                              "Plan")["procs_per_node"])
         for name, value, allowed in (
             ("target", self.target, TARGETS),
             ("backend", self.backend, BACKENDS),
@@ -317,7 +339,7 @@ def _round(x: float) -> float:
 def _input_errors(plan: Plan) -> list[ScalingWarning]:
     checks = [
         ("nodes", plan.nodes, 1),
-        ("gpus_per_node", plan.gpus_per_node, 1),
+        ("procs_per_node", plan.procs_per_node, 1),
         ("per_gpu_batch", plan.per_gpu_batch, 1),
         ("reference_batch", plan.reference_batch, 1),
         ("epochs", plan.epochs, 1),
@@ -367,7 +389,7 @@ def evaluate(plan: Plan) -> Outcome:
     if errors:
         return Outcome(plan, inst, warnings=tuple(errors))
 
-    gpn = inst.gpus if _catalogue(plan.target) else plan.gpus_per_node
+    gpn = inst.gpus if _catalogue(plan.target) else plan.procs_per_node
     world = plan.nodes * gpn
     found: list[ScalingWarning] = []
 

@@ -9,6 +9,7 @@ from it.
 """
 from __future__ import annotations
 
+import argparse
 from dataclasses import fields as dc_fields
 
 from sdp_jupyter import backends, instances, scaling
@@ -24,7 +25,8 @@ FIELD_HELP = {
     "instance_type": "SageMaker instance type (--target sagemaker; other targets run on the machines they have, "
                      "shown as local)",
     "nodes": "number of nodes (instances, hosts)",
-    "gpus_per_node": "worker processes per node (on SageMaker: the instance type's GPU count, whatever is given)",
+    "procs_per_node": "worker processes per node, one per GPU on GPU hosts, as %%sdp_train's --procs-per-node (on "
+                      "SageMaker: the instance type's GPU count, whatever is given)",
     "backend": "torch.distributed backend",
     "mode": "when scaling: keep_per_gpu keeps each GPU's batch (the global batch and the LR grow), "
             "keep_global keeps the global batch at --reference-batch (each GPU gets a share)",
@@ -86,6 +88,8 @@ def setup_arguments() -> list[tuple[tuple, dict]]:
             kw["type"] = float
         kw["help"] = kw["help"].replace("%", "%%")
         rows.append(((flag,), kw))
+    # the old name of --procs-per-node, kept working (jobsetup.setup_from_options warns) and left out of the help
+    rows.append((("--gpus-per-node",), {"dest": "gpus_per_node", "type": int, "help": argparse.SUPPRESS}))
     hosts, address = SSH_OPTIONS[0], RAY_OPTIONS[0]  # the fields the form has for these targets
     rows.append(((hosts.flag,), {"dest": "hosts", "metavar": hosts.metavar, "help": hosts.help.replace("%", "%%")}))
     rows.append(((address.flag,), {"dest": "ray_address", "metavar": address.metavar,

@@ -72,7 +72,7 @@ class JobSetupView(W.VBox):
         self.w_slurm = W.VBox([self.w_partition, self.w_account, self.w_time, self.w_slurm_args],
                               layout=W.Layout()).add_class("sdp-slurm")  # its own layout: hidden off slurm
         self.w_nodes = num(W.BoundedIntText, "nodes", v["nodes"], min=1, max=4096).add_class("sdp-nodes")
-        self.w_gpus = num(W.BoundedIntText, "GPUs (processes) / node", v["gpus_per_node"], min=1, max=64)
+        self.w_gpus = num(W.BoundedIntText, "Processes / node (GPUs)", v["procs_per_node"], min=1, max=64)
         self.w_backend = W.Dropdown(options=list(backends.BACKENDS), value=v["backend"], description="backend",
                                     style=_STYLE, layout=_LAYOUT)
         mode_label = {m: label for label, m in _MODE_LABELS.items()}[v["mode"]]
@@ -116,7 +116,7 @@ class JobSetupView(W.VBox):
             self.w_address: ("ray_address", None), self.w_partition: ("slurm_partition", None),
             self.w_account: ("slurm_account", None), self.w_time: ("slurm_time", None),
             self.w_slurm_args: ("slurm_args", None), self.w_nodes: ("nodes", None),
-            self.w_gpus: ("gpus_per_node", None), self.w_backend: ("backend", None),
+            self.w_gpus: ("procs_per_node", None), self.w_backend: ("backend", None),
             self.w_mode: ("mode", _MODE_LABELS.__getitem__), self.w_per_gpu: ("per_gpu_batch", None),
             self.w_ref_lr: ("reference_lr", None), self.w_ref_batch: ("reference_batch", None),
             self.w_rule: ("rule", None), self.w_warmup: ("warmup_epochs", None), self.w_epochs: ("epochs", None),

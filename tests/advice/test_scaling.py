@@ -55,7 +55,7 @@ def test_warmup_suggestion_and_schedule():
 
 def test_seed_example_64_on_one_gpu_is_2_per_gpu_on_32():
     out = evaluate(local_plan(mode="keep_global", reference_batch=64, reference_lr=0.05, nodes=4,
-                              gpus_per_node=8, batchnorm=True, dataset_size=50_000))
+                              procs_per_node=8, batchnorm=True, dataset_size=50_000))
     assert (out.world_size, out.per_gpu_batch, out.global_batch) == (32, 2, 64)
     assert out.lr == pytest.approx(0.05)  # global batch kept: LR kept
     (bn,) = [w for w in out.warnings if w.code == "batchnorm_small_batch"]
@@ -66,7 +66,7 @@ def test_seed_example_64_on_one_gpu_is_2_per_gpu_on_32():
 
 def test_keep_per_gpu_grows_global_and_lr():
     out = evaluate(local_plan(mode="keep_per_gpu", per_gpu_batch=64, reference_batch=64, reference_lr=0.05,
-                              nodes=4, gpus_per_node=8, rule="linear", epochs=90))
+                              nodes=4, procs_per_node=8, rule="linear", epochs=90))
     assert (out.per_gpu_batch, out.global_batch) == (64, 2048)
     assert out.lr == pytest.approx(1.6)
     assert out.warmup.epochs == 5.0 and out.warmup.start_lr == 0.05
@@ -76,7 +76,7 @@ def test_keep_per_gpu_grows_global_and_lr():
 
 
 def test_keep_global_rounds_down_and_says_so():
-    out = evaluate(local_plan(mode="keep_global", reference_batch=100, nodes=1, gpus_per_node=3))
+    out = evaluate(local_plan(mode="keep_global", reference_batch=100, nodes=1, procs_per_node=3))
     assert (out.per_gpu_batch, out.global_batch) == (33, 99)
     (w,) = [w for w in out.warnings if w.code == "global_rounded"]
     assert w.value == 99 and "99" in w.message
@@ -84,13 +84,13 @@ def test_keep_global_rounds_down_and_says_so():
 
 
 def test_keep_global_with_more_gpus_than_samples_blocks_launch():
-    out = evaluate(local_plan(mode="keep_global", reference_batch=16, nodes=4, gpus_per_node=8))
+    out = evaluate(local_plan(mode="keep_global", reference_batch=16, nodes=4, procs_per_node=8))
     assert not out.ok and "global_below_world" in codes(out)
     assert out.hyperparameters() == {}
 
 
 def test_sagemaker_uses_the_instance_gpu_count_and_checks_smddp():
-    out = evaluate(Plan(target="sagemaker", instance_type="ml.p4d.24xlarge", nodes=2, gpus_per_node=1,
+    out = evaluate(Plan(target="sagemaker", instance_type="ml.p4d.24xlarge", nodes=2, procs_per_node=1,
                         backend="smddp", per_gpu_batch=32, dataset_size=1_000_000))
     assert out.world_size == 16 and out.global_batch == 512 and out.ok
     bad = evaluate(Plan(target="sagemaker", instance_type="ml.p5.48xlarge", nodes=2, backend="smddp", engine="aws"))
@@ -170,7 +170,7 @@ def test_dataset_and_iteration_thresholds(dataset, per_gpu):
 
 @given(st.integers(1, 8), st.integers(1, 8), st.integers(1, 40))
 def test_oversubscription_threshold(nodes, procs, cpus):
-    out = evaluate(local_plan(nodes=nodes, gpus_per_node=procs, cpus=cpus, per_gpu_batch=1))
+    out = evaluate(local_plan(nodes=nodes, procs_per_node=procs, cpus=cpus, per_gpu_batch=1))
     w = [w for w in out.warnings if w.code == "oversubscribed"]
     assert bool(w) == (nodes * procs > cpus)
     if w:
@@ -200,7 +200,7 @@ def test_smddp_single_node(nodes, backend):
 @settings(max_examples=60)
 @given(st.integers(1, 100_000), st.integers(1, 64), st.integers(1, 8), st.integers(1, 4096))
 def test_every_warning_carries_its_number(dataset, per_gpu, procs, ref_batch):
-    out = evaluate(local_plan(dataset_size=dataset, per_gpu_batch=per_gpu, gpus_per_node=procs, nodes=2,
+    out = evaluate(local_plan(dataset_size=dataset, per_gpu_batch=per_gpu, procs_per_node=procs, nodes=2,
                               cpus=4, batchnorm=True, backend="smddp", reference_batch=ref_batch))
     for w in out.warnings:
         assert w.advice and w.level in (S.ERROR, S.WARNING)
@@ -235,7 +235,7 @@ def test_keep_global_keeps_lr_fixed(nodes, procs, per_gpu_at_scale, rule, lr):
     world = nodes * procs
     ref = world * per_gpu_at_scale  # a reference batch the world size divides
     out = evaluate(local_plan(mode="keep_global", reference_batch=ref, reference_lr=lr, rule=rule,
-                              nodes=nodes, gpus_per_node=procs))
+                              nodes=nodes, procs_per_node=procs))
     assert out.global_batch == ref and out.per_gpu_batch == per_gpu_at_scale
     assert out.lr == pytest.approx(lr)
     assert out.warmup.steps == 0  # LR not raised: no warm-up suggested
@@ -244,7 +244,7 @@ def test_keep_global_keeps_lr_fixed(nodes, procs, per_gpu_at_scale, rule, lr):
 @settings(max_examples=60)
 @given(st.integers(1, 6), st.integers(1, 8), st.integers(1, 256), st.integers(1, 1024))
 def test_keep_per_gpu_global_is_the_product(nodes, procs, per_gpu, ref):
-    out = evaluate(local_plan(nodes=nodes, gpus_per_node=procs, per_gpu_batch=per_gpu, reference_batch=ref,
+    out = evaluate(local_plan(nodes=nodes, procs_per_node=procs, per_gpu_batch=per_gpu, reference_batch=ref,
                               rule="linear"))
     assert out.global_batch == nodes * procs * per_gpu
     assert out.lr == pytest.approx(0.1 * out.global_batch / ref)
@@ -279,3 +279,27 @@ def test_the_docs_warning_table_lists_exactly_the_codes_evaluate_can_emit():
     documented = set(re.findall(r"^\| `([a-z_]+)` \|", table, re.M)) | set(re.findall(r"`(invalid_[a-z_]+)`", table))
     assert documented == emitted, (f"not in docs/scaling.md's table: {sorted(emitted - documented)}; "
                                    f"in the table but never emitted: {sorted(documented - emitted)}")
+
+
+def test_processes_per_node_has_one_name_and_the_old_one_still_works_with_a_warning():
+    """procs_per_node is the name everywhere (%%sdp_train --procs-per-node, launch(), the form, Plan,
+    JobSetup, %sdp_setup); gpus_per_node, the setup's old name for it, still works and says so."""
+    import sdp_jupyter
+    from sdp_jupyter.jobsetup import setup_from_line
+    from sdp_jupyter.setup_options import setup_arguments
+
+    with pytest.warns(FutureWarning, match="gpus_per_node is now procs_per_node"):
+        assert Plan(gpus_per_node=4).procs_per_node == 4
+    with pytest.warns(FutureWarning, match=r"JobSetup\(\): gpus_per_node is now procs_per_node"):
+        s = sdp_jupyter.JobSetup(code="pass", backend="gloo", gpus_per_node=3)
+    assert s.values["procs_per_node"] == 3 and "gpus_per_node" not in s.values
+    with pytest.warns(FutureWarning, match=r"JobSetup.set\(\)"):
+        s.set(gpus_per_node=2)
+    assert s.values["procs_per_node"] == 2
+    with pytest.raises(TypeError, match="give procs_per_node only"):
+        sdp_jupyter.JobSetup(code="pass", gpus_per_node=2, procs_per_node=2)
+    with pytest.warns(FutureWarning, match="%sdp_setup --gpus-per-node"):
+        assert setup_from_line("--target local --gpus-per-node 2").values["procs_per_node"] == 2
+    assert setup_from_line("--target local --procs-per-node 2").values["procs_per_node"] == 2
+    shown = [flags[0] for flags, kw in setup_arguments() if kw.get("help") != "==SUPPRESS=="]
+    assert "--procs-per-node" in shown and "--gpus-per-node" not in shown

@@ -88,7 +88,7 @@ def test_changes_made_in_code_show_in_the_form_and_bad_choices_are_refused():
     v.w_rule.value = "sqrt"
     assert s.values["rule"] == "sqrt" and s.plan.rule == "sqrt"
     s.set(target="sagemaker")
-    assert v.w_instance.value == "ml.p4d.24xlarge" and s.values["gpus_per_node"] == 8 and v.w_gpus.value == 8
+    assert v.w_instance.value == "ml.p4d.24xlarge" and s.values["procs_per_node"] == 8 and v.w_gpus.value == 8
     with pytest.raises(ValueError, match="rule must be one of"):
         s.set(rule="cubic")
     with pytest.raises(KeyError):
@@ -99,7 +99,7 @@ def test_changes_made_in_code_show_in_the_form_and_bad_choices_are_refused():
 
 
 def test_presets_show_global_batch_lr_and_iterations():
-    s = make(nodes=2, gpus_per_node=2, per_gpu_batch=64, reference_batch=64, reference_lr=0.05,
+    s = make(nodes=2, procs_per_node=2, per_gpu_batch=64, reference_batch=64, reference_lr=0.05,
              dataset_size=10_000, epochs=4)
     assert "global batch 256 = 2 nodes x 2 GPUs x 64 per GPU" in text(s.view().w_global)
     assert "learning rate 0.2 (linear rule: x4" in text(s.view().w_lr)
@@ -119,7 +119,7 @@ def test_changing_nodes_updates_the_hints_live():
 
 
 def test_keep_global_mode_shows_the_seed_batchnorm_warning():
-    s = make(mode="keep_global", reference_batch=64, nodes=4, gpus_per_node=8, batchnorm=True, dataset_size=50_000)
+    s = make(mode="keep_global", reference_batch=64, nodes=4, procs_per_node=8, batchnorm=True, dataset_size=50_000)
     assert s.view().w_per_gpu.disabled
     assert "global batch 64 = 4 nodes x 8 GPUs x 2 per GPU" in text(s.view().w_global)
     assert "data-code='batchnorm_small_batch'" in s.view().w_warnings.value
@@ -319,7 +319,7 @@ def test_magics_register_on_a_real_shell():
 def test_launch_runs_a_real_job_with_the_hyperparameters(jobs_dir):
     """Click Launch: two gloo ranks run the notebook's training code, read --lr and SM_HPS, succeed
     (the jobs_dir fixture also fails the test if a worker outlives it)."""
-    s = sdp_jupyter.JobSetup(code=notebook_training_code(), backend="gloo", nodes=1, gpus_per_node=1,
+    s = sdp_jupyter.JobSetup(code=notebook_training_code(), backend="gloo", nodes=1, procs_per_node=1,
                              per_gpu_batch=32, reference_batch=32, reference_lr=0.01, dataset_size=2048, epochs=2,
                              jobs_dir=str(jobs_dir), name="setup-widget-test")
     s.view().w_nodes.value = 2  # global batch 64, linear rule: LR 0.02
