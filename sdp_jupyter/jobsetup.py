@@ -28,6 +28,7 @@ from typing import Callable
 
 from sdp_jupyter import instances, scaling
 from sdp_jupyter._display import Shown
+from sdp_jupyter._renamed import renamed
 from sdp_jupyter.setup_options import SLURM_FIELDS, setup_arguments
 
 #: code of cells stored with %%sdp_cell NAME, by name
@@ -98,7 +99,7 @@ class JobSetup(Shown):
         launch_job=None,
         **plan_fields,
     ):
-        plan_fields = scaling.renamed_procs_per_node(plan_fields, "JobSetup()")
+        plan_fields = renamed(plan_fields, "JobSetup()")
         known = {f.name for f in dc_fields(scaling.Plan)}
         unknown = sorted(set(plan_fields) - known)
         if unknown:
@@ -143,7 +144,7 @@ class JobSetup(Shown):
         """Change fields (``set(nodes=4, rule="sqrt")``), as the form does. A choice that is not one
         of the allowed values is refused here (ValueError naming it); a number field given as text that
         is not a number is kept and blocks the launch, as in the form. Returns the setup."""
-        changes = scaling.renamed_procs_per_node(changes, "JobSetup.set()")
+        changes = renamed(changes, "JobSetup.set()")
         unknown = sorted(set(changes) - set(self._values))
         if unknown:
             raise TypeError(f"JobSetup.set() got unknown field(s) {', '.join(unknown)}; known: "
@@ -391,7 +392,7 @@ class JobSetup(Shown):
 def setup_from_options(values: dict) -> JobSetup:
     """A JobSetup from parsed `%sdp_setup` options (argparse dests; None = not given)."""
     kwargs = {k: v for k, v in values.items() if v is not None}
-    kwargs = scaling.renamed_procs_per_node(kwargs, "%sdp_setup --gpus-per-node")
+    kwargs = renamed(kwargs, "%sdp_setup --gpus-per-node")
     for flag in ("batchnorm", "drop_last"):
         if flag in kwargs:
             kwargs[flag] = kwargs[flag] == "yes"

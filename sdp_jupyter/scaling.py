@@ -222,23 +222,6 @@ class ScalingWarning:
         return f"{self.message} {self.advice}"
 
 
-def renamed_procs_per_node(values: dict, where: str) -> dict:
-    """`values` with ``gpus_per_node`` (the old name of processes per node) moved to ``procs_per_node``,
-    with a FutureWarning naming `where`; both given is an error."""
-    if "gpus_per_node" not in values:
-        return values
-    import warnings
-
-    values = dict(values)
-    old = values.pop("gpus_per_node")
-    if values.get("procs_per_node") is not None:
-        raise TypeError(f"{where}: give procs_per_node only (gpus_per_node is its old name)")
-    warnings.warn(f"{where}: gpus_per_node is now procs_per_node (--procs-per-node), the name %%sdp_train and "
-                  "launch() use; the old name goes in 0.2", FutureWarning, stacklevel=3)
-    values["procs_per_node"] = old
-    return values
-
-
 @dataclass(frozen=True)
 class Plan:
     """What a user chooses. ``procs_per_node`` counts worker processes per node (``--procs-per-node``
@@ -270,8 +253,9 @@ class Plan:
 
     def __post_init__(self, gpus_per_node: int | None = None):
         if gpus_per_node is not None:
-            object.__setattr__(self, "procs_per_node", renamed_procs_per_node({"gpus_per_node": gpus_per_node},
-                                                                              "Plan")["procs_per_node"])
+            from sdp_jupyter._renamed import renamed
+
+            object.__setattr__(self, "procs_per_node", renamed({"gpus_per_node": gpus_per_node}, "Plan")["procs_per_node"])
         for name, value, allowed in (
             ("target", self.target, TARGETS),
             ("backend", self.backend, BACKENDS),
