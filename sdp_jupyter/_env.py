@@ -230,6 +230,14 @@ VARIABLES: dict[str, Var] = {v.name: v for v in (
     Var("SDP_SAGEMAKER_MOTO", "str (1 or 0)", "unset: the stand-in only where there are no AWS credentials", "kernel",
         "notebooks/04_sagemaker.ipynb: 1 runs it against the local moto stand-in even where AWS credentials "
         "exist, 0 sends it to AWS"),
+    Var("SDP_SAGEMAKER_ROLE", "str (IAM role ARN)", "none: needed against AWS", "kernel",
+        "notebooks/04_sagemaker.ipynb against a real account: the role SageMaker assumes (its --role)"),
+    Var("SDP_SAGEMAKER_BUCKET", "str (S3 bucket)", "none: needed against AWS", "kernel",
+        "notebooks/04_sagemaker.ipynb against a real account: the bucket of its train channel and output "
+        "(its --bucket)"),
+    Var("SDP_SAGEMAKER_INSTANCE", "str (instance type)", "ml.p4d.24xlarge", "kernel",
+        "notebooks/04_sagemaker.ipynb against a real account: the instance type (backend smddp with 8 processes "
+        "per host on ml.p4d/ml.p4de.24xlarge, else nccl with 1)"),
     # --- the kernel
     Var("SDP_JOBS_DIR", "str (path)", "./sdp_jobs", "kernel", "root of job directories (--jobs-dir wins)"),
     Var("SDP_WARM", "bool", "unset", "kernel",

@@ -122,7 +122,7 @@ def action_rows(parser: argparse.ArgumentParser, groups: dict[str, str] | None =
     A row's meaning is its help; an argument with choices lists them, in the value column."""
     out: dict[str, list[str]] = {}
     for a in parser._actions:  # argparse has no public list of a parser's arguments
-        if isinstance(a, argparse._HelpAction):
+        if isinstance(a, argparse._HelpAction) or a.help is argparse.SUPPRESS:  # hidden, as in --help
             continue
         name = ", ".join(a.option_strings) if a.option_strings else a.dest
         if a.choices:
@@ -271,22 +271,36 @@ def environment_page() -> str:
              "Every `SDP_*` variable sdp_jupyter reads or sets, by where it takes effect. Unset or empty means "
              f"the default. A boolean is one of {', '.join(sorted(TRUE))} or {', '.join(sorted(FALSE))} (any case); "
              "a number that does not parse, or is out of range, is an error naming the variable, never a silent "
-             "default. Variables marked *set by the toolkit* are set by the launchers for the processes they "
-             "start: a script may read them, a user does not set them.\n\n"]
+             "default. A table headed *Set by sdp_jupyter for its processes* lists what the "
+             "launchers set for the processes they start: a script may read them, a user does not set them.\n\n"]
     lines += [f"- [{cell(WHERE[w])}](#{w})\n" for w in WHERE]
     for where, title in WHERE.items():
-        rows = [v for v in VARIABLES.values() if v.where == where]
-        lines.append(f"\n## {where.capitalize()}\n\nRead in {cell(title)}.\n\n")
-        lines += ["| variable | type | default | meaning |\n", "| --- | --- | --- | --- |\n"]
-        for v in sorted(rows, key=lambda v: (v.internal, v.name)):
-            meaning = cell(meanings(v.meaning, v.name)) + (" *(set by the toolkit)*" if v.internal else "")
-            lines.append(f"| {code(v.name)} | {cell(v.type)} | {cell(v.default)} | {meaning} |\n")
+        lines.append(f"\n## {where.capitalize()}\n\nRead in {cell(title)}.\n")
+        for internal in (False, True):
+            rows = sorted((v for v in VARIABLES.values() if v.where == where and v.internal == internal),
+                          key=lambda v: v.name)
+            if rows:
+                lines += ["\n**Set by sdp_jupyter for its processes**\n" if internal else "",
+                          "\n| variable | type | default | meaning |\n", "| --- | --- | --- | --- |\n"]
+            lines += [f"| {code(v.name)} | {cell(v.type)} | {cell(v.default)} | "
+                      f"{cell(meanings(v.meaning, v.name))} |\n" for v in rows]
     meanings.check()
     return "".join(lines).rstrip() + "\n"
 
 
 # ----------------------------------------------------------------------------- api.md
-API_MODULES = ("sdp_jupyter.comm", "sdp_jupyter.torch", "sdp_jupyter.checkpoint")
+# The API page's modules, a section each: None, every public name (and class member) with its docstring; a
+# tuple, the names the guides and notebooks tell users to call (members without a docstring left out).
+# tests/docs/test_api_reference_covers_pages.py fails when a page uses a public name this page lacks.
+API_MODULES = {
+    "sdp_jupyter.comm": None, "sdp_jupyter.torch": None, "sdp_jupyter.checkpoint": None, "sdp_jupyter.heal": None,
+    "sdp_jupyter.parallel": ("setup",), "sdp_jupyter.parallel.gpt": ("lm_loss",),
+    "sdp_jupyter.parallel.measure": ("measure",), "sdp_jupyter.scaling": ("warmup_lr",),
+    "sdp_jupyter.advisor": ("ModelShape", "Cluster", "ParallelConfig", "estimate", "validate", "recommend", "explain"),
+    "sdp_jupyter.instances": ("get", "source", "catalogue"), "sdp_jupyter.jobsetup": ("measured_throughput",),
+    "sdp_jupyter.monitor.reader": ("read",), "sdp_jupyter.monitor.reporter": ("emit",),
+    "sdp_jupyter.monitor.cloudwatch": ("CloudWatchSource",), "sdp_jupyter.launch.spec": ("all_options",),
+    "sdp_jupyter.launch.kernel.warm_pool": ("warm_up",)}
 
 
 def signature(obj) -> str:
@@ -338,9 +352,9 @@ def constant_doc(module, name: str, depth: int = 0) -> str:
     return ""
 
 
-def describe(qualname: str, obj, level: str, meanings: Meanings, module=None) -> list[str]:
-    """A public name's entry: its signature and whole docstring (a class: its members too), or a
-    constant's value and its `#:` comment."""
+def describe(qualname: str, obj, level: str, meanings: Meanings, module=None, every_member=True) -> list[str]:
+    """A public name's entry: its signature and whole docstring (a class: its members too, without
+    `every_member` only those with a docstring), or a constant's value and its `#:` comment."""
     if inspect.ismodule(obj) and callable(obj):  # a callable package (sdp_jupyter.launch): its __call__
         call = type(obj).__call__
         sig = inspect.signature(call)
@@ -351,12 +365,12 @@ def describe(qualname: str, obj, level: str, meanings: Meanings, module=None) ->
         if obj.__name__ not in API_MODULES:
             raise SystemExit(f"{qualname}: a public module that is not in API_MODULES of tools/gen_reference.py")
         return [f"{level} {qualname}\n\nThe module: see [{obj.__name__}](#{anchor(obj.__name__)}) below.\n\n"]
-    if inspect.isclass(obj) or inspect.isfunction(obj) or inspect.isbuiltin(obj):
+    if inspect.isclass(obj) or inspect.isroutine(obj) or callable(getattr(obj, "__wrapped__", None)):
         kind = "class " if inspect.isclass(obj) else ""
         out = [f"{level} {qualname}\n\n", f"```python\n{kind}{qualname}{signature(obj)}\n```\n\n",
                doc_markdown(meanings(own_doc(obj), qualname)) or "\n"]
         if inspect.isclass(obj):
-            out += members(qualname, obj, meanings)
+            out += members(qualname, obj, meanings, every_member)
         return out
     text = repr(obj)
     text = text if len(text) <= 100 else text[:97] + "..."
@@ -371,9 +385,9 @@ def _own_and_mixed_in(cls) -> dict:
     import sdp_jupyter
 
     public = {id(getattr(sdp_jupyter, n, None)) for n in sdp_jupyter.__all__}
-    for module_name in API_MODULES:
+    for module_name, chosen in API_MODULES.items():
         module = importlib.import_module(module_name)
-        public |= {id(getattr(module, n, None)) for n in getattr(module, "__all__", ())}
+        public |= {id(getattr(module, n, None)) for n in chosen or getattr(module, "__all__", ())}
     found: dict = {}
     for base in reversed(cls.__mro__[1:]):
         if base.__module__.startswith("sdp_jupyter") and id(base) not in public:
@@ -382,16 +396,16 @@ def _own_and_mixed_in(cls) -> dict:
     return found
 
 
-def members(qualname: str, cls, meanings: Meanings) -> list[str]:
+def members(qualname: str, cls, meanings: Meanings, every_member: bool = True) -> list[str]:
     rows = []
     for name, raw in _own_and_mixed_in(cls).items():
-        if name.startswith("_"):
+        fn = raw.__func__ if isinstance(raw, (staticmethod, classmethod)) else raw
+        if name.startswith("_") or not (every_member or (getattr(fn, "__doc__", None) or "").strip()):
             continue
         if isinstance(raw, property):
             doc = meanings(raw.__doc__ or "", f"{qualname}.{name}")
             rows.append(f"| {code(name)} | property | {doc_cell(doc)} |\n")
         elif isinstance(raw, (staticmethod, classmethod)) or inspect.isfunction(raw):
-            fn = raw.__func__ if isinstance(raw, (staticmethod, classmethod)) else raw
             sig = signature(getattr(cls, name))
             kind = {classmethod: "classmethod", staticmethod: "staticmethod"}.get(type(raw), "method")
             doc = meanings(fn.__doc__ or "", f"{qualname}.{name}")
@@ -412,11 +426,13 @@ def api_page() -> str:
                  "loads on first use.\n\n")
     for name in sdp_jupyter.__all__:
         lines += describe(f"sdp_jupyter.{name}", getattr(sdp_jupyter, name), "###", meanings, sdp_jupyter)
-    for module_name in API_MODULES:
+    for module_name, chosen in API_MODULES.items():
         module = importlib.import_module(module_name)
         lines.append(f"## {module_name}\n\n{escape(meanings(first_paragraph(module.__doc__), module_name))}\n\n")
-        for name in public_names(module):
-            lines += describe(f"{module_name}.{name}", getattr(module, name), "###", meanings, module)
+        if chosen:
+            lines.append("The names the guides and notebooks use (the module has more).\n\n")
+        for name in chosen or public_names(module):
+            lines += describe(f"{module_name}.{name}", getattr(module, name), "###", meanings, module, not chosen)
     meanings.check()
     return "".join(lines).rstrip() + "\n"
 
@@ -427,7 +443,7 @@ PAGES = {
     "cli.md": ("Command lines", "`sdp-train` and every `python -m sdp_jupyter...` command", cli_page),
     "environment.md": ("Environment variables", "every `SDP_*` variable: type, default, where, meaning",
                        environment_page),
-    "api.md": ("Python API", "the public names: signatures and what they do", api_page),
+    "api.md": ("Python API", "the public names and those the guides use: signatures and what they do", api_page),
 }
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import copy
 import importlib.util
+import json
 import re
 from pathlib import Path
 
@@ -43,8 +44,9 @@ def string_names(path: Path) -> set[str]:
 
 def names_in_code() -> dict[str, set[str]]:
     """Every SDP_* variable the code names -> the files naming it: sdp_jupyter/ and tools/ (string
-    literals), setup.py (what it reads from os.environ or through _env's env_* readers, and
-    ParallelCompile's variable; not the C macros it defines), native/ (what getenv, env_int and env_bool read)."""
+    literals), notebooks/*.ipynb (their code cells), setup.py (what it reads from os.environ or through _env's
+    env_* readers, and ParallelCompile's variable; not the C macros it defines), native/ (what getenv, env_int
+    and env_bool read)."""
     where: dict[str, set[str]] = {}
     files = sorted((ROOT / "sdp_jupyter").rglob("*.py")) + sorted((ROOT / "tools").glob("*.py"))
     registry = ROOT / "sdp_jupyter" / "_env.py"  # names every variable: it would make every one look used
@@ -57,6 +59,10 @@ def names_in_code() -> dict[str, set[str]]:
             reads = callee in ("os.environ.get", "ParallelCompile") or re.fullmatch(r"(_env\.)?env_\w+", callee)
             if reads and NAME.fullmatch(str(node.args[0].value)):
                 where.setdefault(node.args[0].value, set()).add("setup.py")
+    for path in sorted((ROOT / "notebooks").glob("*.ipynb")):  # what the example notebooks' code reads
+        for cell in (c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"):
+            for name in NAME.findall("".join(cell["source"])):
+                where.setdefault(name, set()).add(str(path.relative_to(ROOT)))
     for path in sorted((ROOT / "native").rglob("*.cpp")) + sorted((ROOT / "native").rglob("*.h")):
         for name in re.findall(r"\b(?:getenv|env_int|env_bool)\(\s*\"(SDP_\w+)\"", path.read_text()):
             where.setdefault(name, set()).add(str(path.relative_to(ROOT)))
@@ -90,6 +96,7 @@ def test_the_variable_scan_sees_every_kind_of_source():
     assert "sdp_jupyter/comm/communicator.py" in where["SDP_TIMEOUT"]
     assert "setup.py" in where["SDP_BUILD_JOBS"] and "SDP_NO_INTRINSICS" not in where
     assert "native/src/transport.cpp" in where["SDP_SOCKET_BUFFER"]
+    assert "notebooks/04_sagemaker.ipynb" in where["SDP_SAGEMAKER_ROLE"]
 
 
 def test_an_unregistered_sdp_name_is_refused_where_it_is_read(monkeypatch):
