@@ -20,6 +20,11 @@ Whatever the toolchain, the object exports only PyInit__engine (native/exports.m
 --exclude-libs,ALL for a C++ runtime linked in statically), and the build is checked right after
 linking: an object that would export std:: symbols into a process beside torch's libstdc++ fails
 the build with the cause and the fix (sdp_jupyter/_native_check.py).
+
+The engine's sources travel in the package too: build_py copies native/ (the NATIVE_FILES), setup.py,
+pyproject.toml and README.md into sdp_jupyter/_sources/ of the build (never of the checkout), so an
+installed wheel can write the source package that --engine sdp ships to SageMaker
+(sdp_jupyter/launch/kernel/sagemaker/source.py). An editable install reads them from the checkout.
 """
 import glob
 import importlib.util
@@ -28,6 +33,7 @@ import sys
 
 from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext
 from setuptools import setup
+from setuptools.command.build_py import build_py
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -40,6 +46,12 @@ def _load(name):
     spec.loader.exec_module(mod)
     return mod
 
+
+# Where an installed sdp_jupyter keeps its engine's sources, and which: the same names as source.py's
+# SOURCES_DIR, _NATIVE_FILES and _SDIST_TOP (tests/house/test_wheel_install.py checks the wheel against them)
+SOURCES_DIR = "_sources"
+NATIVE_FILES = (".h", ".hpp", ".cpp", ".cc", ".map")
+SOURCES_TOP = ("pyproject.toml", "setup.py", "README.md")
 
 _env = _load("_env")  # the package's one parser: 1/0, true/false, yes/no, on/off; empty = the default
 
@@ -74,6 +86,23 @@ class checked_build_ext(build_ext):
         print(f"[sdp_jupyter] engine built: {report.summary()}")
 
 
+class build_py_with_sources(build_py):
+    """build_py, then the engine's sources copied into sdp_jupyter/_sources/ of the build folder
+    (the wheel's contents); skipped for an editable install, which has the checkout."""
+
+    def run(self):
+        super().run()
+        if getattr(self, "editable_mode", False):
+            return
+        native = [os.path.relpath(os.path.join(folder, n), HERE)
+                  for folder, _, names in os.walk(os.path.join(HERE, "native"))
+                  for n in names if n.endswith(NATIVE_FILES)]
+        for rel in sorted(native) + [n for n in SOURCES_TOP if os.path.isfile(os.path.join(HERE, n))]:
+            dest = os.path.join(self.build_lib, "sdp_jupyter", SOURCES_DIR, rel)
+            self.mkpath(os.path.dirname(dest))
+            self.copy_file(os.path.join(HERE, rel), dest, preserve_mode=False)
+
+
 def main():
     try:
         opts = build_options()
@@ -89,7 +118,7 @@ def main():
         extra_link_args=opts["link_args"],
     )
     ParallelCompile(default=opts["jobs"]).install()
-    setup(ext_modules=[ext], cmdclass={"build_ext": checked_build_ext})
+    setup(ext_modules=[ext], cmdclass={"build_ext": checked_build_ext, "build_py": build_py_with_sources})
 
 
 if __name__ == "__main__":  # pip's and setuptools' build backends run this file as __main__ too

@@ -24,36 +24,49 @@ _PACKAGE_FILES = (".py", ".json", ".txt", ".md")
 _NATIVE_FILES = (".h", ".hpp", ".cpp", ".cc", ".map")  # .map: the linker's export list (setup.py)
 #: what a source package of sdp_jupyter holds besides sdp_jupyter/ and native/ (pyproject names README.md)
 _SDIST_TOP = ("pyproject.toml", "setup.py", "README.md")
+#: the folder of an installed sdp_jupyter that holds native/ and _SDIST_TOP, put there by setup.py's build_py
+#: (the same names as its SOURCES_DIR, NATIVE_FILES and SOURCES_TOP)
+SOURCES_DIR = "_sources"
+
+
+def _is_source_tree(root: Path) -> bool:
+    return all((root / name).is_file() for name in _SDIST_TOP[:2]) and (root / "native").is_dir()
 
 
 def source_tree() -> Path | None:
-    """The checkout this sdp_jupyter runs from (pyproject.toml, setup.py, native/ next to the
-    package), or None for an installed wheel, which carries no C++ sources."""
-    root = Path(sdp_jupyter.__file__).resolve().parent.parent
-    if all((root / name).is_file() for name in _SDIST_TOP[:2]) and (root / "native").is_dir():
-        return root
+    """Where the engine's sources are (pyproject.toml, setup.py, native/): the checkout this sdp_jupyter
+    runs from, else the copy an installed wheel carries in sdp_jupyter/_sources/; None for a package
+    installed without them (a wheel built by a tool that skips setup.py's build_py)."""
+    package = Path(sdp_jupyter.__file__).resolve().parent
+    for root in (package.parent, package / SOURCES_DIR):
+        if _is_source_tree(root):
+            return root
     return None
 
 
 def no_sources_error() -> SpecError:
     return SpecError("--engine", f"sdp ships sdp_jupyter's C++ sources with the job, and this sdp_jupyter "
-                                 f"({Path(sdp_jupyter.__file__).parent}) is installed without them. Fix: install "
-                                 "it from a checkout (pip install -e .), or --engine aws on ml.p4d.24xlarge / "
-                                 "ml.p4de.24xlarge")
+                                 f"({Path(sdp_jupyter.__file__).parent}) is installed without them: it has no "
+                                 f"{SOURCES_DIR}/ with native/, setup.py and pyproject.toml, which the wheel "
+                                 "gets from setup.py's build_py (a wheel built some other way, or a copy of "
+                                 "the package without that folder). Fix: reinstall it from a checkout or its "
+                                 "sdist with pip (pip install ., or pip install the wheel that python -m build "
+                                 "or pip wheel writes), or --engine aws on ml.p4d.24xlarge / ml.p4de.24xlarge")
 
 
 def _package_files(package: Path):
     for path in sorted(package.rglob("*")):
         rel = path.relative_to(package)
-        if path.is_file() and path.suffix in _PACKAGE_FILES and "__pycache__" not in rel.parts:
+        if path.is_file() and path.suffix in _PACKAGE_FILES and not {"__pycache__", SOURCES_DIR} & set(rel.parts):
             yield path, rel
 
 
 def build_sdist(dest_dir: Path) -> Path:
     """sdp_jupyter as a source package (``sdp_jupyter-<version>.tar.gz`` in `dest_dir`): pyproject.toml,
-    setup.py, native/ and the package's Python and data files, what `pip install` needs to build the
-    engine. Written here rather than by `python -m build`: no build tool, no egg-info left in the
-    checkout, and it takes a fraction of a second."""
+    setup.py, native/ (from source_tree(): the checkout, or an installed wheel's copy) and the package's
+    Python and data files, what `pip install` needs to build the engine. Written here rather than by
+    `python -m build`: no build tool, no egg-info left in the checkout, and it takes a fraction of a
+    second."""
     root = source_tree()
     if root is None:
         raise no_sources_error()
