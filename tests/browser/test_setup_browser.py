@@ -25,7 +25,8 @@ def test_job_setup_form_in_a_real_browser(lab):
     nodes.press("Enter")
     shown = lab.wait_text(global_batch, "global batch 64 =", what="global batch after nodes=2")
     assert "2 nodes x 1 GPUs x 32 per GPU" in shown
-    assert re.search(r"learning rate 0\.02 \(linear rule: x2", lr.inner_text()), lr.inner_text()
+    # the LR line is its own widget: it may be drawn a moment after the global batch (read once, it raced)
+    lab.wait_text(lr, r"learning rate 0\.02 \(linear rule: x2", what="learning rate after nodes=2")
     assert "--nodes 2" in form.locator(".sdp-magic-line").inner_text()
     lab.screenshot("job-setup-nodes-2")
 
