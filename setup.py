@@ -47,11 +47,9 @@ def _load(name):
     return mod
 
 
-# Where an installed sdp_jupyter keeps its engine's sources, and which: the same names as source.py's
-# SOURCES_DIR, _NATIVE_FILES and _SDIST_TOP (tests/house/test_wheel_install.py checks the wheel against them)
-SOURCES_DIR = "_sources"
-NATIVE_FILES = (".h", ".hpp", ".cpp", ".cc", ".map")
-SOURCES_TOP = ("pyproject.toml", "setup.py", "README.md")
+# Where an installed sdp_jupyter keeps its engine's sources, and which (one list, shared with the SageMaker target)
+_sources = _load("_engine_sources")
+SOURCES_DIR, NATIVE_FILES, SOURCES_TOP = _sources.SOURCES_DIR, _sources.NATIVE_FILES, _sources.SOURCES_TOP
 
 _env = _load("_env")  # the package's one parser: 1/0, true/false, yes/no, on/off; empty = the default
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import sdp_jupyter
 from sdp_jupyter import jobdir
+from sdp_jupyter._engine_sources import NATIVE_FILES, SOURCES_DIR, SOURCES_TOP
 from sdp_jupyter.launch.options import SpecError
 from sdp_jupyter.launch.kernel.sagemaker.options import ENTRY_SCRIPT, SECRET_FILE, SOURCE_DIR
 
@@ -21,12 +22,8 @@ if TYPE_CHECKING:
 
 
 _PACKAGE_FILES = (".py", ".json", ".txt", ".md")
-_NATIVE_FILES = (".h", ".hpp", ".cpp", ".cc", ".map")  # .map: the linker's export list (setup.py)
-#: what a source package of sdp_jupyter holds besides sdp_jupyter/ and native/ (pyproject names README.md)
-_SDIST_TOP = ("pyproject.toml", "setup.py", "README.md")
-#: the folder of an installed sdp_jupyter that holds native/ and _SDIST_TOP, put there by setup.py's build_py
-#: (the same names as its SOURCES_DIR, NATIVE_FILES and SOURCES_TOP)
-SOURCES_DIR = "_sources"
+# the engine's sources: native/'s NATIVE_FILES and SOURCES_TOP, in a checkout or an installed SOURCES_DIR
+_NATIVE_FILES, _SDIST_TOP = NATIVE_FILES, SOURCES_TOP
 
 
 def _is_source_tree(root: Path) -> bool:
