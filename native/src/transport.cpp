@@ -304,25 +304,36 @@ void serve_handshakes(int listen_fd, const std::string& secret, int rank, const 
                       const std::function<void(const PeerIdentity&, int)>& on_peer) {
   // The caller closes the listener as soon as set-up is done: after that nobody has a reason
   // to connect.
-  constexpr size_t kMaxPending = 32;
+  // At most kMaxPending unauthenticated sockets are held. When they are all taken, the oldest is
+  // dropped for a newcomer, but only once it has had kGraceSeconds to answer: evicting by count
+  // alone let a burst of strangers push a real rank out before its thread was even scheduled
+  // (seen on a loaded 2-core host under the sanitizers). Until then newcomers wait in the kernel's
+  // backlog, so a flood costs the real rank at most kGraceSeconds per kMaxPending strangers.
+  constexpr size_t kMaxPending = 64;
   constexpr double kHandshakeSeconds = 5.0;
+  constexpr double kGraceSeconds = 0.25;
   std::deque<ServerHandshake> pending;
   auto drop = [&](ServerHandshake& h, const std::string& why) {
     log_warning("rank " + std::to_string(rank) + " dropped a connection from " + peer_address(h.fd()) + ": it " + why);
     ::close(h.fd());
   };
+  auto evictable = [&]() {
+    return pending.front().deadline() - kHandshakeSeconds + kGraceSeconds <= now_s();
+  };
   std::vector<pollfd> pfds;
   for (;;) {
     if (stop()) break;
+    bool full = pending.size() >= kMaxPending;
+    bool can_accept = !full || evictable();
     pfds.clear();
-    pfds.push_back({listen_fd, POLLIN, 0});
+    pfds.push_back({listen_fd, short(can_accept ? POLLIN : 0), 0});
     for (auto& h : pending) pfds.push_back({h.fd(), POLLIN, 0});
-    int r = ::poll(pfds.data(), nfds_t(pfds.size()), 100);
+    int r = ::poll(pfds.data(), nfds_t(pfds.size()), can_accept ? 100 : 20);
     if (r < 0 && errno != EINTR) break;
-    if (pfds[0].revents & POLLIN) {
+    if (can_accept && (pfds[0].revents & POLLIN)) {
       int fd = ::accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC);
       if (fd >= 0) {
-        if (pending.size() >= kMaxPending) {
+        if (full) {
           drop(pending.front(), "was still unauthenticated when newer connections came");
           pending.pop_front();
         }

@@ -89,7 +89,7 @@ class ServerHandshake {
 // The server side of set-up: accepts on `listen_fd` and runs the handshakes, many at once,
 // each a few bytes at a time with its own deadline, so a stranger that connects and sends
 // nothing delays nobody; at most a few unauthenticated sockets are held (the oldest is dropped
-// for a new one). Every authenticated socket goes to on_peer; returns once stop() is true.
+// for a new one once it has had a short grace to answer). Every authenticated socket goes to on_peer; returns once stop() is true.
 void serve_handshakes(int listen_fd, const std::string& secret, int rank, const std::function<bool()>& stop,
                       const std::function<void(const PeerIdentity&, int)>& on_peer);
 
