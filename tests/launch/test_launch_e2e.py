@@ -73,6 +73,18 @@ def test_environment_output_and_result(tmp_path, jobs_dir):
     assert len([m for m in raw if m.get("kind") == "step"]) == 12
 
 
+def test_an_env_value_with_a_line_break_keeps_the_cells_line_numbers(jobs_dir):
+    """script.py's first line is the magic line as a comment (so a traceback's line numbers are the
+    cell.s, the magic line being line 1): an --env value holding a line break once ended that comment, and every rank failed with a
+    SyntaxError on the rest of the option line."""
+    code = "import os\nprint(repr(os.environ['MULTI']))\nraise ValueError('on purpose')\n"
+    job = launch(code=code, nodes=1, backend="gloo", env={"MULTI": "a\nb"}, name="multi-line-env")
+    assert job.wait(60) == "failed"
+    log = job.logs(0)
+    assert "'a\\nb'" in log and "line 4" in log and "ValueError: on purpose" in log, log
+    assert "SyntaxError" not in log, log
+
+
 def test_metrics_without_the_monitor_reader(tmp_path, monkeypatch):
     import importlib.util
 

@@ -110,8 +110,10 @@ class Job(Shown):
                                       "choose another --name or --jobs-dir")
         jobdir.prepare(job_dir)
         if spec.code is not None:
-            # line 1 is the magic line, so line numbers in tracebacks are the cell's own
-            jobdir.write_private(job_dir / jobdir.SCRIPT, f"# {spec.to_magic_line()}\n{spec.code}\n")
+            # line 1 is the magic line, so line numbers in tracebacks are the cell's own: kept one line
+            # when an option's value holds a line break (an --env value), which would end the comment
+            magic = spec.to_magic_line().replace("\r", "\\r").replace("\n", "\\n")
+            jobdir.write_private(job_dir / jobdir.SCRIPT, f"# {magic}\n{spec.code}\n")
         else:
             jobdir.write_private(job_dir / jobdir.SCRIPT, Path(spec.script).read_text())
             spec = spec.replace(script=str(Path(spec.script).resolve()))
