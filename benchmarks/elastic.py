@@ -32,7 +32,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import select
 import shutil
 import signal
@@ -48,6 +47,7 @@ REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(REPO, "tests"))
 from _spawn import bench_parser, machine_info, write_results  # noqa: E402
+from helpers.chaos import ATTEMPT, DRIVER, STEP, rank_pids as _ranks, read_log as _read_log  # noqa: E402
 from sdp_jupyter.testing.cluster import signal_all  # noqa: E402
 
 SCENARIOS = {
@@ -57,27 +57,6 @@ SCENARIOS = {
     "D": ("node lost, plain 3, --max-restarts 1", {"nodes": 3, "max_restarts": 1}, "node"),
     "E": ("link cut, elastic 2:3", {"nodes": "2:3"}, "cut"),
 }
-
-# The notebook on h0: launch, say where the job's folder is, wait, say how it ended.
-DRIVER = r'''
-import json, sys, time, sdp_jupyter
-job = sdp_jupyter.launch(**json.loads(sys.argv[1]))
-print(json.dumps({"dir": str(job.dir)}), flush=True)
-job.wait()
-print(json.dumps({"state": job.state, "error": job.error, "t": time.time(), "restarts": job.restarts,
-                  "membership": job.status.get("membership", [])}), flush=True)
-'''
-
-STEP = re.compile(r"^step (\d+) loss ")
-ATTEMPT = re.compile(r"^attempt (\d+) world (\d+) from step (\d+)")
-
-
-def _read_log(path: Path) -> list[str]:
-    try:
-        return path.read_text(errors="replace").splitlines()
-    except OSError:
-        return []
-
 
 def _progress(lines: list[str]) -> tuple[int, int, int | None, bool]:
     """(the last attempt seen, its start step, the last step printed in it or None, a step printed in it)"""
@@ -101,19 +80,6 @@ def _line(proc, timeout: float) -> dict | None:
             if line.startswith("{"):
                 return json.loads(line)
     return None
-
-
-def _ranks(hosts, host: int) -> list[int]:
-    """The rank processes on `host` (not the monitor's sampler, which runs the worker with --module)."""
-    found = []
-    for pid in hosts.processes(host):
-        try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"--module" not in argv:
-            found.append(pid)
-    return found
 
 
 def one_round(cluster, hosts, jobs: Path, key: str, i: int, rng: random.Random, steps: int, sleep: float) -> dict:

@@ -63,6 +63,7 @@ class _Run:
                                         "close": lambda self, wait=0: None})() for n, h in enumerate(self.hosts)]
         self.inbox, self._stop, self._stop_reason = queue.Queue(), threading.Event(), None
         self.members, self._left, self.preflight_missing, self._membership = None, {}, {}, None
+        self._left_at = {}
         self.heartbeat_timeout, self.hello_timeout = 10.0, 1.0
         self.status, self.outcomes, self.formed = {}, list(outcomes), []
         self.job = type("Job", (), {"update_status": lambda _, **kw: self.status.update(kw), "dir": Path("job")})()
@@ -73,7 +74,7 @@ class _Run:
     def _attempt(self, attempt):
         self.formed.append([self.hosts[n] for n in self.members])
         state, error, left = self.outcomes.pop(0)
-        self._left = left
+        self._left, self._left_at = left, {n: time.time() for n in left}
         return state, error, []
 
     def reopen(self, node, inbox):

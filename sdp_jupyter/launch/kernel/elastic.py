@@ -83,12 +83,13 @@ class Membership:
                 left = dict(run._left)
                 attempt += 1
                 for node, why in left.items():
-                    self.lose(node, why)
+                    self.lose(node, why, since=run._left_at.get(node))
                 if state == "reform" or left:  # a host came back with room for it, or nodes were lost:
                     # a membership change, not a failure
                     self._change = {"why": error.splitlines()[0] if error else "re-formed"}
                     if left:
                         self._change["lost"] = {run.hosts[n]: why for n, why in left.items()}
+                        self._change["lost_at"] = {run.hosts[n]: run._left_at.get(n) for n in left}
                     continue
                 if failures >= spec.max_restarts:
                     return state, error, codes
@@ -174,14 +175,15 @@ class Membership:
                          for n, m in sorted(self.missing.items())) or "none"
 
     # ---------------------------------------------------------------- hosts that leave and return
-    def lose(self, node: int, why: str) -> None:
-        """conns[node] is not usable: close its link (its late frames go nowhere) and try it again."""
+    def lose(self, node: int, why: str, since: float | None = None) -> None:
+        """conns[node] is not usable (found at `since`, else now): close its link (its late frames go
+        nowhere) and try it again."""
         run = self.run
         old = run.conns[node]
         old.inbox = queue.Queue()  # its eof, when it comes, is not the new link's
         threading.Thread(target=old.close, kwargs={"wait": 1.0}, daemon=True).start()
         with self._lock:
-            self.missing[node] = {"why": why, "t": time.time()}
+            self.missing[node] = {"why": why, "t": since or time.time()}
             if node in self._trying:
                 return
             self._trying.add(node)

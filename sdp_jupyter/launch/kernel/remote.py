@@ -84,6 +84,7 @@ class RemoteRun(SessionChannel, HealChannel, InspectChannel, supervise.Run):
         self._gone: dict[int, str] = {}  # the session's ranks lost with their host: {rank: why}
         self.members: list[int] | None = None  # an elastic job's formation: indexes of self.conns, node order
         self._left: dict[int, str] = {}  # an elastic job's nodes lost in this attempt: {index of conns: why}
+        self._left_at: dict[int, float] = {}  # ... and when each was found lost (time.time())
         self._membership = None  # an elastic job's elastic.Membership, while it runs
         self.preflight_missing: dict[int, str] = {}  # an elastic job's hosts that failed preflight: {index: why}
         self._respawning: dict[int, str] = {}  # ranks asked to start again: {rank: why}, until their pid comes
@@ -298,7 +299,7 @@ class RemoteRun(SessionChannel, HealChannel, InspectChannel, supervise.Run):
         spec = self.spec if self.members is None else self.spec.replace(nodes=len(nodes))  # this formation's
         world = spec.world_size
         first = nodes[0]
-        self._left = {}
+        self._left, self._left_at = {}, {}
         port = self._ask_port(first)
         script = channel.b64((job.dir / jobdir.SCRIPT).read_bytes())
         self._starts = {}
@@ -331,7 +332,7 @@ class RemoteRun(SessionChannel, HealChannel, InspectChannel, supervise.Run):
                     if conn.node not in done and now - conn.last_heard > HEARTBEAT_TIMEOUT:
                         done.add(conn.node)  # lost: nobody to wait for there (its agent stops its own ranks)
                         why = self._silence(conn)
-                        self._left[conn.node] = why
+                        self._leave(conn.node, why)
                         if not self._host_gone(members[conn.node], why):
                             return self._fail(self._host_lost(conn.host, members[conn.node], why), codes, done)
                 if self.members is not None and self._membership.grow_now(len(nodes)):
@@ -374,17 +375,22 @@ class RemoteRun(SessionChannel, HealChannel, InspectChannel, supervise.Run):
             elif kind == "done":
                 done.add(node)
             elif kind == "error":
-                self._left[node] = f"its agent failed: {message.get('message')}"
+                self._leave(node, f"its agent failed: {message.get('message')}")
                 return self._fail(f"host {self.hosts[node]} (node {members[node]}): {message.get('message')}",
                                   codes, done)
             elif kind == "eof":
                 done.add(node)
-                self._left[node] = self._eof_reason(node, message)
+                self._leave(node, self._eof_reason(node, message))
                 if not self._host_gone(members[node], self._left[node]):
                     return self._fail(self._host_lost(self.hosts[node], members[node], self._left[node]), codes, done)
         if failed:
             return self._fail(supervise.job_error(self.job, failed, codes, self._who, self._host), codes, done)
         return "succeeded", None, codes
+
+    def _leave(self, node: int, why: str) -> None:
+        """conns[node] is lost in this attempt, found now (an elastic job's timeline says since when)."""
+        self._left[node] = why
+        self._left_at[node] = time.time()
 
     def _silence(self, conn: Link) -> str:
         """Why a node that stopped answering is lost (the job's error, an elastic job's timeline)."""
