@@ -37,12 +37,16 @@ class Stragglers:
 
 
 MIN_COLLECTIVES = 20  # fewer aligned collectives than this: no verdict
+LATE_S = 0.005  # a straggler is this late on average when it comes last...
+CROWDED_LATE_S = 0.020  # ... or this, when the ranks of its host outnumber the host's CPUs: they take turns
+# on the cores, and a rank the scheduler set aside for a time slice (a few ms) comes last by that much
 
 
 def stragglers(records: list[dict], hosts: dict | None = None) -> Stragglers:
     """The analysis from metrics lines (any order; other kinds are skipped)."""
     arrivals: dict[int, dict[int, tuple[float, float]]] = {}
     named = dict(hosts or {})
+    cpus: dict[str, int] = {}  # host -> CPUs its ranks may use, as they said
     for rec in records:
         if rec.get("kind") != "arrivals" or (rec.get("group") or "default") != "default":
             continue
@@ -50,6 +54,8 @@ def stragglers(records: list[dict], hosts: dict | None = None) -> Stragglers:
             rank, seq0, base = int(rec["rank"]), int(rec["seq0"]), float(rec["base"])
             if rec.get("host"):
                 named[rank] = str(rec["host"])
+                if rec.get("cpus"):
+                    cpus[named[rank]] = int(rec["cpus"])
             mine = arrivals.setdefault(rank, {})
             for i, (p, w) in enumerate(zip(rec["posted_ms"], rec["wait_ms"])):
                 mine[seq0 + i] = (base + float(p) / 1e3, float(w) / 1e3)
@@ -85,8 +91,10 @@ def stragglers(records: list[dict], hosts: dict | None = None) -> Stragglers:
     top = max(ranks, key=lambda r: late[r])
     total = sum(late.values())
     span = max(arrivals[r][common[-1]][0] for r in ranks) - min(arrivals[r][common[0]][0] for r in ranks)
+    host = named.get(top)
+    crowded = host in cpus and sum(named.get(r) == host for r in ranks) > cpus[host]
     if (total > 0 and late[top] / total >= max(0.5, 1.5 / len(ranks)) and out.last_share[top] > 1 / len(ranks)
-            and out.late_s[top] >= 0.005 and span > 0):
+            and out.late_s[top] >= (CROWDED_LATE_S if crowded else LATE_S) and span > 0):
         out.straggler = top
         out.cost = min(1.0, late[top] / span)
     return out

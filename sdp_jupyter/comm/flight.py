@@ -227,6 +227,14 @@ def _check(c, rec: dict, warn_s: float, now: float) -> None:
             "fields": FIELDS, "every": warn_s})
 
 
+def _cpus() -> int:
+    """The CPUs this rank may run on (its host's, or its container's or cgroup's share)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def _arrivals(c, rec: dict, now: float) -> None:
     """When this rank came to each collective finished since the last call (the newest 256 at most),
     and how long it spent in them, as one metrics line (kind "arrivals"): the notebook lines the ranks'
@@ -239,7 +247,8 @@ def _arrivals(c, rec: dict, now: float) -> None:
     base = done[0][6]
     from sdp_jupyter.monitor.reporter import emit  # a rank's own metrics file, one writer
 
-    emit("arrivals", group=getattr(c, "group_name", "default"), host=socket.gethostname(), seq0=done[0][0], base=base,
+    emit("arrivals", group=getattr(c, "group_name", "default"), host=socket.gethostname(), cpus=_cpus(),
+         seq0=done[0][0], base=base,
          posted_ms=[round((e[6] - base) * 1e3, 2) for e in done],
          wait_ms=[round((e[8] - e[6]) * 1e3, 2) for e in done], window_s=now - rec["window_at"])
     rec["window_at"] = now
