@@ -28,6 +28,8 @@ re-exported here.
 """
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import threading
 from dataclasses import dataclass
@@ -100,6 +102,18 @@ def start(workdir: str | None = None, set_environ: bool = True) -> LocalSageMake
             raise
         _running = LocalSageMaker(aws=aws, stand_in=stand_in, workdir=workdir, _context=context)
         return _running
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """Stop a stand-in still running as the process ends (a rehearsal's lives that long), while its server's
+    thread still runs: left to the garbage collector, moto's shutdown waited forever for a thread the
+    interpreter had already frozen, and `sdp-train --rehearse` never exited."""
+    with _running_lock:
+        running = _running
+    if running is not None:
+        with contextlib.suppress(Exception):
+            running.close()
 
 
 def shared() -> LocalSageMaker:

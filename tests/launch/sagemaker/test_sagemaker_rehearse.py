@@ -322,3 +322,22 @@ def test_run_a_function_in_a_rehearsal(tmp_path):
     values = sdp_jupyter.run(where, args=(2,), target="sagemaker", nodes=2, procs_per_node=1, backend="gloo",
                              name="rehearsed-run", jobs_dir=str(tmp_path / "jobs"), sagemaker=options)
     assert values == [["algo-1", 0], ["algo-2", 20]]
+
+
+def test_sdp_train_exits_once_its_rehearsal_has_ended(tmp_path):
+    """The command line's rehearsal keeps its SageMaker stand-in for the life of the process; at exit the
+    stand-in is stopped while its server's thread still runs (left to the garbage collector, the process
+    waited for a thread the interpreter had frozen and never exited)."""
+    import subprocess
+    import time
+
+    (tmp_path / "t.py").write_text("import torch.distributed as dist\ndist.init_process_group('gloo')\n"
+                                   "print('rank', dist.get_rank())\n")
+    env = dict(os.environ, SDP_JOBS_DIR=str(tmp_path / "jobs"))
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "sdp_jupyter.cli", "--target", "sagemaker", "--rehearse",
+                           "--nodes", "2", "--instance-type", "ml.m5.xlarge", "--backend", "gloo", "t.py"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert ": succeeded after " in proc.stderr, proc.stderr[-3000:]
+    print(f"sdp-train --rehearse: {time.monotonic() - t0:.1f} s from start to exit")
