@@ -2,7 +2,7 @@
 SSH test hosts, and at the end the weights of a run that never failed.
 
     sudo PYTHONPATH=. .venv/bin/python benchmarks/elastic_churn.py [--minutes 30] [--events N] [--seed 0]
-        [--kinds rank-kill,rank-stop,host-kill,host-stop,cut,slow] [--out results/elastic_churn.json]
+        [--kinds rank-kill,rank-stop,host-kill,host-stop,cut,slow] [--heal] [--out results/elastic_churn.json]
 
 It starts its own test hosts (sdp_jupyter.testing: Cluster(hosts=4), sshd on h1..h3, the "notebook" a
 driver on h0; root needed) and one job, `--nodes 2:3 --max-restarts 10000`, one rank per node, that trains
@@ -17,7 +17,11 @@ how the training is kept deterministic whatever the membership) and measures, pe
   lost        steps trained again: the last step rank 0 had printed at the fault + 1 - the step resumed from
   3 again     until the job trains on all 3 hosts again
 
-A fault the job does not recover from within --rejoin-wait seconds ends the injections. Then the end file
+With --heal the job is `--nodes 3 --heal` instead, training through sdp_jupyter.heal.Healer: a rank's
+death is healed in place (its peers go on, its replacement joins) and "detected" is the launcher's heal
+record. A lost host fails such a job by design (healing and elastic membership are not combined), so only
+rank-kill, rank-stop and slow are drawn. A fault the job does not recover from within --rejoin-wait seconds
+ends the injections. Then the end file
 is written and the job must succeed with the same weights on every rank, equal to those of the same number
 of steps trained in one process without a fault, no step skipped, and no process left on any host.
 Not a test: nothing is asserted (tests/launch/test_chaos.py runs a few minutes of it and asserts).
@@ -37,7 +41,7 @@ REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(REPO, "tests"))
 from _spawn import bench_parser, machine_info, write_results  # noqa: E402
-from helpers.chaos import KINDS, Soak  # noqa: E402
+from helpers.chaos import HEAL_KINDS, KINDS, Soak  # noqa: E402
 
 
 def table(events: list[dict], job: dict, total: float) -> None:
@@ -73,19 +77,23 @@ def main() -> None:
     p = bench_parser(__doc__)
     p.add_argument("--minutes", type=float, default=30.0, help="how long faults are injected")
     p.add_argument("--events", type=int, default=None, help="stop after this many faults")
-    p.add_argument("--kinds", default=",".join(KINDS))
+    p.add_argument("--kinds", default=None, help=f"default: {','.join(KINDS)} ({','.join(HEAL_KINDS)} with --heal)")
+    p.add_argument("--heal", action="store_true", help="a --nodes 3 --heal job instead of an elastic one")
     p.add_argument("--step-sleep", type=float, default=0.1)
     p.add_argument("--rejoin-wait", type=float, default=120.0, help="seconds a fault may take to recover from")
     p.add_argument("--cut-seconds", type=float, default=10.0)
     p.add_argument("--slow-seconds", type=float, default=20.0)
+    p.add_argument("--slow-share", type=float, default=0.1, help="the share of one CPU a slowed host keeps")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--keep", action="store_true", help="keep the job's folder (its logs) and say where")
     p.add_argument("--out", default=os.path.join(HERE, "results", "elastic_churn.json"))
     args = p.parse_args()
+    args.kinds = args.kinds or ",".join(HEAL_KINDS if args.heal else KINDS)
     from sdp_jupyter.testing.cluster import Cluster
     from sdp_jupyter.testing.sshd import SSHHosts
 
-    print(f"seed {args.seed}, {args.minutes:g} minutes, faults: {args.kinds}", flush=True)
+    print(f"seed {args.seed}, {args.minutes:g} minutes, {'--heal' if args.heal else 'elastic --nodes 2:3'}, "
+          f"faults: {args.kinds}", flush=True)
     t0 = time.monotonic()
     root = Path(tempfile.mkdtemp(prefix="sdp-bench-soak-"))
     os.chmod(root, 0o755)  # the ranks (root on the test hosts too) read the end file's folder
@@ -97,7 +105,7 @@ def main() -> None:
         hosts.start()
         soak = Soak(hosts, root, seed=args.seed, kinds=args.kinds.split(","), step_sleep=args.step_sleep,
                     rejoin_wait=args.rejoin_wait, cut_s=args.cut_seconds, slow_s=args.slow_seconds,
-                    say=lambda s: print(s, flush=True))
+                    slow_share=args.slow_share, heal=args.heal, say=lambda s: print(s, flush=True))
         soak.run(args.minutes, args.events)
     finally:
         if soak is not None and hosts is not None:
@@ -112,6 +120,7 @@ def main() -> None:
     total = time.monotonic() - t0
     table(soak.events, soak.job, total)
     write_results(args.out, machine_info(), soak.events, seed=args.seed, minutes=args.minutes, kinds=args.kinds,
+                  heal=args.heal,
                   step_sleep=args.step_sleep, total_s=round(total, 1), job=soak.job)
 
 

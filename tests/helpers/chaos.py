@@ -17,7 +17,7 @@ Faults (one host h1..h3 drawn per event, node 0 included):
   host-kill  SIGKILL the host's agent and rank (sshd stays, so the host comes back at once)
   host-stop  SIGSTOP the same; SIGCONT once the job trains again without it
   cut        the host's link down for `cut_s` seconds, then up
-  slow       the host held to a tenth of a CPU (a cgroup) for `slow_s` seconds: not a failure
+  slow       the host held to `slow_share` of a CPU (a cgroup; a tenth) for `slow_s` seconds: not a failure
 """
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ from helpers.remote_jobs import LAUNCH, drive, next_line
 from sdp_jupyter.testing.cluster import signal_all
 
 KINDS = ("rank-kill", "rank-stop", "host-kill", "host-stop", "cut", "slow")
+HEAL_KINDS = ("rank-kill", "rank-stop", "slow")
 
 # The step, shared by the job's script and the reference run (exec'd in both).
 STEP_CODE = r'''
@@ -101,14 +102,41 @@ while True:
 print(f"final rank {rank} step {step} weights {digest(model)}", flush=True)
 '''
 
+# The same training through the Healer (a --heal job): a dead rank's peers go on without it and take its
+# replacement back; every rank prints its steps with the generation (membership) it trained them in.
+HEAL_SCRIPT = r'''
+import os, time, torch, torch.distributed as dist
+from sdp_jupyter.heal import Healer
+torch.set_num_threads(1)
+exec(os.environ["STEP_CODE"])
+model, opt = make_model()
+healer = Healer(model, opt, wrap=lambda m: m)  # makes the process group (and makes it again at each change)
+for step in healer.steps(10 ** 9):
+    def train_step():
+        total, loss_sum = local_sum(healer.model, step, dist.get_rank(), dist.get_world_size())
+        dist.all_reduce(total)
+        end = torch.tensor([float(os.path.exists(os.environ["END_FILE"]))])
+        dist.all_reduce(end, op=dist.ReduceOp.MAX)  # every collective before the optimizer's step
+        apply_sum(healer.model, opt, total)
+        return loss_sum, end.item()
+    loss_sum, end = healer.run(train_step)
+    print(f"step {step} loss {loss_sum:.4f} generation {healer.generation} world {dist.get_world_size()}", flush=True)
+    if end:
+        break
+    time.sleep(float(os.environ.get("STEP_SLEEP", "0.1")))
+print(f"final rank {healer.rank} step {step} weights {digest(model)}", flush=True)
+healer.close()
+'''
+
 DRIVER = LAUNCH + r'''
 print(json.dumps({"dir": str(job.dir)}), flush=True)
 job.wait()
 print(json.dumps({"state": job.state, "error": job.error, "t": time.time(), "restarts": job.restarts,
-                  "membership": job.status.get("membership", [])}), flush=True)
+                  "membership": job.status.get("membership", []), "heals": job.status.get("heals", [])}), flush=True)
 '''
 
 STEP = re.compile(r"^step (\d+) loss ")
+HEAL_STEP = re.compile(r"^step (\d+) loss \S+ generation (\d+) world (\d+)$")
 ATTEMPT = re.compile(r"^attempt (\d+) world (\d+) from step (\d+)")
 FINAL = re.compile(r"^final rank (\d+) step (\d+) weights (\w+)$", re.M)
 
@@ -149,10 +177,16 @@ def _progress(lines: list[str]) -> tuple[int, int, int | None, int | None]:
     return attempt, start, world, last
 
 
-def _rode_out(log: Path, attempt: int, last: int | None):
-    """"rode out" once attempt `attempt` printed 3 steps past `last`."""
-    a, _, _, now = _progress(read_log(log))
-    return "rode out" if a == attempt and now is not None and last is not None and now >= last + 3 else None
+def _heal_progress(logs: list[list[str]]) -> tuple[int, int, int | None, int | None]:
+    """As _progress, for a --heal job over every rank's log: the newest generation any rank trained a step in."""
+    seen: dict[int, list[tuple[int, int]]] = {}
+    for lines in logs:
+        for m in filter(None, map(HEAL_STEP.match, lines)):
+            seen.setdefault(int(m[2]), []).append((int(m[1]), int(m[3])))
+    if not seen:
+        return -1, 0, None, None
+    g = max(seen)
+    return g, min(st for st, _ in seen[g]), seen[g][-1][1], max(st for st, _ in seen[g])
 
 
 def _membership(job_dir: Path) -> list[dict]:
@@ -185,12 +219,19 @@ class Soak:
     """One soak on started SSH test hosts (sdp_jupyter.testing.sshd.SSHHosts on h1..h3 of a 4-host cluster)."""
 
     def __init__(self, hosts, root: Path, *, seed: int = 0, kinds=KINDS, step_sleep: float = 0.1,
-                 rejoin_wait: float = 120.0, cut_s: float = 10.0, slow_s: float = 20.0, cycle: bool = False,
-                 say=print):
+                 rejoin_wait: float = 120.0, cut_s: float = 10.0, slow_s: float = 20.0, slow_share: float = 0.1,
+                 cycle: bool = False,
+                 heal: bool = False, say=print):
         self.hosts, self.cluster, self.root = hosts, hosts.cluster, Path(root)
         self.rng, self.kinds, self.say = random.Random(seed), list(kinds), say
         self.step_sleep, self.rejoin_wait, self.cut_s, self.slow_s = step_sleep, rejoin_wait, cut_s, slow_s
+        self.slow_share = slow_share
         self.cycle = cycle  # the kinds in turn (each one met in a short run), else drawn at random
+        # --nodes 3 --heal: a rank's death is healed in place; a lost host would fail the job (heal and elastic
+        # are not combined), so only the rank's faults and a slow host are drawn
+        self.heal = heal
+        if heal and set(self.kinds) - set(HEAL_KINDS):
+            raise ValueError(f"a --heal soak survives {', '.join(HEAL_KINDS)}, not {set(self.kinds) - set(HEAL_KINDS)}")
         self.events: list[dict] = []
         self.job: dict = {}
         self._undo: list = []  # what undoes the fault in progress (SIGCONT, a link up, a cgroup), run also on an error
@@ -200,8 +241,9 @@ class Soak:
         """Inject faults for `minutes` (or `max_events`), end the job, check it; the summary row."""
         end_file = self.root / "end"
         spec = {"target": "ssh", "ssh": {"hosts": self.hosts.hosts, "config": str(self.hosts.config)},
-                "jobs_dir": str(self.root / "jobs"), "name": "soak", "procs_per_node": 1, "nodes": "2:3",
-                "max_restarts": 10000, "code": SCRIPT,
+                "jobs_dir": str(self.root / "jobs"), "name": "soak", "procs_per_node": 1,
+                **({"nodes": 3, "heal": True, "code": HEAL_SCRIPT} if self.heal else {"nodes": "2:3", "code": SCRIPT}),
+                "max_restarts": 10000,
                 "env": {"STEP_SLEEP": str(self.step_sleep), "END_FILE": str(end_file), "STEP_CODE": STEP_CODE}}
         t_launch = time.time()
         self.driver = d = drive(self.cluster, spec, driver=DRIVER)
@@ -226,43 +268,69 @@ class Soak:
             if d.poll() is None:
                 d.kill()
             d.wait()
-        text = "\n".join(ln for r in range(3) for ln in read_log(self.job_dir / "logs" / f"rank-{r}.log"))
+        text = "\n".join(ln for lines in self._logs() for ln in lines)
         finals = {int(r): (int(s), w) for r, s, w in FINAL.findall(text)}
-        steps = [int(m[1]) for m in map(STEP.match, read_log(self.log)) if m]
+        steps = [int(m[1]) for m in map(STEP.match, text.splitlines()) if m]
         last = max(s for s, _ in finals.values()) if finals else None
         expected = reference(last + 1) if last is not None else None
         self.job = {"state": out["state"], "error": (out["error"] or "").splitlines()[0] if out["error"] else None,
                     "restarts": out["restarts"], "job_s": round(out["t"] - t_launch, 1), "steps": (last or 0) + 1,
-                    "formations": len([f for f in out["membership"] if "hosts" in f]),
+                    "formations": len([f for f in out["membership"] if "hosts" in f]) + len(out.get("heals") or []),
                     "finals": {str(k): v for k, v in finals.items()}, "reference": expected,
                     "same_weights": len({w for _, w in finals.values()}) == 1 and len(finals) >= 2,
                     "equals_reference": bool(finals) and {w for _, w in finals.values()} == {expected},
                     "no_step_skipped": bool(steps) and set(range(max(steps) + 1)) <= set(steps)}
         return self.job
 
+    def _logs(self) -> list[list[str]]:
+        return [read_log(self.job_dir / "logs" / f"rank-{r}.log") for r in range(3)]
+
+    def _progress(self) -> tuple[int, int, int | None, int | None]:
+        """(the newest phase: an attempt, or a --heal job's generation; the step it began at; its world; the
+        last step printed in it or None)"""
+        return _heal_progress(self._logs()) if self.heal else _progress(read_log(self.log))
+
+    def _changes(self) -> list[dict]:
+        """The job's membership changes so far, each with when it was found (t_found) and made (t)."""
+        if not self.heal:
+            return [{**f, "t_found": min(f.get("lost_at", {}).values(), default=f["t"])} for f in _membership(self.job_dir)]
+        try:
+            heals = json.loads((self.job_dir / "status.json").read_text()).get("heals", [])
+        except (OSError, ValueError):
+            return []
+        return [{**h, "t": h["at"], "t_found": h["at"], "hosts": h["members"], "lost": h.get("left")} for h in heals]
+
+    def _changes_since(self, t: float) -> list[dict]:
+        # by time, not by count: a --heal job's status lists its first generation only once a change came
+        return [c for c in self._changes() if c["t"] >= t]
+
     def _on_three(self, after: int):
-        """The job trains on 3 nodes in an attempt after `after` (rank 0 printed a step of it)."""
-        attempt, _, world, last = _progress(read_log(self.log))
-        return attempt > after and last is not None and world == 3 and self.driver.poll() is None
+        """The job trains with 3 ranks in a phase after `after` (a step of it printed)."""
+        phase, _, world, last = self._progress()
+        return phase > after and last is not None and world == 3 and self.driver.poll() is None
+
+    def _rode_out(self, phase: int, last: int | None):
+        """"rode out" once phase `phase` printed 3 steps past `last`."""
+        p, _, _, now = self._progress()
+        return "rode out" if p == phase and now is not None and last is not None and now >= last + 3 else None
 
     # ------------------------------------------------------------------ one fault
     def inject(self, i: int) -> dict:
         host = self.rng.randint(1, 3)
         kind = self.kinds[i % len(self.kinds)] if self.cycle else self.rng.choice(self.kinds)
-        attempt, _, _, fail_step = _progress(read_log(self.log))
-        before = len(_membership(self.job_dir))
+        attempt, _, _, fail_step = self._progress()
         ev = {"event": i, "host": f"h{host}", "kind": kind, "step_at_fault": fail_step}
         t_fail = time.time()
 
-        def again():  # a later attempt trains
-            a, start, world, last = _progress(read_log(self.log))
+        def again():  # a later attempt (generation) trains
+            a, start, world, last = self._progress()
             return (a, start, world) if a > attempt and last is not None else None
 
         if kind == "slow":
             from helpers.cgroup import cpu_limited
 
             ev["steps_per_s_before"] = self._rate(5.0)
-            with cpu_limited(lambda: self.cluster.pids(host), 0.1):
+            with cpu_limited(lambda: self.cluster.pids(host), self.slow_share):
                 ev["steps_per_s_slowed"] = self._rate(self.slow_s)
             ev["steps_per_s_after"] = self._rate(5.0)
             got = None
@@ -272,9 +340,9 @@ class Soak:
             got = _wait(again, self.cut_s)
             time.sleep(max(0.0, t_fail + self.cut_s - time.time()))
             self.undo()
-            at_heal = _progress(read_log(self.log))
+            at_heal = self._progress()
             # the job re-forms, or rides the cut out: the same attempt trains 3 steps past the healing
-            got = got or _wait(lambda: again() or _rode_out(self.log, attempt, at_heal[3]), self.rejoin_wait)
+            got = got or _wait(lambda: again() or self._rode_out(attempt, at_heal[3]), self.rejoin_wait)
         else:
             pids = rank_pids(self.hosts, host)
             if kind.startswith("host"):
@@ -288,15 +356,14 @@ class Soak:
         if got == "rode out":
             ev.update(back_s=round(time.time() - t_fail, 2), steps_lost=0, rode_out=True)
         elif got:
-            forms = _membership(self.job_dir)[before:]
+            forms = self._changes_since(t_fail)
             first = forms[0] if forms else {}
-            lost_at = list(first.get("lost_at", {}).values())  # when the launcher found each node lost
             ev.update(back_s=round(time.time() - t_fail, 2), resumed_from=got[1], world=got[2],
                       steps_lost=(fail_step + 1 - got[1]) if fail_step is not None else None,
-                      reformed_s=round(first["t"] - t_fail, 2) if first else None)
-            ev["detected_s"] = round(min(lost_at) - t_fail, 2) if lost_at else ev["reformed_s"]
+                      reformed_s=round(first["t"] - t_fail, 2) if first else None,
+                      detected_s=round(first["t_found"] - t_fail, 2) if first else None)
         full = _wait(lambda: self._on_three(-1 if got in (None, "rode out") else attempt), self.rejoin_wait)
-        forms = _membership(self.job_dir)[before:]
+        forms = self._changes_since(t_fail)
         ev["formations"] = [f["hosts"] for f in forms]
         ev["lost"] = [f["lost"] for f in forms if f.get("lost")]
         ev["three_again_s"] = round(time.time() - t_fail, 2) if full else None
@@ -304,9 +371,9 @@ class Soak:
         return ev
 
     def _rate(self, seconds: float) -> float:
-        first = _progress(read_log(self.log))[3] or 0
+        first = self._progress()[3] or 0
         time.sleep(seconds)
-        return round(((_progress(read_log(self.log))[3] or 0) - first) / seconds, 2)
+        return round(((self._progress()[3] or 0) - first) / seconds, 2)
 
     def undo(self) -> None:
         while self._undo:
