@@ -24,6 +24,7 @@ from sdp_jupyter.launch.kernel.job import Job
 from sdp_jupyter.launch.kernel.preparation import create_job
 from sdp_jupyter.launch.kernel.remote_heal import HealChannel
 from sdp_jupyter.launch.kernel.remote_inspect import InspectChannel
+from sdp_jupyter.launch.kernel.remote_mirror import MirrorChannel
 from sdp_jupyter.launch.kernel.remote_session import SessionChannel
 from sdp_jupyter import backends
 from sdp_jupyter.launch.spec import JobSpec, SpecError
@@ -52,7 +53,7 @@ def start_job(run: "RemoteRun", push_bytes: bytes | None, **status) -> Job:
     return job
 
 
-class RemoteRun(SessionChannel, HealChannel, InspectChannel, supervise.Run):
+class RemoteRun(MirrorChannel, SessionChannel, HealChannel, InspectChannel, supervise.Run):
     """The supervisor of one remote job: its links (one agent per node), attempts, restarts and stop.
 
     A target subclasses it with `open_links()` (start every node's agent; the links put frames into
@@ -454,47 +455,12 @@ class RemoteRun(SessionChannel, HealChannel, InspectChannel, supervise.Run):
         for node in nodes - done:
             self._left.setdefault(node, f"did not stop its ranks within {g1 + g2 + 8:g} s of being asked")
 
-    # ---------------------------------------------------------------- mirroring into the job directory
-    def _mirror(self, message: dict) -> bool:
-        """Output and metrics go into the job directory and the views; True when `message` was one."""
-        if message["type"] == "out":
-            self._out(int(message["rank"]), message["text"], logged=self.logs_written)
-        elif message["type"] == "metrics":
-            self._metrics(message)
-        elif message["type"] == "stacks":  # Job.stacks()'s answer (launch/kernel/remote_inspect.py)
-            self._stacks_answer(message)
-        elif message["type"] == "answer":  # a session's rank's (launch/host/session_relay.py)
-            self.session_mail.put((message["kind"], message.get("n"), int(message["rank"]),
-                                   channel.unb64(message["data"])))
-        else:
-            return False
-        return True
-
-    def _out(self, rank: int, text: str, logged: bool = False) -> None:
-        """A piece of a rank's output into its log (unless `logged` already) and its view."""
-        if not logged:
-            self._mirror_files.append(jobdir.log_path(self.job.dir, rank), text)
-        shown = self._views.setdefault(rank, ViewCut()).text(text.encode("utf-8", "surrogateescape"))
-        if shown is not None:  # the view shows a line's first LINE_CAP bytes, as for a local job
-            self.job.emit_output(rank, shown)
-
-    def _metrics(self, message: dict) -> None:
-        name = str(message.get("file", ""))
-        if not jobdir.is_metrics_name(name):  # never a path: only the names the agent may send
-            return
-        self._mirror_files.append(self.job.dir / jobdir.METRICS / name, str(message.get("lines", "")))
-
     def _host(self, rank: int) -> str:
         return self.nodes()[rank // self.spec.procs_per_node].host
 
     def _who(self, rank: int) -> str:
         node, local_rank = divmod(rank, self.spec.procs_per_node)
         return f"rank {rank} (node {node} on host {self.nodes()[node].host}, local rank {local_rank})"
-
-    def _write_agent_logs(self) -> None:
-        for conn in self.conns:
-            if conn.stderr:
-                self._mirror_files.append(jobdir.agent_log_path(self.job.dir, conn.node), "\n".join(conn.stderr) + "\n")
 
     def kill_now(self) -> None:
         """At interpreter exit: close every connection at once; the agents stop their ranks."""
