@@ -134,15 +134,25 @@ def tell(proc, command: str) -> None:
 
 def next_line(proc, timeout: float = 120.0) -> dict:
     """The driver's next JSON line (its stderr is shown if it ends first)."""
+    # Lines are cut from the pipe's bytes here: a readline() after select() read ahead into the file
+    # object's buffer, and a second line that came in the same read waited for more output (a driver
+    # that prints two lines and then waits for a command waited forever).
     deadline = time.monotonic() + timeout
+    fd = proc.stdout.fileno()
+    pending = proc.__dict__.setdefault("_lines_pending", bytearray())
     while time.monotonic() < deadline:
-        ready, _, _ = select.select([proc.stdout], [], [], 0.5)
-        if ready:
-            line = proc.stdout.readline()
+        while b"\n" in pending:
+            end = pending.index(b"\n")
+            line = bytes(pending[:end]).decode(errors="replace")
+            del pending[:end + 1]
             if line.startswith("{"):
                 return json.loads(line)
-            if not line:
+        ready, _, _ = select.select([fd], [], [], 0.5)
+        if ready:
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
                 break
+            pending += chunk
     if proc.poll() is None:  # a driver that hangs: its threads' stacks (the drivers register SIGUSR1)
         proc.send_signal(signal.SIGUSR1)
         time.sleep(1.0)
