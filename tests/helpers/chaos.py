@@ -29,6 +29,7 @@ import signal
 import time
 from pathlib import Path
 
+from helpers.monitor_jobs import wait_for
 from helpers.remote_jobs import LAUNCH, drive, next_line
 from sdp_jupyter.testing.cluster import signal_all
 
@@ -206,13 +207,12 @@ def rank_pids(hosts, host: int) -> list[int]:
     return found
 
 
-def _wait(pred, timeout: float, every: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := pred():
-            return value
-        time.sleep(every)
-    return None
+def _wait(pred, timeout: float):
+    """`pred()`'s first true value within `timeout` seconds, else None."""
+    try:
+        return wait_for(pred, timeout)
+    except AssertionError:
+        return None
 
 
 class Soak:

@@ -83,13 +83,13 @@ class Membership:
                 left = dict(run._left)
                 attempt += 1
                 for node, why in left.items():
-                    self.lose(node, why, since=run._left_at.get(node))
+                    self.lose(node, why, since=run._left_at[node])
                 if state == "reform" or left:  # a host came back with room for it, or nodes were lost:
                     # a membership change, not a failure
                     self._change = {"why": error.splitlines()[0] if error else "re-formed"}
                     if left:
                         self._change["lost"] = {run.hosts[n]: why for n, why in left.items()}
-                        self._change["lost_at"] = {run.hosts[n]: run._left_at.get(n) for n in left}
+                        self._change["lost_at"] = {run.hosts[n]: run._left_at[n] for n in left}
                     continue
                 if failures >= spec.max_restarts:
                     return state, error, codes

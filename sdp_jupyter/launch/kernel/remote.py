@@ -388,8 +388,11 @@ class RemoteRun(MirrorChannel, SessionChannel, HealChannel, InspectChannel, supe
             return self._fail(supervise.job_error(self.job, failed, codes, self._who, self._host), codes, done)
         return "succeeded", None, codes
 
-    def _leave(self, node: int, why: str) -> None:
-        """conns[node] is lost in this attempt, found now (an elastic job's timeline says since when)."""
+    def _leave(self, node: int, why: str, first: bool = False) -> None:
+        """conns[node] is lost in this attempt, found now (an elastic job's timeline says since when);
+        `first`: unless it was found lost already (the earlier cause and time stand)."""
+        if first and node in self._left:
+            return
         self._left[node] = why
         self._left_at[node] = time.time()
 
@@ -447,13 +450,13 @@ class RemoteRun(MirrorChannel, SessionChannel, HealChannel, InspectChannel, supe
             if node not in nodes or self._mirror(message):
                 continue
             if message["type"] == "eof":
-                self._left.setdefault(node, self._eof_reason(node, message))
+                self._leave(node, self._eof_reason(node, message), first=True)
             if message["type"] == "exit" and codes is not None and int(message["rank"]) < len(codes):
                 codes[int(message["rank"])] = int(message["code"])
             if message["type"] in ("done", "eof"):
                 done.add(node)
         for node in nodes - done:
-            self._left.setdefault(node, f"did not stop its ranks within {g1 + g2 + 8:g} s of being asked")
+            self._leave(node, f"did not stop its ranks within {g1 + g2 + 8:g} s of being asked", first=True)
 
     def _host(self, rank: int) -> str:
         return self.nodes()[rank // self.spec.procs_per_node].host
