@@ -24,7 +24,7 @@ the build with the cause and the fix (sdp_jupyter/_native_check.py).
 The engine's sources travel in the package too: build_py copies native/ (the NATIVE_FILES), setup.py,
 pyproject.toml and README.md into sdp_jupyter/_sources/ of the build (never of the checkout), so an
 installed wheel can write the source package that --engine sdp ships to SageMaker
-(sdp_jupyter/launch/kernel/sagemaker/source.py). An editable install reads them from the checkout.
+(sdp_jupyter/launch/targets/sagemaker/source.py). An editable install reads them from the checkout.
 """
 import glob
 import importlib.util

@@ -1,5 +1,5 @@
 """`sdp-train`: the launcher without a notebook, for terminals and CI (every target of
-launch/target_options.py: local, ssh, ray, slurm, sagemaker).
+launch/targets/__init__.py: local, ssh, ray, slurm, sagemaker).
 
     sdp-train --nodes 4 --backend gloo train.py --epochs 3
 
@@ -16,7 +16,7 @@ import os
 import re
 import sys
 
-from sdp_jupyter.launch import JobSpec, SpecError, launch, target_options
+from sdp_jupyter.launch import JobSpec, SpecError, launch, targets
 from sdp_jupyter.launch.spec import all_options
 
 NOTEBOOK_ONLY = ("--wait", "--push", "--no-auto-push", "--result")
@@ -25,7 +25,7 @@ NOTEBOOK_ONLY = ("--wait", "--push", "--no-auto-push", "--result")
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sdp-train", description="Run a training script as a distributed job on a target (--target): "
-                                       f"{target_options.listed()}. The default, local, is this machine.")
+                                       f"{targets.listed()}. The default, local, is this machine.")
     for opt in all_options():
         if opt.flag not in NOTEBOOK_ONLY:
             parser.add_argument(opt.flag, **opt.argparse_kwargs())

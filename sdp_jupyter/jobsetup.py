@@ -29,21 +29,22 @@ from typing import Callable
 from sdp_jupyter import instances, scaling
 from sdp_jupyter._display import Shown
 from sdp_jupyter._renamed import renamed
-from sdp_jupyter.setup_options import SLURM_FIELDS, setup_arguments
+from sdp_jupyter.launch import targets
+from sdp_jupyter.setup_options import setup_arguments
 
 #: code of cells stored with %%sdp_cell NAME, by name
 CELLS: dict[str, str] = {}
 
-#: the instance type a form switched to the SageMaker target starts from
-DEFAULT_SAGEMAKER_INSTANCE = "ml.p4d.24xlarge"
+#: the instance type a form switched to a target of catalogue instances starts from
+DEFAULT_CATALOGUE_INSTANCE = "ml.p4d.24xlarge"
 
 #: Plan fields a person types as text: '' (or 'auto'/'unknown') is None, anything else must be a number
 TEXT_NUMBERS = {"warmup_epochs": "warm-up epochs", "throughput_per_gpu": "throughput / GPU",
                 "price_per_hour": "USD per node-hour"}
 
-#: fields of the setup that are not Plan fields: the SSH target's hosts, the Ray target's address and
-#: the Slurm target's options
-TARGET_FIELDS = ("hosts", "ray_address", *SLURM_FIELDS)
+#: fields of the setup that are not Plan fields: those the targets add to the form (their records' `form`:
+#: the SSH target's hosts, the Ray target's address, the Slurm target's options, ...)
+TARGET_FIELDS = tuple(f.name for _target, f in targets.form_fields())
 
 
 def optional_float(value, label: str) -> float | None:
@@ -74,13 +75,13 @@ def measured_throughput(job_or_dir) -> tuple[float, int] | None:
 class JobSetup(Shown):
     """The job setup. Keyword arguments preset its fields (see ``scaling.Plan`` for their meaning).
 
-    ``sagemaker`` holds the SageMaker target's other options (role, bucket, ...; see docs/launcher.md);
-    the instance type is a field. ``ssh`` holds the SSH target's other options (python, config; see
-    docs/ssh.md); its hosts are the ``hosts`` field. ``ray_address`` is the Ray target's address (empty:
-    $RAY_ADDRESS, else auto; see docs/ray.md). ``slurm`` presets the Slurm target's fields (keys of
-    ``JobSpec.slurm``: partition, account, time, args; fields ``slurm_partition``, ...): an empty one is
-    left out of the spec, so Slurm's default holds. ``launch_job`` replaces ``sdp_jupyter.launch`` (tests
-    and other front-ends may pass their own).
+    A target's own options are given as JobSpec gives them, a dict under the target's field
+    (``sagemaker={"role": ...}``, ``ssh={"hosts": [...], "python": ...}``, ``slurm={"partition": ...}``;
+    see docs/launcher.md): the keys that are fields of the form fill them (the SSH hosts, the Ray
+    address, the Slurm partition, account, time and sbatch options), the rest go to the spec as given.
+    The form's fields are keywords too (``hosts="gpu1,gpu2"``, ``ray_address=...``, ``slurm_time=...``):
+    an empty one is left out of the spec, so the target's default holds. ``launch_job`` replaces
+    ``sdp_jupyter.launch`` (tests and other front-ends may pass their own).
     """
 
     def __init__(
@@ -92,30 +93,22 @@ class JobSetup(Shown):
         name: str | None = None,
         hyperparameters: dict | None = None,
         jobs_dir: str | None = None,
-        sagemaker: dict | None = None,
-        ssh: dict | None = None,
-        ray_address: str | None = None,
-        slurm: dict | None = None,
         launch_job=None,
-        **plan_fields,
+        **fields,
     ):
-        plan_fields = renamed(plan_fields, "JobSetup()")
+        fields = renamed(fields, "JobSetup()")
+        self.target_options, form_values = _target_fields(fields)  # takes the targets' keywords out of `fields`
+        plan_fields = fields
         known = {f.name for f in dc_fields(scaling.Plan)}
         unknown = sorted(set(plan_fields) - known)
         if unknown:
+            theirs = [t.field for t in targets.TARGETS.values() if t.field] + list(TARGET_FIELDS)
             raise TypeError(f"JobSetup() got unknown field(s) {', '.join(unknown)}; known: script, code, cell, "
-                            f"name, hyperparameters, jobs_dir, sagemaker, ssh, ray_address, slurm, "
-                            f"{', '.join(sorted(known))}")
-        unknown = sorted(set(slurm or {}) - set(SLURM_FIELDS.values()))
-        if unknown:
-            raise TypeError(f"JobSetup(slurm=...) got unknown Slurm option(s) {', '.join(unknown)}; known: "
-                            f"{', '.join(SLURM_FIELDS.values())}")
+                            f"name, hyperparameters, jobs_dir, {', '.join(theirs)}, {', '.join(sorted(known))}")
         self._set_what_runs(script, code, cell)
         self.name = name
         self.extra_hyperparameters = dict(hyperparameters or {})
         self.jobs_dir = jobs_dir
-        self.sagemaker_options = dict(sagemaker or {})  # JobSpec.sagemaker (role, bucket, ...) for that target
-        self.ssh_options = {k: v for k, v in (ssh or {}).items() if k != "hosts"}  # JobSpec.ssh: python, config
         self.launch_job = launch_job
         self._listeners: list[Callable[["JobSetup"], None]] = []
         self._lock = threading.RLock()
@@ -128,10 +121,7 @@ class JobSetup(Shown):
         self.measurements: dict[int, float] = {}  # ranks -> samples/s per rank, every measured job of this setup
         preset = scaling.Plan(**plan_fields)  # validates the choices (ValueError names the field)
         self._values = {f.name: getattr(preset, f.name) for f in dc_fields(scaling.Plan)}
-        hosts = (ssh or {}).get("hosts") or []
-        self._values.update(hosts=",".join(hosts) if isinstance(hosts, (list, tuple)) else str(hosts),
-                            ray_address=ray_address or "")
-        self._values.update({field: str((slurm or {}).get(key) or "") for field, key in SLURM_FIELDS.items()})
+        self._values.update(form_values)
         self._follow_target(None)
 
     # ------------------------------------------------------------------ the fields
@@ -151,7 +141,7 @@ class JobSetup(Shown):
                             f"{', '.join(sorted(self._values))}")
         with self._lock:
             new = {**self._values, **changes}
-            if new["target"] == "sagemaker":
+            if targets.TARGETS[new["target"]].catalogue:
                 instances.get(new["instance_type"])  # KeyError naming the catalogue
             scaling.Plan(**{k: (None if k in TEXT_NUMBERS else v) for k, v in new.items() if k not in TARGET_FIELDS})
             old_target = self._values["target"]
@@ -161,18 +151,20 @@ class JobSetup(Shown):
         return self
 
     def _follow_target(self, old_target: str | None, given: dict = {}) -> None:
-        """The fields a target decides: on SageMaker the instance type's GPU count, elsewhere the local
-        machine; switching target resets the instance type (and, off SageMaker, the processes per node)."""
+        """The fields a target decides: on a target of catalogue instances (SageMaker) the instance type's
+        GPU count, elsewhere the local machine; switching target resets the instance type (and, off the
+        catalogue, the processes per node)."""
         v = self._values
+        catalogue = targets.TARGETS[v["target"]].catalogue
         if old_target is not None and old_target != v["target"]:
-            if v["target"] == "sagemaker":
+            if catalogue:
                 if "instance_type" not in given:
-                    v["instance_type"] = DEFAULT_SAGEMAKER_INSTANCE
+                    v["instance_type"] = DEFAULT_CATALOGUE_INSTANCE
             elif "procs_per_node" not in given:
                 v["procs_per_node"] = max(1, instances.get(instances.LOCAL).gpus)
-        if v["target"] == "sagemaker":
+        if catalogue:
             if v["instance_type"] == instances.LOCAL:
-                v["instance_type"] = DEFAULT_SAGEMAKER_INSTANCE
+                v["instance_type"] = DEFAULT_CATALOGUE_INSTANCE
             v["procs_per_node"] = max(1, instances.get(v["instance_type"]).gpus)
         else:
             v["instance_type"] = instances.LOCAL
@@ -197,8 +189,10 @@ class JobSetup(Shown):
     def plan(self) -> scaling.Plan:
         """The fields as a Plan; ValueError for a number field that is not a number."""
         v = dict(self._values)
-        if v["engine"] == "auto":  # the field left as auto: the SageMaker option `engine`, if given, decides
-            v["engine"] = self.sagemaker_options.get("engine") or "auto"
+        record = targets.TARGETS[v["target"]]
+        for key in record.plan_keys:  # a field left as auto: the target's option of that name, if given, decides
+            if v[key] == "auto":
+                v[key] = self.target_options.get(record.field, {}).get(key) or "auto"
         return scaling.Plan(**{k: (optional_float(x, TEXT_NUMBERS[k]) if k in TEXT_NUMBERS else x)
                                for k, x in v.items() if k not in TARGET_FIELDS})
 
@@ -208,13 +202,28 @@ class JobSetup(Shown):
         size, global batch, scaled LR, warm-up, estimate and the warnings (errors block a launch)."""
         return scaling.evaluate(self.plan)
 
-    @property
-    def ssh_hosts(self) -> list[str]:
-        """The hosts field as a list; ValueError when the target is ssh and it is empty."""
-        hosts = [h.strip() for h in self._values["hosts"].split(",") if h.strip()]
-        if not hosts and self._values["target"] == "ssh":
-            raise ValueError("SSH hosts: enter the host names, e.g. gpu1,gpu2")
-        return hosts
+    def target_part(self, plan: scaling.Plan | None = None) -> dict:
+        """The chosen target's JobSpec dict field as Launch fills it (``{"ssh": {"hosts": [...]}}``; {} for
+        a target without one): its options given to JobSetup, the setup fields it copies (``plan_keys``)
+        and its form fields that are filled. ValueError for a required field left empty."""
+        plan = plan or self.plan
+        record = targets.TARGETS[plan.target]
+        if record.field is None:
+            return {}
+        part = dict(self.target_options.get(record.field, {}))
+        for key in record.plan_keys:
+            value = getattr(plan, key)
+            if value != "auto" or key in part:  # set as a field, or given as an option
+                part[key] = value
+        for field in record.form:
+            value = field.value(self._values[field.name])
+            if value:
+                part[field.key] = value
+            elif field.required:
+                raise ValueError(field.required)
+        from sdp_jupyter.launch.spec import JobSpec
+
+        return JobSpec.put_target_options({}, record.field, part)
 
     @property
     def hyperparameters(self) -> dict:
@@ -242,18 +251,7 @@ class JobSetup(Shown):
         if not out.ok:
             raise ValueError("the setup cannot launch: " + "; ".join(str(e) for e in out.errors))
         plan = out.plan
-        extra = {}
-        if plan.target == "sagemaker":
-            extra["sagemaker"] = {**self.sagemaker_options, "instance_type": plan.instance_type}
-            if plan.engine != "auto" or "engine" in self.sagemaker_options:  # set as a field or an option
-                extra["sagemaker"]["engine"] = plan.engine
-        if plan.target == "ssh":
-            extra["ssh"] = {**self.ssh_options, "hosts": self.ssh_hosts}
-        if plan.target == "ray" and self._values["ray_address"].strip():
-            extra["ray"] = {"address": self._values["ray_address"].strip()}
-        if plan.target == "slurm":  # only what was filled in: an empty field leaves Slurm's default
-            extra["slurm"] = {key: str(self._values[field]).strip() for field, key in SLURM_FIELDS.items()
-                              if str(self._values[field]).strip()}
+        extra = self.target_part(plan)
         return JobSpec(
             **self._what_runs(),
             name=self.name,
@@ -396,12 +394,32 @@ def setup_from_options(values: dict) -> JobSetup:
     for flag in ("batchnorm", "drop_last"):
         if flag in kwargs:
             kwargs[flag] = kwargs[flag] == "yes"
-    slurm = {key: kwargs.pop(field) for field, key in SLURM_FIELDS.items() if field in kwargs}
-    if slurm:
-        kwargs["slurm"] = slurm
-    if "hosts" in kwargs:
-        kwargs["ssh"] = {"hosts": [h.strip() for h in kwargs.pop("hosts").split(",") if h.strip()]}
-    return JobSetup(**kwargs)
+    return JobSetup(**kwargs)  # the targets' form fields (--hosts, --partition, ...) are JobSetup keywords
+
+
+def _target_fields(given: dict) -> tuple[dict, dict]:
+    """Take the targets' keywords out of JobSetup's `given`: ({JobSpec dict field: options not on the form},
+    {form field: its text}). A dict's key that is a form field's fills that field; a key the target does
+    not take is refused (TypeError naming the ones it takes)."""
+    options: dict[str, dict] = {}
+    form = {f.name: "" for _target, f in targets.form_fields()}
+    for record in targets.TARGETS.values():
+        if record.field is None or record.field not in given:
+            continue
+        opts = dict(given.pop(record.field) or {})
+        known = [f.key for f in record.form] + sorted((record.keys or set()) - {f.key for f in record.form})
+        unknown = sorted(set(opts) - set(known)) if record.keys is not None else []
+        if unknown:
+            raise TypeError(f"JobSetup({record.field}=...) got unknown {record.name} option(s) {', '.join(unknown)}; "
+                            f"known: {', '.join(known)}")
+        for field in record.form:
+            if field.key in opts:
+                value = opts.pop(field.key)
+                form[field.name] = ",".join(value) if isinstance(value, (list, tuple)) else str(value or "")
+        options[record.field] = opts
+    for name in [k for k in given if k in form]:
+        form[name] = str(given.pop(name) or "")
+    return options, form
 
 
 def setup_from_line(line: str) -> JobSetup:

@@ -38,7 +38,7 @@ import math
 from dataclasses import InitVar, asdict, dataclass, field
 
 from sdp_jupyter import instances
-from sdp_jupyter.launch import target_options
+from sdp_jupyter.launch import targets
 from sdp_jupyter.backends import BACKENDS
 
 RULES = ("none", "linear", "sqrt")
@@ -46,8 +46,8 @@ MODES = ("keep_per_gpu", "keep_global")
 OPTIMIZERS = ("sgd", "adam", "adamw", "lars", "lamb")
 #: optimizers with layer-wise adaptive rates (You et al.), which tolerate very large global batches
 LAYERWISE_OPTIMIZERS = ("lars", "lamb")
-#: every target the launcher knows (launch/target_options.py); only SageMaker's nodes are catalogue types
-TARGETS = tuple(target_options.TARGETS)
+#: every target the launcher knows (launch/targets/__init__.py); only SageMaker's nodes are catalogue types
+TARGETS = tuple(targets.TARGETS)
 
 #: per-GPU batch below which BatchNorm statistics degrade (Wu & He 2018, Fig. 1)
 BN_MIN_PER_GPU_BATCH = 16
@@ -228,7 +228,7 @@ class Plan:
     everywhere; ``gpus_per_node`` is its old name, still accepted with a warning); on SageMaker it is the
     instance type's GPU count and a different value is ignored."""
 
-    target: str = "local"
+    target: str = targets.DEFAULT_TARGET
     instance_type: str = "local"
     nodes: int = 1
     procs_per_node: int = 1
@@ -357,7 +357,7 @@ def _input_errors(plan: Plan) -> list[ScalingWarning]:
 def _catalogue(target: str) -> bool:
     """Whether `target`'s nodes are catalogue instance types (SageMaker's); False for an unknown one,
     which the plan's checks name."""
-    record = target_options.TARGETS.get(target)
+    record = targets.TARGETS.get(target)
     return bool(record and record.catalogue)
 
 
@@ -368,7 +368,7 @@ def evaluate(plan: Plan) -> Outcome:
     else:
         inst = instances.get(plan.instance_type)  # KeyError names the known types
         if inst.is_local:
-            raise ValueError("target 'sagemaker' needs a SageMaker instance type, not 'local'")
+            raise ValueError(f"target {plan.target!r} needs an instance type of the catalogue, not {inst.name!r}")
     errors = _input_errors(plan)
     if errors:
         return Outcome(plan, inst, warnings=tuple(errors))
@@ -452,7 +452,7 @@ def _findings(plan: Plan, inst: instances.Instance, world: int, per_gpu: int, gb
             "smddp on 1 node: the library speeds up AllReduce across hosts; within one node it brings "
             "nothing over NCCL (GPUs) or gloo (CPU).",
             "Use 2+ nodes to benefit, or backend 'nccl'/'gloo' for a single node.", plan.nodes, 2))
-    sagemaker_smddp = plan.target == "sagemaker" and plan.backend == "smddp"
+    sagemaker_smddp = _catalogue(plan.target) and plan.backend == "smddp"  # the catalogue's types: SageMaker's
     engine = plan.engine if plan.engine != instances.ENGINE_AUTO else inst.smddp_engine
     if sagemaker_smddp and engine == instances.ENGINE_AWS and not inst.smddp_allows():
         allowed = [n for n, i in instances.catalogue().items() if i.smddp_allows()]
@@ -476,7 +476,7 @@ def _findings(plan: Plan, inst: instances.Instance, world: int, per_gpu: int, gb
             f"SageMaker's smddp supports only AllReduce on {inst.name} and is no longer developed for it.",
             "Fine for data parallelism; for AllGather-based sharding or new releases use ml.p4d.24xlarge "
             "or ml.p4de.24xlarge.", inst.name, instances.SMDDP_SUPPORTED))
-    if plan.target == "local":
+    if targets.TARGETS[plan.target].this_machine:
         cpus = plan.cpus if plan.cpus is not None else inst.cpus
         if cpus is not None and world > cpus:
             out.append(ScalingWarning(

@@ -2,8 +2,8 @@
 
 One option per field: each ``scaling.Plan`` field with its meaning (``FIELD_HELP``), its choices
 (``FIELD_CHOICES``, the lists Plan itself checks against) and its default (from Plan), plus the script,
-``--cell``, ``--name`` and the SSH, Ray and Slurm targets' fields as %%sdp_train spells them
-(``SLURM_FIELDS`` maps the Slurm ones to their keys in ``JobSpec.slurm``). ``setup_arguments()`` gives
+``--cell``, ``--name`` and the fields each target adds to the form (its record's ``form``: the option
+as %%sdp_train spells it, e.g. ``--hosts``, ``--partition``). ``setup_arguments()`` gives
 them as argparse rows; the magic (magics.py) and ``jobsetup.setup_from_line`` both build their parsers
 from it.
 """
@@ -13,11 +13,7 @@ import argparse
 from dataclasses import fields as dc_fields
 
 from sdp_jupyter import backends, instances, scaling
-from sdp_jupyter.launch.target_options import SLURM_OPTIONS
-
-#: the Slurm target's options as fields of the setup: field -> its key in JobSpec.slurm (partition,
-#: account, time, args), in the option table's order
-SLURM_FIELDS = {"slurm_" + key: key for key in (o.field.split(".", 1)[1] for o in SLURM_OPTIONS)}
+from sdp_jupyter.launch import targets
 
 #: %sdp_setup's meaning of each Plan field (the form's fields; the choices and defaults come from the code)
 FIELD_HELP = {
@@ -56,13 +52,10 @@ FIELD_CHOICES = {"target": scaling.TARGETS, "backend": backends.BACKENDS, "mode"
 
 def setup_arguments() -> list[tuple[tuple, dict]]:
     """`%sdp_setup`'s options as (flags, argparse keywords): one per JobSetup keyword
-    (``--per-gpu-batch 64``), plus the script, ``--cell``, and the SSH, Ray and Slurm targets' options
-    as %%sdp_train spells them (``--hosts``, ``--address``, ``--partition``, ``--account``, ``--time``,
-    ``--slurm-args``). The magic (magics.py, built with magic_arguments) and `setup_from_line` both take
+    (``--per-gpu-batch 64``), plus the script, ``--cell``, and the targets' form fields as %%sdp_train
+    spells their options (``--hosts``, ``--address``, ``--partition``, ...). The magic (magics.py, built with magic_arguments) and `setup_from_line` both take
     them from here. Every Plan field has its meaning in FIELD_HELP; its choices and default come from
     scaling.Plan and FIELD_CHOICES."""
-    from sdp_jupyter.launch.target_options import RAY_OPTIONS, SSH_OPTIONS
-
     rows: list[tuple[tuple, dict]] = [
         (("script",), {"nargs": "?", "help": "training script (.py); or use --cell NAME"}),
         (("--cell",), {"help": "a cell stored with %%%%sdp_cell NAME"}),  # argparse %-formats help: shows %%sdp_cell
@@ -90,10 +83,7 @@ def setup_arguments() -> list[tuple[tuple, dict]]:
         rows.append(((flag,), kw))
     # the old name of --procs-per-node, kept working (jobsetup.setup_from_options warns) and left out of the help
     rows.append((("--gpus-per-node",), {"dest": "gpus_per_node", "type": int, "help": argparse.SUPPRESS}))
-    hosts, address = SSH_OPTIONS[0], RAY_OPTIONS[0]  # the fields the form has for these targets
-    rows.append(((hosts.flag,), {"dest": "hosts", "metavar": hosts.metavar, "help": hosts.help.replace("%", "%%")}))
-    rows.append(((address.flag,), {"dest": "ray_address", "metavar": address.metavar,
-                                   "help": address.help.replace("%", "%%")}))
-    for field, opt in zip(SLURM_FIELDS, SLURM_OPTIONS):  # SLURM_FIELDS is in SLURM_OPTIONS' order
-        rows.append(((opt.flag,), {"dest": field, "metavar": opt.metavar, "help": opt.help.replace("%", "%%")}))
+    for _target, field in targets.form_fields():  # each target's fields, as its options spell them
+        opt = field.option
+        rows.append(((opt.flag,), {"dest": field.name, "metavar": opt.metavar, "help": opt.help.replace("%", "%%")}))
     return rows

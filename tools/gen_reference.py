@@ -50,7 +50,7 @@ ENTRY_POINTS = {
     "sdp_jupyter.launch.host.agent": ("doc", True),
     "sdp_jupyter.launch.host.warm": ("help", True),
     "sdp_jupyter.launch.rank.worker": ("doc", True),
-    "sdp_jupyter.launch.rank.sagemaker_entry": ("doc", True),
+    "sdp_jupyter.launch.targets.sagemaker.entry": ("doc", True),
     "sdp_jupyter.launch.rank.store_server": ("doc", True),
 }
 
@@ -104,9 +104,9 @@ def magic_parsers() -> list[tuple[str, object, argparse.ArgumentParser | None]]:
 
 def option_groups() -> dict[str, str]:
     """flag -> the heading it is listed under on %%sdp_train (the core options, each target's, then the rest)."""
-    from sdp_jupyter.launch import spec, target_options
+    from sdp_jupyter.launch import spec, targets
 
-    headings = {t.options: f"Options of --target {name}" for name, t in target_options.TARGETS.items() if t.options}
+    headings = {t.options: f"Options of --target {name}" for name, t in targets.TARGETS.items() if t.options}
     groups = {o.flag: "Job options" for o in spec.OPTIONS}
     for provider in spec.OPTION_PROVIDERS:
         module, attr = provider.split(":")

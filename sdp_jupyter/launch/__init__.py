@@ -4,9 +4,8 @@
     job.wait(); job.logs(0); job.result()
 
 `launch` accepts a JobSpec, a path to a .py file, or `code="..."`, plus JobSpec fields as keywords.
-`target="ssh"` runs it on SSH hosts (sdp_jupyter.launch.kernel.ssh), `target="ray"` on a Ray cluster
-(sdp_jupyter.launch.kernel.ray), `target="sagemaker"` as a SageMaker
-training job (sdp_jupyter.launch.kernel.sagemaker); TARGET_LAUNCHERS is the registry.
+`target=` names where it runs: this machine by default, SSH hosts, a Ray cluster, a Slurm cluster or
+SageMaker, each one a folder of sdp_jupyter/launch/targets/ (TARGETS is the registry of them).
 """
 from __future__ import annotations
 
@@ -19,12 +18,12 @@ import types
 _LAZY = {
     "Job": "sdp_jupyter.launch.kernel.job:Job",
     "JobError": "sdp_jupyter.launch.kernel.job:JobError",
-    "LocalLauncher": "sdp_jupyter.launch.kernel.local:LocalLauncher",
+    "LocalLauncher": "sdp_jupyter.launch.targets.local.launcher:LocalLauncher",
     "get_launcher": "sdp_jupyter.launch.kernel.api:get_launcher",
     "jobs": "sdp_jupyter.launch.kernel.api:jobs",
     "get_job": "sdp_jupyter.launch.kernel.api:get_job",
     "list_jobs": "sdp_jupyter.launch.kernel.api:list_jobs",
-    "TARGET_LAUNCHERS": "sdp_jupyter.launch.kernel.targets:LAUNCHERS",
+    "TARGETS": "sdp_jupyter.launch.targets:TARGETS",
     "JobSpec": "sdp_jupyter.launch.spec:JobSpec",
     "OPTIONS": "sdp_jupyter.launch.spec:OPTIONS",
     "Option": "sdp_jupyter.launch.options:Option",

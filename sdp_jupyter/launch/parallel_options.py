@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from sdp_jupyter._env import FALSE, TRUE
-from sdp_jupyter.launch import target_options
+from sdp_jupyter.launch import targets
 from sdp_jupyter.launch.options import Option, SpecError, parse_whole
 from sdp_jupyter.parallel_config import CHECKPOINTING, ENV_NAMES, SCHEDULES, SHARDING, ParallelConfig
 
@@ -144,7 +144,7 @@ def check(spec) -> dict:
     if clash:
         raise SpecError("--env", f"{', '.join(clash)} is set by the hybrid-parallel options (--tp, --pp, ...); "
                                  "remove it from --env and use the option instead (e.g. --tp 2 for SDP_TP=2)")
-    reach = target_options.having("hybrid")  # local adds the workers' variables; SageMaker to the job's Environment
+    reach = targets.having("hybrid")  # local adds the workers' variables; SageMaker to the job's Environment
     if spec.target not in reach:
         env = " ".join(f"--env {k}={v}" for k, v in worker_env(kept).items())
         raise SpecError(FLAGS[next(iter(kept))], f"the hybrid-parallel options reach --target {' or '.join(reach)}, "

@@ -19,11 +19,11 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
-from sdp_jupyter.launch import target_options
+from sdp_jupyter.launch import targets
 from sdp_jupyter.backends import BACKENDS
 from sdp_jupyter.launch.options import Option, SpecError, parse_whole  # noqa: F401  (their home; re-exported)
 
-TARGETS = tuple(target_options.TARGETS)  # one record per target: launch/target_options.py
+TARGETS = tuple(targets.TARGETS)  # one record per target: launch/targets/__init__.py
 RANKS_OUTPUT = ("0", "all", "raw")  # raw: rank_groups.RAW
 STARTS = ("auto", "warm", "cold")  # how ranks start: docs/warm.md
 
@@ -41,8 +41,8 @@ _MODULE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
 
 OPTIONS: tuple[Option, ...] = (
-    Option("--nodes", "nodes", f"number of nodes ({target_options.nodes_default()}); MIN:MAX makes the job "
-           f"elastic on the {target_options.sentence(target_options.having('elastic'))} targets: a lost node is "
+    Option("--nodes", "nodes", f"number of nodes ({targets.nodes_default()}); MIN:MAX makes the job "
+           f"elastic on the {targets.sentence(targets.having('elastic'))} targets: a lost node is "
            "left out and the job goes on with at least MIN, a node that returns rejoins, up to MAX "
            "(docs/failures.md)", metavar="N|MIN:MAX"),
     Option("--procs-per-node", "procs_per_node",
@@ -53,7 +53,7 @@ OPTIONS: tuple[Option, ...] = (
            "Trainer or accelerate script uses it; the script's own init_process_group with that backend "
            "returns at once (docs/integrations.md)", kind="flag"),
     Option("--name", "name", "job name, also the job directory's name (default: job-<time>-<id>)"),
-    Option("--target", "target", f"where to run: {target_options.listed()} (default: local)"),
+    Option("--target", "target", f"where to run: {targets.listed()} (default: local)"),
     Option("--wait", None, "block until the job ends (Ctrl-C stops it); raise if it failed", kind="flag"),
     Option("--env", "env", "environment variable for every rank (repeatable)", kind="append",
            metavar="KEY=VALUE"),
@@ -72,8 +72,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("--heal", "heal", "replace a rank that dies while the others keep their processes: they re-form "
            "without it and redo the step, and it rejoins at a step boundary with its state from a live peer; "
            "the script trains through sdp_jupyter.heal.Healer, and --max-restarts K counts the replacements "
-           f"({target_options.sentence(target_options.having('heal'))} target"
-           f"{'s' if len(target_options.having('heal')) > 1 else ''}; docs/failures.md)", kind="flag"),
+           f"({targets.sentence(targets.having('heal'))} target"
+           f"{'s' if len(targets.having('heal')) > 1 else ''}; docs/failures.md)", kind="flag"),
     Option("--elastic-wait", "elastic_wait",
            "an elastic job (--nodes MIN:MAX) with fewer than MIN nodes waits this long for hosts to return, "
            "then fails naming them (default: 120)", metavar="SECONDS"),
@@ -86,8 +86,8 @@ OPTIONS: tuple[Option, ...] = (
            "on disk", metavar="0|all|raw"),
     Option("--jobs-dir", "jobs_dir", "root of job directories (default: $SDP_JOBS_DIR or ./sdp_jobs)",
            metavar="DIR"),
-    Option("--warm", "start", "fork the ranks from a warm pool that imported torch once (local, ssh and ray "
-           "targets), starting the pool first where none is up. Default: warm where the kernel already holds a "
+    Option("--warm", "start", "fork the ranks from a warm pool that imported torch once ("
+           f"{targets.sentence(targets.having('warm'))} targets), starting the pool first where none is up. Default: warm where the kernel already holds a "
            "pool: the local one starts after the kernel's first job or with %sdp_warm, an SSH host's after the "
            "kernel's first job there, a Ray node's only in a job run with --warm. SDP_WARM=1/0 sets the default",
            kind="flag", const="warm"),
@@ -101,7 +101,7 @@ OPTIONS_BY_FIELD = {o.field: o for o in OPTIONS if o.field}
 
 # Modules that add rows to the option table ("module:ATTRIBUTE", a tuple of Option). Their fields are
 # "<dict field of JobSpec>.<key>", e.g. "sagemaker.instance_type" fills JobSpec.sagemaker["instance_type"].
-OPTION_PROVIDERS = [t.options for t in target_options.TARGETS.values() if t.options] \
+OPTION_PROVIDERS = [t.options for t in targets.TARGETS.values() if t.options] \
     + ["sdp_jupyter.launch.parallel_options:PARALLEL_OPTIONS"]
 
 
@@ -159,10 +159,9 @@ class JobSpec:
     """What to run and how. Build it with keywords; bad values raise SpecError at construction.
 
     Exactly one of `code` (the cell's source) or `script` (path to a .py file) says what runs.
-    `sagemaker` holds options only the SageMaker target reads (owned by sdp_jupyter.launch.kernel.sagemaker),
-    `ssh` those only the SSH target reads (hosts, hostfile, python, config; sdp_jupyter.launch.kernel.ssh),
-    `ray` those of the Ray target (address; sdp_jupyter.launch.kernel.ray), `slurm` those of the Slurm
-    target (partition, account, time, args; sdp_jupyter.launch.kernel.slurm).
+    `sagemaker`, `ssh`, `ray` and `slurm` each hold the options only that target reads (its record's
+    `field`; the option rows are in the target's folder, sdp_jupyter/launch/targets/NAME/); a target
+    registered later (one of your own) keeps its options in `target_options[its field]`.
     `parallel` holds the hybrid-parallel options (tp, pp, microbatches, ...; owned by
     sdp_jupyter.launch.parallel_options): only those that differ from their defaults are kept, and
     the workers get them as SDP_TP, SDP_PP, ... (`parallel_env()`).
@@ -177,7 +176,7 @@ class JobSpec:
     procs_per_node: int | None = None
     backend: str = "smddp"
     init_process_group: bool = False
-    target: str = "local"
+    target: str = targets.DEFAULT_TARGET
     env: dict = field(default_factory=dict)
     args: list = field(default_factory=list)
     hyperparameters: dict = field(default_factory=dict)
@@ -196,6 +195,24 @@ class JobSpec:
     ssh: dict = field(default_factory=dict)
     ray: dict = field(default_factory=dict)
     slurm: dict = field(default_factory=dict)
+    target_options: dict = field(default_factory=dict)  # {a registered target's field: its options}, if not above
+
+    @staticmethod
+    def put_target_options(keywords: dict, top: str, options: dict) -> dict:
+        """Merge `options` of the target whose field is `top` into JobSpec keywords (copying what it
+        changes): under `top` for a field of JobSpec's own, else under target_options[top]. Returns them."""
+        if top in {f.name for f in dataclasses.fields(JobSpec)} and top != "target_options":
+            keywords[top] = {**(keywords.get(top) or {}), **options}
+        else:
+            mine = dict(keywords.get("target_options") or {})
+            mine[top] = {**mine.get(top, {}), **options}
+            keywords["target_options"] = mine
+        return keywords
+
+    def options_of(self, top: str) -> dict:
+        """The options of the target whose field is `top` (``spec.options_of("ssh") is spec.ssh``)."""
+        own = top != "target_options" and top in {f.name for f in dataclasses.fields(self)}
+        return getattr(self, top) if own else self.target_options.get(top, {})
 
     def __post_init__(self):
         if isinstance(self.nodes, str) and ":" in self.nodes:
@@ -263,16 +280,16 @@ class JobSpec:
             if not isinstance(name, str) or not _MODULE_RE.match(name):
                 raise SpecError("--preload", f"{name!r} is not a module name. Fix: --preload numpy,sklearn "
                                              "(comma-separated module names)")
-        warm = [name for name, t in target_options.TARGETS.items() if t.warm]
+        warm = [name for name, t in targets.TARGETS.items() if t.warm]
         if self.target not in warm and (self.start == "warm" or self.preload):
             flag = "--warm" if self.start == "warm" else "--preload"
-            names = target_options.sentence(tuple(warm))
+            names = targets.sentence(tuple(warm))
             raise SpecError(flag, f"warm starts are for the {names} targets so far, and the target is "
                                   f"{self.target}. Fix: remove {flag}")
-        for target, record in target_options.TARGETS.items():  # a target's own options
+        for target, record in targets.TARGETS.items():  # a target's own options
             if record.field is None:
                 continue
-            options = getattr(self, record.field)
+            options = self.options_of(record.field)
             if not isinstance(options, dict):
                 raise SpecError(record.field, f"must be a dict of {target} options, got {type(options).__name__}")
             if record.exclusive and options and self.target != target:  # refused with another target
@@ -305,11 +322,11 @@ class JobSpec:
         if self.min_nodes > self.nodes:
             raise SpecError("--nodes", f"MIN:MAX is {self.min_nodes}:{self.nodes}, and MIN is more than MAX. "
                                        f"Fix: --nodes {self.nodes}:{self.min_nodes}")
-        elastic = target_options.having("elastic")
+        elastic = targets.having("elastic")
         if self.target not in elastic:
-            why = target_options.TARGETS[self.target].elastic_refusal or "it does not re-form a job"
+            why = targets.TARGETS[self.target].elastic_refusal or "it does not re-form a job"
             raise SpecError("--nodes", f"MIN:MAX (an elastic job) is for the "
-                                       f"{target_options.sentence(elastic)} targets, and on --target "
+                                       f"{targets.sentence(elastic)} targets, and on --target "
                                        f"{self.target} {why}. Fix: --nodes {self.nodes} --max-restarts 2")
 
     def _check_heal(self) -> None:
@@ -317,9 +334,9 @@ class JobSpec:
             raise SpecError("--heal", f"is a flag (True or False), got {self.heal!r}")
         if not self.heal:
             return
-        healing = target_options.having("heal")
+        healing = targets.having("heal")
         if self.target not in healing:
-            raise SpecError("--heal", f"healing in place is built for the {target_options.sentence(healing)} "
+            raise SpecError("--heal", f"healing in place is built for the {targets.sentence(healing)} "
                                       f"target{'s' if len(healing) > 1 else ''} so far, and the target is {self.target}. Fix: remove --heal and "
                                       "use --max-restarts K (the job restarts from its last checkpoint)")
         if self.min_nodes is not None:
@@ -346,7 +363,7 @@ class JobSpec:
     def default_nodes(self) -> int | None:
         """What --nodes left out means for this target: 1, or None where the target decides later
         (the SSH target: its number of hosts), so `--nodes 1` there is said, not dropped."""
-        return None if target_options.TARGETS[self.target].nodes_from_hosts else 1
+        return None if targets.TARGETS[self.target].nodes_from_hosts else 1
 
     @property
     def world_size(self) -> int:
@@ -401,6 +418,7 @@ class JobSpec:
         """Build from parsed option values keyed by argparse dest (None = not given)."""
         fields: dict[str, Any] = dict(extra)
         given: dict[str, str] = {}  # field -> the option that filled it (--warm and --cold share one)
+        parts: dict[str, dict] = {}  # a target's field -> its options given
         for opt in all_options():
             value = values.get(opt.flag.lstrip("-").replace("-", "_"))
             if opt.field is None or value is None or (opt.kind == "flag" and value is False):
@@ -411,13 +429,15 @@ class JobSpec:
                 value = [v.strip() for v in value.split(",") if v.strip()]
             if "." in opt.field:  # a key of a dict field (JobSpec.sagemaker)
                 top, key = opt.field.split(".", 1)
-                fields[top] = {**(fields.get(top) or {}), key: value}
+                parts.setdefault(top, {})[key] = value
             else:
                 if opt.field in given and fields[opt.field] != value:
                     raise SpecError(opt.flag, f"cannot be given together with {given[opt.field]}. "
                                               f"Fix: keep one of {given[opt.field]} and {opt.flag}")
                 given[opt.field] = opt.flag
                 fields[opt.field] = value
+        for top, options in parts.items():
+            JobSpec.put_target_options(fields, top, options)
         return cls(**fields)
 
     def to_magic_line(self, *, wait: bool = False) -> str:
@@ -431,7 +451,7 @@ class JobSpec:
                 continue
             if "." in opt.field:
                 top, key = opt.field.split(".", 1)
-                parts += _render_key(opt, (getattr(self, top) or {}).get(key))
+                parts += _render_key(opt, (self.options_of(top) or {}).get(key))
                 continue
             value = getattr(self, opt.field)
             if value == getattr(default, opt.field) or (opt.field == "nodes" and value == self.default_nodes):

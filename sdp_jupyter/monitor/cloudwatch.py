@@ -10,7 +10,7 @@ Where SageMaker puts things (docs/sagemaker.md):
   those counts (from the instance catalogue) so that every figure is a percent of the whole host,
   like the local sampler's.
 - Training metrics: inside the job, `sdp_jupyter.report()` writes its JSON line to the rank's
-  metrics file as usual, and the job's entry point (sdp_jupyter.launch.rank.sagemaker_entry) prints
+  metrics file as usual, and the job's entry point (sdp_jupyter.launch.targets.sagemaker.entry) prints
   each line to stdout as ``[sdp-metrics] {json}`` (see `format_log_line`). This module parses
   those lines back into the same events a local job's metrics files hold, and declares them to
   SageMaker as MetricDefinitions (`METRIC_DEFINITIONS`) so that the console graphs them too.

@@ -15,7 +15,7 @@ import html
 import ipywidgets as W
 
 from sdp_jupyter import backends, instances, scaling
-from sdp_jupyter.launch import target_options
+from sdp_jupyter.launch import targets
 from sdp_jupyter.jobsetup import TEXT_NUMBERS, JobSetup
 
 _MODE_LABELS = {"keep per-GPU batch": "keep_per_gpu", "keep global batch": "keep_global"}
@@ -60,17 +60,12 @@ class JobSetupView(W.VBox):
                                      description="instance type", style=_STYLE,
                                      layout=W.Layout(width=_LAYOUT.width))  # its own: it is hidden for ssh
         self.w_instance_info = W.HTML()
-        self.w_hosts = text("SSH hosts", v["hosts"], "gpu1,gpu2 (as `ssh HOST` reaches them)",
-                            W.Layout(width=_LAYOUT.width)).add_class("sdp-ssh-hosts")
-        self.w_address = text("Ray address", v["ray_address"], "$RAY_ADDRESS, else auto (HOST:6379, ray://...)",
-                              W.Layout(width=_LAYOUT.width)).add_class("sdp-ray-address")
-        # the Slurm target's options (JobSpec.slurm), shown together for that target; empty: Slurm's default
-        self.w_partition = text("Partition", v["slurm_partition"], "the cluster's default (sbatch -p)")
-        self.w_account = text("Account", v["slurm_account"], "your default (sbatch -A)")
-        self.w_time = text("Time limit", v["slurm_time"], "the partition's (30, 1:30:00, 2-0)")
-        self.w_slurm_args = text("More sbatch options", v["slurm_args"], "--qos=high --gpus-per-node=8")
-        self.w_slurm = W.VBox([self.w_partition, self.w_account, self.w_time, self.w_slurm_args],
-                              layout=W.Layout()).add_class("sdp-slurm")  # its own layout: hidden off slurm
+        # the fields each target adds (its record's `form`: SSH hosts, Ray address, Slurm's options), a box
+        # per target shown while it is chosen; an empty field leaves the target's default
+        self.w_form = {f.name: text(f.label, v[f.name], f.placeholder).add_class("sdp-" + f.name.replace("_", "-"))
+                       for _target, f in targets.form_fields()}
+        self.w_form_boxes = {name: W.VBox([self.w_form[f.name] for f in t.form], layout=W.Layout())
+                             .add_class(f"sdp-target-{name}") for name, t in targets.TARGETS.items() if t.form}
         self.w_nodes = num(W.BoundedIntText, "nodes", v["nodes"], min=1, max=4096).add_class("sdp-nodes")
         self.w_gpus = num(W.BoundedIntText, "Processes / node (GPUs)", v["procs_per_node"], min=1, max=64)
         self.w_backend = W.Dropdown(options=list(backends.BACKENDS), value=v["backend"], description="backend",
@@ -112,10 +107,8 @@ class JobSetupView(W.VBox):
 
         # widget -> model field (and the widget value -> field value conversion)
         self._fields = {
-            self.w_target: ("target", None), self.w_instance: ("instance_type", None), self.w_hosts: ("hosts", None),
-            self.w_address: ("ray_address", None), self.w_partition: ("slurm_partition", None),
-            self.w_account: ("slurm_account", None), self.w_time: ("slurm_time", None),
-            self.w_slurm_args: ("slurm_args", None), self.w_nodes: ("nodes", None),
+            self.w_target: ("target", None), self.w_instance: ("instance_type", None),
+            **{w: (name, None) for name, w in self.w_form.items()}, self.w_nodes: ("nodes", None),
             self.w_gpus: ("procs_per_node", None), self.w_backend: ("backend", None),
             self.w_mode: ("mode", _MODE_LABELS.__getitem__), self.w_per_gpu: ("per_gpu_batch", None),
             self.w_ref_lr: ("reference_lr", None), self.w_ref_batch: ("reference_batch", None),
@@ -127,8 +120,8 @@ class JobSetupView(W.VBox):
         for w in self._fields:
             w.observe(self._edited, names="value")
 
-        left = W.VBox([W.HTML("<b>Where</b>"), self.w_target, self.w_instance, self.w_instance_info, self.w_hosts,
-                       self.w_address, self.w_slurm, self.w_nodes, self.w_gpus, self.w_backend,
+        left = W.VBox([W.HTML("<b>Where</b>"), self.w_target, self.w_instance, self.w_instance_info,
+                       *self.w_form_boxes.values(), self.w_nodes, self.w_gpus, self.w_backend,
                        W.HTML("<b>Batch and learning rate</b>"), self.w_mode, self.w_per_gpu, self.w_ref_lr,
                        self.w_ref_batch, self.w_rule, self.w_warmup, self.w_optimizer, self.w_batchnorm])
         efficiency_note = W.HTML(f"<small>an assumption; default {scaling.DEFAULT_SCALING_EFFICIENCY:g}: "
@@ -145,7 +138,7 @@ class JobSetupView(W.VBox):
 
     @staticmethod
     def _instance_options(target: str) -> list[str]:
-        return list(instances.catalogue()) if target_options.TARGETS[target].catalogue else [instances.LOCAL]
+        return list(instances.catalogue()) if targets.TARGETS[target].catalogue else [instances.LOCAL]
 
     # ------------------------------------------------------------------ form -> model
     def _edited(self, change) -> None:
@@ -187,19 +180,19 @@ class JobSetupView(W.VBox):
 
     def _draw(self) -> None:
         m, v = self.model, self.model.values
-        sagemaker = v["target"] == "sagemaker"
+        record = targets.TARGETS[v["target"]]
+        catalogue = record.catalogue  # SageMaker: instance types of the catalogue, priced
         inst = instances.get(v["instance_type"])
         info = inst.describe()
-        if sagemaker:  # who serves smddp on this type with --engine auto (docs/sagemaker.md, Engine)
+        if catalogue:  # who serves smddp on this type with --engine auto (docs/sagemaker.md, Engine)
             info += f"; smddp (engine auto): {instances.ENGINE_NAMES[inst.smddp_engine]}"
         self.w_instance_info.value = f"<small>{html.escape(info)}</small>"
-        self.w_hosts.layout.display = None if v["target"] == "ssh" else "none"
-        self.w_address.layout.display = None if v["target"] == "ray" else "none"
-        self.w_slurm.layout.display = None if v["target"] == "slurm" else "none"
-        self.w_instance.layout.display = "none" if target_options.TARGETS[v["target"]].own_hosts else None
+        for name, box in self.w_form_boxes.items():
+            box.layout.display = None if v["target"] == name else "none"
+        self.w_instance.layout.display = "none" if record.own_hosts else None
         self.w_instance_info.layout.display = self.w_instance.layout.display
-        self.w_gpus.disabled = sagemaker
-        if not sagemaker:  # your own machines: no catalogue price
+        self.w_gpus.disabled = catalogue
+        if not catalogue:  # your own machines: no catalogue price
             self.w_price.placeholder = f"n/a for {v['target']}"
         else:
             self.w_price.placeholder = "unknown (no checked price)" if inst.price_per_hour_usd is None \
@@ -254,8 +247,10 @@ class JobSetupView(W.VBox):
             self.w_magic.value = ""
             return
         line = self.model.magic_line(spec)
-        missing = {k: v for k, v in spec.sagemaker.items() if f"--{k.replace('_', '-')}" not in line}
-        note = ("<br><small>plus the SageMaker options the line does not carry: "
+        record = targets.TARGETS[spec.target]
+        given = spec.options_of(record.field) if record.field else {}
+        missing = {k: v for k, v in given.items() if f"--{k.replace('_', '-')}" not in line}
+        note = (f"<br><small>plus the {record.name} options the line does not carry: "
                 + html.escape(", ".join(f"{k}={v}" for k, v in missing.items())) + "</small>") if missing else ""
         self.w_magic.value = ("<small>the same job from a cell (the training code goes below this line):</small>"
                               f"<pre style='white-space:pre-wrap'>{html.escape(line)}</pre>{note}")

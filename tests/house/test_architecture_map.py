@@ -59,7 +59,7 @@ def test_the_map_check_can_fail(tmp_path):
 # The edge list: the first fenced block under "## Dependencies", one line per room, `room -> a, b`
 # (`-`: none). Rooms are dotted names under sdp_jupyter; a module belongs to the longest room that holds it.
 EDGE_LINE = re.compile(r"^([a-z_][a-z_0-9.]*) -> (-|[a-z_][a-z_0-9.]*(?:, [a-z_][a-z_0-9.]*)*)$")
-PROCESS_ROOMS = ("launch.kernel", "launch.host", "launch.rank")
+PROCESS_ROOMS = ("launch.kernel", "launch.host", "launch.rank", "launch.targets")  # and the targets' folders
 
 
 def stated_edges(text: str) -> dict[str, set[str]]:

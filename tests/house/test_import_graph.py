@@ -18,7 +18,7 @@ from pathlib import Path
 PKG = Path(__file__).resolve().parents[2] / "sdp_jupyter"
 
 # Cycles allowed, each as the sorted list of its modules (a strongly connected component): none.
-# (The launch/ cycle went with the target registry in launch/kernel/targets.py, the spec/parallel_options one
+# (The launch/ cycle went with the target registry in launch/targets/__init__.py, the spec/parallel_options one
 # with the option building blocks' leaf launch/options.py, the advisor one with advisor.measure.)
 KNOWN_CYCLES: list[list[str]] = []
 
@@ -29,7 +29,7 @@ KNOWN_PRIVATE: set[str] = set()
 # The allowed lazy back-edges (docs/architecture.md, "Dependencies"): module -> functions whose imports are not edges.
 LAZY_VIEWS: dict[str, tuple[str, ...]] = {
     "sdp_jupyter.launch.kernel.job": ("view", "dashboard"),
-    "sdp_jupyter.launch.kernel.sagemaker.job": ("view",),
+    "sdp_jupyter.launch.targets.sagemaker.job": ("view",),
     "sdp_jupyter.jobsetup": ("view",),
 }
 
@@ -193,7 +193,7 @@ def test_no_private_imports_across_modules():
 
 def test_the_graph_sees_real_edges():
     edges, _ = graph()
-    assert "sdp_jupyter.launch.kernel.job" in edges["sdp_jupyter.launch.kernel.local"]
+    assert "sdp_jupyter.launch.kernel.job" in edges["sdp_jupyter.launch.targets.local.launcher"]
     assert "sdp_jupyter.comm" in edges["sdp_jupyter.torch"]
 
 
@@ -215,6 +215,7 @@ def test_public_surface_as_the_notebooks_use_it():
 # The launch package's rooms (docs/architecture.md): which room may import which. The shared leaves
 # (launch.spec, launch.options, launch.parallel_options, launch.channel, launch.process) are open to all.
 KERNEL, HOST, RANK = "sdp_jupyter.launch.kernel", "sdp_jupyter.launch.host", "sdp_jupyter.launch.rank"
+TARGETS = "sdp_jupyter.launch.targets"  # the launchers run in the kernel's process too
 FORBIDDEN = {RANK: (KERNEL,), HOST: (KERNEL,)}
 
 
@@ -242,19 +243,20 @@ def test_the_kernel_never_imports_torch():
             names = [a.name for a in st.names] if isinstance(st, ast.Import) else [st.module or ""]
             if any(n == "torch" or n.startswith("torch.") for n in names):
                 torchy.add(m)
-    reach, todo = set(), [m for m in edges if _room(m) == KERNEL]
+    container = TARGETS + ".sagemaker.entry"  # runs inside a SageMaker training container, as a rank does
+    reach, todo = set(), [m for m in edges if (_room(m) == KERNEL or m.startswith(TARGETS + ".")) and m != container]
     while todo:
         m = todo.pop()
         if m in reach:
             continue
         reach.add(m)
-        todo += [d for d in edges[m] if not d.startswith(RANK)]  # ranks are other processes
+        todo += [d for d in edges[m] if not d.startswith(RANK) and d != container]  # ranks are other processes
     assert not sorted(reach & torchy), f"kernel-side modules that import torch: {sorted(reach & torchy)}"
 
 
 def test_the_boundary_checks_can_fail():
     assert _room("sdp_jupyter.launch.rank.worker") == RANK and _room("sdp_jupyter.launch.spec") is None
-    assert "sdp_jupyter.launch.kernel.sagemaker.submit" in graph()[0]["sdp_jupyter.launch.kernel.targets"]
+    assert "sdp_jupyter.launch.targets.sagemaker" in graph()[0]["sdp_jupyter.launch.targets"]  # FOLDERS' strings
 
 
 def test_a_rank_and_an_agent_load_none_of_the_kernel():

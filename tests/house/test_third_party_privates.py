@@ -45,7 +45,7 @@ def test_torch_adamw_init_group_takes_six_lists():
 
 
 def test_sagemaker_sdk_keeps_the_latest_training_job():
-    """sdp_jupyter/launch/kernel/sagemaker/submit.py: ModelTrainer._latest_training_job.training_job_name, read when
+    """sdp_jupyter/launch/targets/sagemaker/submit.py: ModelTrainer._latest_training_job.training_job_name, read when
     the CreateTrainingJob request went through a client our request gate did not reach."""
     from sagemaker.train import ModelTrainer
 

@@ -79,7 +79,7 @@ REHEARSE = """\
 import json
 from pathlib import Path
 from sdp_jupyter.launch import JobSpec, launch
-from sdp_jupyter.launch.kernel.sagemaker import source_tree
+from sdp_jupyter.launch.targets.sagemaker import source_tree
 from sdp_jupyter.testing import sagemaker_standin
 
 job = launch(JobSpec(code=Path("cell.py").read_text(), name="wheel-rehearsal", target="sagemaker", nodes=2,
@@ -103,7 +103,7 @@ def checkout_files() -> list[str]:
 
 def engine_sources() -> set[str]:
     """The checkout's files a source package needs besides the package (source.py's lists), by path."""
-    from sdp_jupyter.launch.kernel.sagemaker import source
+    from sdp_jupyter.launch.targets.sagemaker import source
 
     native = {p.relative_to(ROOT).as_posix() for p in (ROOT / "native").rglob("*")
               if p.is_file() and p.suffix in source._NATIVE_FILES}

@@ -38,12 +38,11 @@ def test_every_metrics_name_is_made_and_recognised_here(tmp_path):
 
 
 def test_the_sagemaker_names_are_the_job_directorys():
-    from sdp_jupyter.launch.kernel import sagemaker
-    from sdp_jupyter.launch.kernel.sagemaker import rehearse
+    from sdp_jupyter.launch.targets.sagemaker.options import REQUEST_FILE, SOURCE_DIR
+    from sdp_jupyter.launch.targets.sagemaker import rehearse
 
-    assert sagemaker.SOURCE_DIR == jobdir.SAGEMAKER_SOURCE and sagemaker.SOURCE_DIR in jobdir.KNOWN_ENTRIES
-    assert sagemaker.REQUEST_FILE == jobdir.SAGEMAKER_REQUEST and rehearse.REHEARSAL_DIR == jobdir.REHEARSAL
-    assert sagemaker.host_log_path is jobdir.host_log_path
+    assert SOURCE_DIR == jobdir.SAGEMAKER_SOURCE and SOURCE_DIR in jobdir.KNOWN_ENTRIES
+    assert REQUEST_FILE == jobdir.SAGEMAKER_REQUEST and rehearse.REHEARSAL_DIR == jobdir.REHEARSAL
 
 
 # ---------------------------------------------------------------- the tailer

@@ -8,7 +8,7 @@ import pytest
 
 from sdp_jupyter.launch import JobSpec, SpecError, launch
 from sdp_jupyter.launch.spec import all_options
-from sdp_jupyter.launch.kernel.local import LocalLauncher, LocalRun
+from sdp_jupyter.launch.targets.local.launcher import LocalLauncher, LocalRun
 from sdp_jupyter.launch.kernel.job import Job
 from sdp_jupyter.launch.rank.worker import script_arguments
 
@@ -105,7 +105,7 @@ def test_every_option_maps_to_a_field_or_steers_the_magic_only():
         assert (opt.field or "").split(".")[0] in fields or opt.field is None and opt.flag in NOTEBOOK_ONLY, opt
 
 
-@pytest.mark.skipif(importlib.util.find_spec("sdp_jupyter.launch.kernel.sagemaker") is None,
+@pytest.mark.skipif(importlib.util.find_spec("sdp_jupyter.launch.targets.sagemaker") is None,
                     reason="no SageMaker options installed")
 def test_provider_options_fill_dict_fields_and_round_trip():
     values = _parse_magic_line("%%sdp_train --target sagemaker --instance-type ml.p4d.24xlarge --spot "
@@ -211,7 +211,7 @@ def test_worker_environment_carries_the_hybrid_parallel_options(tmp_path):
 
 
 def test_hybrid_layout_is_checked_once_the_launcher_knows_the_processes_per_node(monkeypatch):
-    from sdp_jupyter.launch.kernel import local
+    from sdp_jupyter.launch.targets.local import launcher as local
 
     monkeypatch.setattr(local, "gpu_count", lambda: 0)  # a CPU-only machine: 1 process per node
     spec = JobSpec(code="x", nodes=4, parallel={"tp": 2})  # procs per node not known yet: not refused
@@ -237,7 +237,7 @@ def test_bad_input_launches_nothing(tmp_path):
         launch(code="x", backend="nccl", jobs_dir=str(root))
     with pytest.raises(SpecError, match="not defined"):
         LocalLauncher().start(JobSpec(code="x", push=["b"], jobs_dir=str(root)), push={})
-    if importlib.util.find_spec("sdp_jupyter.launch.kernel.sagemaker") is None:
+    if importlib.util.find_spec("sdp_jupyter.launch.targets.sagemaker") is None:
         with pytest.raises(SpecError, match="sagemaker is not available"):
             launch(code="x", target="sagemaker", jobs_dir=str(root))
     with pytest.raises(SpecError, match="does not exist"):
@@ -364,22 +364,23 @@ def test_a_crash_inside_the_numpy_face_is_named_whichever_comm_module_it_is_in()
     assert crash_summary(log) == " during torch.distributed.all_reduce", crash_summary(log)
 
 
-def test_the_two_halves_of_the_target_registry_name_the_same_targets():
-    """A target is a spec-side record (launch/target_options.py) and a launcher (kernel/targets.py); a
-    target added to one and not the other would pass JobSpec's checks and fail only at launch."""
-    from sdp_jupyter.launch import target_options
-    from sdp_jupyter.launch.kernel import targets
+def test_every_registered_target_names_a_launcher_that_loads():
+    """A target's record names its launcher as a string (the launchers import the spec, which reads the
+    records); a name that does not load would pass JobSpec's checks and fail only at launch."""
+    from sdp_jupyter.launch import targets
 
-    assert list(targets.LAUNCHERS) == list(target_options.TARGETS)
+    for name in targets.TARGETS:
+        cls = targets.load(targets.launcher_path(name))
+        assert isinstance(cls, type) and callable(getattr(cls, "start", None)), (name, targets.launcher_path(name))
 
 
 def test_the_help_names_every_target_of_the_registry():
     """sdp-train --help and the --target option name the targets from the registry, not a list written
     by hand (which named local, ssh and sagemaker only)."""
     from sdp_jupyter.cli import build_parser
-    from sdp_jupyter.launch.kernel import targets
+    from sdp_jupyter.launch import targets
 
-    names = list(targets.LAUNCHERS)
+    names = list(targets.TARGETS)
     spoken = ", ".join(names[:-1]) + " or " + names[-1]
     assert spoken == "local, ssh, ray, slurm or sagemaker"
     parser = build_parser()

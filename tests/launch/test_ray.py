@@ -64,7 +64,7 @@ def test_a_targets_options_may_be_given_by_their_key():
 
 
 def test_without_ray_installed_the_error_gives_the_pip_command(monkeypatch):
-    from sdp_jupyter.launch.kernel import ray as ray_target
+    from sdp_jupyter.launch.targets.ray import launcher as ray_target
 
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
     with pytest.raises(SpecError, match=r"ray is not installed here. Fix: pip install ray "):
@@ -72,7 +72,7 @@ def test_without_ray_installed_the_error_gives_the_pip_command(monkeypatch):
 
 
 def test_an_unreachable_address_is_named_within_the_connect_deadline():
-    from sdp_jupyter.launch.kernel import ray as ray_target
+    from sdp_jupyter.launch.targets.ray import launcher as ray_target
 
     t0 = time.monotonic()
     with pytest.raises(SpecError, match=r"--address: cannot reach the Ray cluster at 127.0.0.1:1 within 10 s"):
@@ -85,7 +85,7 @@ def test_an_address_naming_another_cluster_than_the_joined_one_is_refused(monkey
     refused rather than ignored (no Ray cluster: a stand-in `ray` module that has joined one)."""
     import types
 
-    from sdp_jupyter.launch.kernel import ray as ray_target
+    from sdp_jupyter.launch.targets.ray import launcher as ray_target
 
     fake = types.ModuleType("ray")
     fake.is_initialized = lambda: True
@@ -112,7 +112,7 @@ def test_a_poll_answered_late_is_waited_for_again_so_the_hello_it_carries_is_not
     import queue
     import types
 
-    from sdp_jupyter.launch.kernel import ray as ray_target
+    from sdp_jupyter.launch.targets.ray import launcher as ray_target
 
     class Timeout(Exception):
         pass

@@ -17,7 +17,7 @@ import pytest
 from helpers.heal_job import HEAL_JOB, check_remote_heal
 from helpers.remote_jobs import LAUNCH, REPO, RUN_FUNCTION, TRAIN, drive_cells, next_line
 from sdp_jupyter.launch import Job, JobSpec, SpecError
-from sdp_jupyter.launch.kernel import slurm
+from sdp_jupyter.launch.targets.slurm import launcher as slurm
 from sdp_jupyter.testing.cluster import signal_all
 
 # Plays the notebook on h0 (the login node): launches, says {"job": name}, then obeys commands on

@@ -16,7 +16,7 @@ from helpers.remote_jobs import ELASTIC_TRAIN, REPO, TRAIN, drive, drive_session
 from sdp_jupyter.launch import JobSpec, SpecError
 from sdp_jupyter.launch import channel
 from sdp_jupyter.launch.kernel import link, remote
-from sdp_jupyter.launch.kernel import ssh as ssh_target
+from sdp_jupyter.launch.targets.ssh import launcher as ssh_target
 
 def _drive(hosts, jobs, **launch_args):
     """The driver on h0, launching on the SSH hosts with the test's ssh_config."""
@@ -183,7 +183,7 @@ def test_each_link_kind_has_its_own_time_to_connect_and_then_the_agent_its_own_t
     import threading
 
     from sdp_jupyter.launch import channel
-    from sdp_jupyter.launch.kernel import ray as ray_target
+    from sdp_jupyter.launch.targets.ray import launcher as ray_target
 
     assert ray_target.RayLink.connect_timeout == remote.HELLO_TIMEOUT > remote.Link.connect_timeout
     monkeypatch.setattr(remote, "HELLO_TIMEOUT", 6)

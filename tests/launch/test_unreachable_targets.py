@@ -12,7 +12,7 @@ import types
 import pytest
 
 from sdp_jupyter.launch import JobSpec, SpecError
-from sdp_jupyter.launch.kernel import slurm
+from sdp_jupyter.launch.targets.slurm import launcher as slurm
 
 # what Debian's Slurm 22.05 writes (recorded on this machine)
 NO_CONFIGURATION = """sbatch: error: resolve_ctls_from_dns_srv: res_nsearch error: Unknown host
@@ -97,7 +97,7 @@ def _no_ray_here(monkeypatch):
 
 
 def test_ray_says_no_head_was_found_and_where_the_address_came_from(monkeypatch):
-    from sdp_jupyter.launch.kernel import ray as ray_target
+    from sdp_jupyter.launch.targets.ray import launcher as ray_target
 
     _no_ray_here(monkeypatch)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
@@ -118,7 +118,7 @@ def test_ray_says_no_head_was_found_and_where_the_address_came_from(monkeypatch)
 @pytest.mark.skipif(shutil.which("ssh") is None, reason="no OpenSSH client")
 @pytest.mark.parametrize("how", ["hosts", "hostfile"])
 def test_an_unreachable_ssh_host_is_named_under_the_option_that_named_it(tmp_path, how):
-    from sdp_jupyter.launch.kernel.ssh import SSHLauncher
+    from sdp_jupyter.launch.targets.ssh.launcher import SSHLauncher
 
     host = "no-such-host.invalid"  # .invalid never resolves (RFC 2606)
     if how == "hostfile":

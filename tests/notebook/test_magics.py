@@ -97,7 +97,7 @@ def test_target_sagemaker_dispatches_or_says_not_available(ip, monkeypatch):
 
     import sdp_jupyter.launch as launching
 
-    if importlib.util.find_spec("sdp_jupyter.launch.kernel.sagemaker") is None:
+    if importlib.util.find_spec("sdp_jupyter.launch.targets.sagemaker") is None:
         _, error = run(ip, "%%sdp_train --target sagemaker\nx = 1")
         assert "sagemaker is not available yet" in str(error)
     seen = {}

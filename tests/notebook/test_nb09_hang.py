@@ -26,7 +26,7 @@ KERNEL = r"""
 import faulthandler, sys, threading, time
 import numpy as np
 import threadpoolctl
-from sdp_jupyter.launch.kernel import ssh
+from sdp_jupyter.launch.targets.ssh import launcher as ssh
 
 seconds = float(sys.argv[1])
 faulthandler.dump_traceback_later(seconds + 20, exit=True)  # a hang: say where, then exit 1

@@ -161,7 +161,7 @@ def test_sagemaker_target_takes_gpus_from_the_instance_and_checks_smddp():
     s.view().w_instance.value = "ml.g5.48xlarge"  # engine auto: ours there, said in the warnings
     assert not s.view().w_launch.disabled and "served by sdp_jupyter's engine" in text(s.view().w_warnings)
     assert "smddp (engine auto): sdp_jupyter's engine" in text(s.view().w_instance_info)
-    s.sagemaker_options["engine"] = "aws"  # SageMaker's library only: refused on that type
+    s.target_options.setdefault("sagemaker", {})["engine"] = "aws"  # SageMaker's library only: refused on that type
     s.view().w_instance.value = "ml.p4d.24xlarge"
     s.view().w_instance.value = "ml.g5.48xlarge"
     assert s.view().w_launch.disabled and "does not support ml.g5.48xlarge" in text(s.view().w_reason)
@@ -171,20 +171,20 @@ def test_sagemaker_target_takes_gpus_from_the_instance_and_checks_smddp():
 
 def test_ssh_and_ray_targets_ask_for_hosts_or_address_and_put_them_in_the_spec_and_the_line():
     s = make(backend="smddp", nodes=2, per_gpu_batch=32, ssh={"config": "/etc/ssh/team_config"})
-    assert s.view().w_hosts.layout.display == "none"
+    assert s.view().w_form_boxes["ssh"].layout.display == "none"
     s.view().w_target.value = "ssh"
-    assert s.view().w_hosts.layout.display is None and s.view().w_instance.layout.display == "none"
+    assert s.view().w_form_boxes["ssh"].layout.display is None and s.view().w_instance.layout.display == "none"
     assert s.view().w_launch.disabled and "SSH hosts: enter the host names" in text(s.view().w_reason)
-    s.view().w_hosts.value = "gpu1, gpu2"
+    s.view().w_form["hosts"].value = "gpu1, gpu2"
     assert not s.view().w_launch.disabled
     spec = s.spec
     assert spec.target == "ssh" and spec.ssh == {"config": "/etc/ssh/team_config", "hosts": ["gpu1", "gpu2"]}
     assert "--target ssh" in text(s.view().w_magic) and "--hosts gpu1,gpu2" in text(s.view().w_magic)
     s.view().w_target.value = "local"
-    assert s.view().w_hosts.layout.display == "none" and s.spec.ssh == {}
+    assert s.view().w_form_boxes["ssh"].layout.display == "none" and s.spec.ssh == {}
     s.view().w_target.value = "ray"  # the address may stay empty: $RAY_ADDRESS, else auto
-    assert s.view().w_address.layout.display is None and not s.view().w_launch.disabled and s.spec.ray == {}
-    s.view().w_address.value = "10.0.0.5:6379"
+    assert s.view().w_form_boxes["ray"].layout.display is None and not s.view().w_launch.disabled and s.spec.ray == {}
+    s.view().w_form["ray_address"].value = "10.0.0.5:6379"
     assert s.spec.target == "ray" and s.spec.ray == {"address": "10.0.0.5:6379"}
     assert "--target ray" in text(s.view().w_magic) and "--address 10.0.0.5:6379" in text(s.view().w_magic)
 
@@ -192,30 +192,30 @@ def test_ssh_and_ray_targets_ask_for_hosts_or_address_and_put_them_in_the_spec_a
 def test_slurm_target_shows_its_fields_and_the_spec_gets_only_those_filled_in():
     s = make(backend="smddp", nodes=2, per_gpu_batch=32, dataset_size=1_000_000)
     v = s.view()
-    assert "slurm" in v.w_target.options and v.w_slurm.layout.display == "none"
+    assert "slurm" in v.w_target.options and v.w_form_boxes["slurm"].layout.display == "none"
     v.w_target.value = "slurm"
     # the Slurm fields shown; the other targets' fields and the instance type hidden; nodes and
     # processes per node stay the user's, as for SSH
-    assert v.w_slurm.layout.display is None
-    assert [w.description for w in v.w_slurm.children] == ["Partition", "Account", "Time limit",
+    assert v.w_form_boxes["slurm"].layout.display is None
+    assert [w.description for w in v.w_form_boxes["slurm"].children] == ["Partition", "Account", "Time limit",
                                                            "More sbatch options"]
-    assert v.w_hosts.layout.display == "none" and v.w_address.layout.display == "none"
+    assert v.w_form_boxes["ssh"].layout.display == "none" and v.w_form_boxes["ray"].layout.display == "none"
     assert v.w_instance.layout.display == "none" and v.w_instance_info.layout.display == "none"
     assert not v.w_gpus.disabled and not v.w_launch.disabled
     v.w_gpus.value = 4  # (switching target set it to this machine's GPU count, as for SSH)
     spec = s.spec
     assert (spec.target, spec.nodes, spec.procs_per_node, spec.slurm) == ("slurm", 2, 4, {})  # Slurm's defaults
     assert "--target slurm" in text(v.w_magic) and "--partition" not in text(v.w_magic)
-    v.w_partition.value = "gpu"
-    v.w_time.value = " 1:30:00 "
-    v.w_slurm_args.value = "--qos=high"  # the account left empty: left out, not sent as ""
+    v.w_form["slurm_partition"].value = "gpu"
+    v.w_form["slurm_time"].value = " 1:30:00 "
+    v.w_form["slurm_args"].value = "--qos=high"  # the account left empty: left out, not sent as ""
     assert s.spec.slurm == {"partition": "gpu", "time": "1:30:00", "args": "--qos=high"}
     line = s.magic_line()
     assert "--partition gpu" in line and "--time 1:30:00" in line and "--slurm-args=--qos=high" in line
     assert "--account" not in line and line in text(v.w_magic)
     assert spec_from_line(s) == s.spec  # through %%sdp_train's parser to the same JobSpec
-    v.w_account.value = "ml-team"
-    v.w_slurm_args.value = "--qos=high --gpus-per-node=4"
+    v.w_form["slurm_account"].value = "ml-team"
+    v.w_form["slurm_args"].value = "--qos=high --gpus-per-node=4"
     assert s.spec.slurm["account"] == "ml-team" and spec_from_line(s) == s.spec
     # the user's own machines, as for SSH: no instance type to price, no local oversubscription warning
     assert s.outcome.instance.is_local and v.w_price.placeholder == "n/a for slurm"
@@ -224,23 +224,23 @@ def test_slurm_target_shows_its_fields_and_the_spec_gets_only_those_filled_in():
     v.w_nodes.value = 64
     assert "oversubscribed" not in v.w_warnings.value
     v.w_target.value = "local"
-    assert v.w_slurm.layout.display == "none" and s.spec.slurm == {}
+    assert v.w_form_boxes["slurm"].layout.display == "none" and s.spec.slurm == {}
 
 
 def test_slurm_fields_preset_from_jobsetup_and_sdp_setup():
     s = make(target="slurm", nodes=2, slurm={"partition": "gpu", "time": 30, "account": ""})
-    assert s.view().w_partition.value == "gpu" and s.view().w_time.value == "30"
+    assert s.view().w_form["slurm_partition"].value == "gpu" and s.view().w_form["slurm_time"].value == "30"
     assert s.spec.slurm == {"partition": "gpu", "time": "30"}
     s.set(slurm_partition="", slurm_args="-C v100")
     assert s.spec.slurm == {"time": "30", "args": "-C v100"} and spec_from_line(s) == s.spec
-    with pytest.raises(TypeError, match="unknown Slurm option.*qos.*known: partition, account, time, args"):
+    with pytest.raises(TypeError, match="unknown slurm option.*qos.*known: partition, account, time, args"):
         make(slurm={"qos": "high"})
     setup_mod.store_cell("slurm_cell", "print('on slurm')\n")
     t = setup_mod.setup_from_line("--cell slurm_cell --target slurm --nodes 3 --partition gpu --account ml "
                                   "--slurm-args='--qos=high' --backend gloo")
     assert t.spec.target == "slurm" and t.spec.nodes == 3
     assert t.spec.slurm == {"partition": "gpu", "account": "ml", "args": "--qos=high"}
-    assert t.view().w_slurm.layout.display is None and t.view().w_account.value == "ml"
+    assert t.view().w_form_boxes["slurm"].layout.display is None and t.view().w_form["slurm_account"].value == "ml"
 
 
 def test_estimates_follow_throughput_efficiency_and_price():

@@ -1,9 +1,9 @@
 """The node agent: `python -m sdp_jupyter.launch.host.agent`, one per node of every job but SageMaker's.
 
 Each target reaches it over a byte channel, the agent's stdin and stdout: the local target through a
-pipe to a child of the kernel (launch/kernel/local.py), the SSH target through `ssh -T host python -m
+pipe to a child of the kernel (launch/targets/local/launcher.py), the SSH target through `ssh -T host python -m
 sdp_jupyter.launch.host.agent`, the Ray target through an actor on the node that starts the agent as
-its child and relays the frames (launch/kernel/ray.py), the Slurm target through srun. On its host the
+its child and relays the frames (launch/targets/ray/launcher.py), the Slurm target through srun. On its host the
 agent writes the job's files into a private folder, starts the node's ranks with the same bootstrap
 and environment (launch/host/ranks.py), runs the node's utilization sampler, watches, stops and starts
 again its ranks, and streams everything back: each rank's output, metrics lines, exit codes, rank 0's
@@ -204,11 +204,11 @@ class Agent:
         if self._attempt_thread is not None and self._attempt_thread.is_alive():
             raise ValueError("a start came while the previous attempt still runs")
         self.timeout = float(m.get("heartbeat_timeout", HEARTBEAT_TIMEOUT))
-        from sdp_jupyter.launch.target_options import TARGETS
+        from sdp_jupyter.launch.targets import DEFAULT_TARGET, TARGETS
 
         data = m["spec"]
         if data.get("target") not in TARGETS:  # registered in the notebook's process only: a node runs the same
-            data = {**data, "target": "local"}
+            data = {**data, "target": DEFAULT_TARGET}
         spec = JobSpec.from_dict(data)
         name = spec.name
         if not name or "/" in name or name.startswith("."):

@@ -8,7 +8,7 @@ import os
 import threading
 
 from sdp_jupyter import jobdir
-from sdp_jupyter.launch.kernel import targets
+from sdp_jupyter.launch import targets
 from sdp_jupyter.launch.kernel.job import Job, JobError
 from sdp_jupyter.launch.spec import JobSpec, SpecError
 
@@ -18,13 +18,14 @@ _JOBS_LOCK = threading.Lock()
 
 
 def get_launcher(target: str):
-    """The launcher object for `target` (a key of launch/kernel/targets.py's LAUNCHERS)."""
-    if target not in targets.LAUNCHERS:
-        raise SpecError("--target", f"{target!r} is not one of {', '.join(targets.LAUNCHERS)}")
-    cls = targets.load(targets.LAUNCHERS[target])
+    """The launcher object for `target` (a registered target: launch/targets/)."""
+    if target not in targets.TARGETS:
+        raise SpecError("--target", f"{target!r} is not one of {', '.join(targets.TARGETS)}")
+    where = targets.launcher_path(target)
+    cls = targets.load(where)
     if cls is None:
         raise SpecError("--target", f"{target} is not available in this installation "
-                                    f"({targets.LAUNCHERS[target]} is missing). Fix: --target local")
+                                    f"({where} is missing). Fix: --target {targets.DEFAULT_TARGET}")
     return cls()
 
 
@@ -64,7 +65,7 @@ def target_keywords(fields: dict) -> dict:
     out = dict(fields)
     for key in [k for k in fields if k not in known and len(owners.get(k, ())) == 1]:
         top = next(iter(owners[key]))
-        out[top] = {**(out.get(top) or {}), key: out.pop(key)}
+        JobSpec.put_target_options(out, top, {key: out.pop(key)})
     return out
 
 

@@ -18,12 +18,15 @@ from typing import Callable
 
 from sdp_jupyter._display import Shown
 from sdp_jupyter import jobdir
-from sdp_jupyter.launch import target_options
 from sdp_jupyter.launch.kernel.job_flight import JobFlight
+from sdp_jupyter.launch.kernel.job_words import JobWords
 from sdp_jupyter.launch.spec import JobSpec
 
 TAIL_LINES = 2000  # lines per rank kept in memory for views opened late; the log file has them all
 
+
+#: modules that moved, as a job directory's status.json may still name them (`job_class`): old -> new prefix
+_MOVED = {"sdp_jupyter.launch.kernel.sagemaker.": "sdp_jupyter.launch.targets.sagemaker."}
 
 class JobError(RuntimeError):
     """The job failed, was stopped or cannot do what was asked. Shown without our internals' traceback."""
@@ -37,7 +40,7 @@ class JobError(RuntimeError):
                 for i, line in enumerate(str(self).splitlines())]
 
 
-class Job(Shown):
+class Job(Shown, JobWords):
     """Handle of a job. Use `sdp_jupyter.launch(...)` to start one, `Job.open(name)` to reopen one."""
 
     def __init__(self, spec: JobSpec, job_dir: str | os.PathLike, run=None):
@@ -81,6 +84,9 @@ class Job(Shown):
         """The Job class status.json names (`job_class`, written by the launcher: the directory says what
         reopens it, so this module names no target); only one of ours, and only a Job. None otherwise."""
         where = status.get("job_class")
+        for old, new in _MOVED.items():  # a job directory written before a module moved
+            if isinstance(where, str) and where.startswith(old):
+                where = new + where[len(old):]
         if not isinstance(where, str) or not where.startswith("sdp_jupyter.") or where.count(":") != 1:
             return None
         module, name = where.split(":")
@@ -396,98 +402,6 @@ class Job(Shown):
                 cb(self)
             except Exception as e:  # shown, never raised into the supervisor thread
                 print(f"sdp_jupyter: a callback of job {self.name} failed: {e!r}")
-
-    # ------------------------------------------------------------------ display
-    @property
-    def start_label(self) -> str | None:
-        """How the ranks started: "warm start" (forked from the warm pool), "cold start", or
-        "cold start (warm start not possible: REASON)" when a warm start fell back; None until the
-        ranks start, and for targets that do not say (docs/warm.md)."""
-        st = self._read_status()
-        if st.get("start") not in ("warm", "cold"):
-            return None
-        label = f"{st['start']} start"
-        return f"{label} ({st['start_reason']})" if st.get("start_reason") else label
-
-    @property
-    def where_label(self) -> str | None:
-        """Where a remote job's ranks run: "ssh: gpu1, gpu2" (the hosts' own names, node by node), or
-        "ray: ..."; None for local and SageMaker jobs (their hosts are this machine or algo-N)."""
-        st = self._read_status()
-        target = st.get("target")
-        record = target_options.TARGETS.get(str(target))
-        if record is None or not record.own_hosts:
-            return None
-        names = st.get("host_names") or st.get("hosts") or []
-        if st.get("slurm_job_id"):  # the Slurm target: its job id, and while it waits, Slurm's reason
-            target = f"slurm job {st['slurm_job_id']}"
-            if st.get("state") == "pending" and not names:
-                return f"{target} (pending: {st.get('pending_reason') or 'in the queue'})"
-        return f"{target}: {', '.join(str(n) for n in names)}" if names else str(target)
-
-    @property
-    def backend_label(self) -> str:
-        """The backend as the ranks used it (status `backend_used`, written when the job ends;
-        launch/rank/backend_check.py): the one asked for when they used it, "gloo (asked: smddp)" when
-        their default group was another, "smddp (no process group)" when they made none."""
-        st, asked = self._read_status(), self.spec.backend
-        if "backend_used" not in st:
-            return asked
-        used = st["backend_used"]
-        if not used:
-            return f"{asked} (no process group)"
-        return asked if used == asked else f"{used} (asked: {asked})"
-
-    @property
-    def warnings(self) -> list[str]:
-        """What the job did that was not what was asked (another backend; ranks that trained
-        independently): status `warnings`, written when the job ends."""
-        return [str(w) for w in self._read_status().get("warnings") or []]
-
-    @property
-    def nodes_label(self) -> str:
-        """How many nodes: N, or an elastic job's "now of MIN:MAX" (2 of 2:3)."""
-        if self.spec.min_nodes is None:
-            return str(self.spec.nodes)
-        now = self._read_status().get("nodes", self.spec.nodes)
-        return f"{now} of {self.spec.min_nodes}:{self.spec.nodes}"
-
-    @property
-    def membership(self) -> list[str]:
-        """An elastic job's membership changes, one line each (launch/kernel/elastic.py)."""
-        lines = []
-        for entry in self._read_status().get("membership", [])[1:]:
-            at = time.strftime("%H:%M:%S", time.localtime(entry.get("t", 0)))
-            if "returned" in entry:  # in the status; the formation it joins says it
-                continue
-            lost = "; ".join(f"node {h} lost: {why}" for h, why in (entry.get("lost") or {}).items())
-            lines.append(f"{at} {lost or entry.get('why')}: {entry.get('nodes')} node(s) from then "
-                         f"({', '.join(entry.get('hosts', []))})")
-        return lines
-
-    def summary(self, error: bool = True) -> str:
-        """The job in a few lines: name, state, elapsed time, nodes x processes, where, backend, how the
-        ranks started, restarts and directory; then any warnings, a hang or straggler, and the error
-        (`error=False`: not the error, which the caller raises right after, so it is said once)."""
-        st = self._read_status()
-        start = f", {self.start_label}" if self.start_label else ""
-        where = f" on {self.where_label}" if self.where_label else ""
-        line = (f"Job {self.name}: {st.get('state', 'pending')} after {self.elapsed:.1f} s "
-                f"({self.nodes_label} node(s) x {self.spec.procs_per_node or 1} proc(s){where}, backend "
-                f"{self.backend_label}{start}, restarts {st.get('restarts', 0)}) in {self.dir}")
-        for change in self.membership:
-            line += "\nmembership: " + change
-        for warning in self.warnings:
-            line += "\nwarning: " + warning
-        hang = self.hang
-        if hang:
-            line += "\nwaiting: " + hang
-        straggler = self.straggler
-        if straggler:
-            line += "\nstraggler: " + straggler
-        if error and st.get("error"):
-            line += "\n" + st["error"]
-        return line
 
     def __repr__(self) -> str:
         return f"<Job {self.name} {self.state} {self.elapsed:.1f}s>"

@@ -1,6 +1,6 @@
 """One node's agent as the notebook side sees it (a Link), for every remote target: the SSH target's link
-is an ssh client's stdin/stdout (launch/kernel/ssh.py), the Ray target's an actor running the agent
-(launch/kernel/ray.py), the Slurm target's an srun step (launch/kernel/slurm.py). The run that drives the
+is an ssh client's stdin/stdout (launch/targets/ssh/launcher.py), the Ray target's an actor running the agent
+(launch/targets/ray/launcher.py), the Slurm target's an srun step (launch/targets/slurm/launcher.py). The run that drives the
 links is launch/kernel/remote.py.
 """
 from __future__ import annotations

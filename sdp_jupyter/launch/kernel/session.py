@@ -30,12 +30,12 @@ from sdp_jupyter.launch.kernel.push import pickle_push
 from sdp_jupyter.launch.kernel.session_calls import SessionCalls
 from sdp_jupyter.launch.kernel.session_debug import SessionDebug
 from sdp_jupyter.launch.kernel.session_result import CellResult, SessionError
-from sdp_jupyter.launch import target_options
+from sdp_jupyter.launch import targets
 from sdp_jupyter.launch.options import SpecError
 from sdp_jupyter.launch.rank.session import SCRIPT
 from sdp_jupyter.launch.spec import JobSpec
 
-TARGETS = target_options.having("sessions")  # where this kernel or an agent starts the ranks
+TARGETS = targets.having("sessions")  # where this kernel or an agent starts the ranks
 FAILED_GRACE = 1.0     # seconds the other ranks get to finish a cell one rank failed, before they are interrupted
 INTERRUPT_GRACE = 0.5  # seconds interrupted ranks get to answer; still missing: inside a collective (reconnected)
 POLL = 0.02  # seconds at most between looks at the job and the output stream; an answer wakes the wait at once

@@ -3,7 +3,7 @@
 group made first), rank 0's result saved, tracebacks trimmed to the user's frames, the process group closed.
 
 One implementation for the local worker (launch/rank/worker.py, also what the SSH and Ray agents start)
-and the SageMaker container entry (launch/rank/sagemaker_entry.py); each adds only what its place needs
+and the SageMaker container entry (launch/targets/sagemaker/entry.py); each adds only what its place needs
 (the worker: the parent-death signal and Ctrl-C; the entry: SageMaker's variables and failure file).
 """
 from __future__ import annotations

@@ -21,7 +21,10 @@ pytest.importorskip("moto.server")
 
 import sdp_jupyter  # noqa: E402
 from sdp_jupyter.launch import SpecError, launch  # noqa: E402
-from sdp_jupyter.launch.kernel import sagemaker as sm  # noqa: E402
+from sdp_jupyter.launch.targets.sagemaker.options import DEFAULT_MAX_RUN, SageMakerRequestError, validate_request  # noqa: E402
+from sdp_jupyter.launch.targets.sagemaker.plan import default_framework_version, make_plan  # noqa: E402
+from sdp_jupyter.launch.targets.sagemaker.source import build_sdist  # noqa: E402
+from sdp_jupyter.launch.targets.sagemaker.submit import RequestGate  # noqa: E402
 from sdp_jupyter.monitor import cloudwatch  # noqa: E402
 from helpers.sagemaker_jobs import (IMAGE_230_GPU, SDK_ARGS, SDK_ENTRY, channel, expected_environment, make_spec,  # noqa: E402
                                      s3_json, s3_keys, sdk_channels, wire_request)
@@ -49,7 +52,7 @@ def test_smddp_job_request(aws, tmp_path):
         "InputDataConfig": [channel("train", f"s3://{BUCKET}/data/train")] + sdk_channels("mnist-smddp", name),
         "OutputDataConfig": {"S3OutputPath": f"s3://{BUCKET}/mnist-smddp", "CompressionType": "GZIP"},
         "ResourceConfig": {"InstanceType": "ml.p4d.24xlarge", "InstanceCount": 2, "VolumeSizeInGB": 30},
-        "StoppingCondition": {"MaxRuntimeInSeconds": sm.DEFAULT_MAX_RUN},
+        "StoppingCondition": {"MaxRuntimeInSeconds": DEFAULT_MAX_RUN},
         "CheckpointConfig": {"S3Uri": f"s3://{BUCKET}/mnist-smddp/checkpoints", "LocalPath": "/opt/ml/checkpoints"},
         "Environment": expected_environment("smddp", "mnist-smddp", 2, MY_FLAG="1", SDP_ENGINE="aws"),
     }
@@ -81,11 +84,11 @@ def test_engine_auto_is_ours_where_aws_refuses_and_ships_the_sources(aws, tmp_pa
     assert instances.get("ml.p4d.24xlarge").smddp_engine == "aws"
     spec = make_spec(tmp_path, "g5-ours", nodes=2, backend="smddp", parallel={"tp": 2},
                      sagemaker={"instance_type": "ml.g5.12xlarge"})
-    plan = sm.make_plan(spec)
+    plan = make_plan(spec)
     assert plan.engine == "sdp" and plan.procs_per_node == 4
     assert any("does not run on this type" in w and "sdp_jupyter's engine" in w for w in plan.warnings)
     assert plan.environment["SDP_ENGINE"] == "sdp" and plan.environment["SDP_TP"] == "2"
-    assert sm.make_plan(spec.replace(sagemaker={**spec.sagemaker, "engine": "aws", "instance_type":
+    assert make_plan(spec.replace(sagemaker={**spec.sagemaker, "engine": "aws", "instance_type":
                                                 "ml.p4d.24xlarge"})).engine == "aws"
     job = launch(spec)
     req = wire_request()
@@ -104,7 +107,7 @@ def test_engine_auto_is_ours_where_aws_refuses_and_ships_the_sources(aws, tmp_pa
                                      "native/python/module.cpp", "sdp_jupyter/torch/__init__.py")} <= names
     assert not any(n.endswith(".so") or "__pycache__" in n for n in names)
     # the same sources give the same bytes: a host that built this package knows it by its digest
-    again = sm.build_sdist(tmp_path)
+    again = build_sdist(tmp_path)
     assert again.read_bytes() == (job.dir / "sagemaker_source" / sdist).read_bytes()
     assert job.sagemaker["engine"] == "sdp" and "smddp engine: sdp_jupyter's engine (planned" in job.summary()
     job.stop(wait=False)
@@ -114,20 +117,20 @@ def test_engine_auto_is_ours_where_aws_refuses_and_ships_the_sources(aws, tmp_pa
 
 def test_engine_sdp_without_the_sources_is_refused_before_any_aws_call(tmp_path, monkeypatch):
     """sdp_jupyter installed from a wheel has no native/ to ship: --engine sdp says so up front."""
-    from sdp_jupyter.launch.kernel.sagemaker import plan as plan_module
+    from sdp_jupyter.launch.targets.sagemaker import plan as plan_module
 
     monkeypatch.setattr(plan_module, "source_tree", lambda: None)
     spec = make_spec(tmp_path, "no-sources", backend="smddp", sagemaker={"instance_type": "ml.g5.12xlarge"})
     with pytest.raises(SpecError) as err:
-        sm.make_plan(spec)
+        make_plan(spec)
     assert err.value.option == "--engine" and "installed without them" in str(err.value)
     assert "--engine aws on ml.p4d.24xlarge" in str(err.value)
     # AWS's library needs no sources
-    assert sm.make_plan(spec.replace(sagemaker={"instance_type": "ml.p4d.24xlarge"})).engine == "aws"
+    assert make_plan(spec.replace(sagemaker={"instance_type": "ml.p4d.24xlarge"})).engine == "aws"
 
 
 def test_entry_names_the_image_when_it_has_no_compiler(tmp_path, monkeypatch):
-    from sdp_jupyter.launch.rank import sagemaker_entry as entry
+    from sdp_jupyter.launch.targets.sagemaker import entry
 
     (tmp_path / "sdp_jupyter-0.1.0.tar.gz").write_bytes(b"not built")
     monkeypatch.setattr(entry.shutil, "which", lambda name: None)
@@ -154,7 +157,7 @@ def test_spot_job_request_and_stable_checkpoint_uri(aws, tmp_path):
     assert req["CheckpointConfig"] == {"S3Uri": f"s3://{BUCKET}/spot-run/checkpoints",
                                        "LocalPath": "/opt/ml/checkpoints"}
     assert req["Environment"]["SDP_CHECKPOINT_DIR"] == "/opt/ml/checkpoints"
-    newest = sm.default_framework_version("nccl")  # the newest PyTorch training image the SDK knows
+    newest = default_framework_version("nccl")  # the newest PyTorch training image the SDK knows
     assert re.fullmatch(rf"763104351884\.dkr\.ecr\.us-west-2\.amazonaws\.com/pytorch-training:{newest}-gpu-py3\d+",
                         req["AlgorithmSpecification"]["TrainingImage"])
     drivers = f"s3://{BUCKET}/spot-run/{req['TrainingJobName']}/input/sm_drivers"
@@ -213,7 +216,7 @@ def test_service_model_rejects_before_sending(aws, tmp_path, changes, option, fi
     kw = {"backend": "gloo"} | changes
     extra = kw.pop("sagemaker", {})
     before = len(MotoAWS.create_requests)
-    with pytest.raises(sm.SageMakerRequestError) as err:
+    with pytest.raises(SageMakerRequestError) as err:
         launch(make_spec(tmp_path, "bad-job", sagemaker=extra, **kw))
     assert err.value.option == option
     assert field in err.value.fields
@@ -247,7 +250,7 @@ def test_option_errors_name_the_option(tmp_path, changes, option, words):
     extra = kw.pop("sagemaker", {})
     name = kw.pop("name", "opt-job")
     with pytest.raises(SpecError) as err:
-        sm.make_plan(make_spec(tmp_path, name, sagemaker=extra, **kw))
+        make_plan(make_spec(tmp_path, name, sagemaker=extra, **kw))
     assert err.value.option == option, str(err.value)
     assert words in str(err.value)
 
@@ -265,10 +268,10 @@ def test_final_request_gate_blocks_a_bad_request(aws, tmp_path):
     import boto3
 
     boto = boto3.Session(region_name=REGION)
-    gate = sm.RequestGate(tmp_path / "request.json").install(boto)
+    gate = RequestGate(tmp_path / "request.json").install(boto)
     before = len(MotoAWS.create_requests)
     client = boto.client("sagemaker")
-    with pytest.raises(sm.SageMakerRequestError) as err:
+    with pytest.raises(SageMakerRequestError) as err:
         client.create_training_job(
             TrainingJobName="x" * 64, RoleArn=ROLE, OutputDataConfig={"S3OutputPath": f"s3://{BUCKET}/o"},
             AlgorithmSpecification={"TrainingInputMode": "File", "TrainingImage": IMAGE_230_GPU},
@@ -277,13 +280,13 @@ def test_final_request_gate_blocks_a_bad_request(aws, tmp_path):
     assert set(err.value.fields) == {"TrainingJobName"} and "at most 63 allowed" in str(err.value)
     assert len(MotoAWS.create_requests) == before and not (tmp_path / "request.json").exists()
     gate.remove(boto)
-    with pytest.raises(sm.SageMakerRequestError, match=r"RoleArn \(--role\): is required"):
-        sm.validate_request({"TrainingJobName": "ok", "OutputDataConfig": {"S3OutputPath": "s3://b/o"}})
+    with pytest.raises(SageMakerRequestError, match=r"RoleArn \(--role\): is required"):
+        validate_request({"TrainingJobName": "ok", "OutputDataConfig": {"S3OutputPath": "s3://b/o"}})
 
 
 ECHO_BESIDE_PRINTS = r'''
 import json, os, sys, threading
-from sdp_jupyter.launch.rank.sagemaker_entry import MetricsEcho
+from sdp_jupyter.launch.targets.sagemaker.entry import MetricsEcho
 from sdp_jupyter import jobdir
 
 sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter allows

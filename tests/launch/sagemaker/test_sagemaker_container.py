@@ -171,7 +171,7 @@ def test_smddp_job_uses_sagemakers_smdistributed(aws, tmp_path):
 
 
 def test_smddp_without_smdistributed_says_which_image(monkeypatch, capsys):
-    from sdp_jupyter.launch.rank import sagemaker_entry
+    from sdp_jupyter.launch.targets.sagemaker import entry as sagemaker_entry
 
     monkeypatch.setitem(sys.modules, "smdistributed", None)  # not in this image
     env = {"SDP_BACKEND": "smddp"}

@@ -17,7 +17,8 @@ pytest.importorskip("sagemaker.train")
 pytest.importorskip("moto.server")
 
 from sdp_jupyter.launch import launch  # noqa: E402
-from sdp_jupyter.launch.kernel import sagemaker as sm  # noqa: E402
+from sdp_jupyter.launch.targets.sagemaker.job import SageMakerJob  # noqa: E402
+from sdp_jupyter.launch.targets.sagemaker.submit import SageMakerLauncher  # noqa: E402
 from sdp_jupyter.monitor import cloudwatch  # noqa: E402
 from helpers.sagemaker_jobs import CELL, make_spec, s3_json, wait_for, wire_request  # noqa: E402
 
@@ -87,7 +88,7 @@ def test_job_runs_to_completion_with_logs_and_metrics(aws, tmp_path):
     from sdp_jupyter.launch import Job
 
     again = Job.open(job.dir)
-    assert isinstance(again, sm.SageMakerJob)
+    assert isinstance(again, SageMakerJob)
     assert again.state == "succeeded" and again.training_job_name == name and not again.live
     assert again.logs(1).startswith("hello from algo-2\n")
 
@@ -223,7 +224,7 @@ def test_gate_reaches_a_client_the_sdk_made_before(aws, tmp_path, capsys):
 
     boto = boto3.Session(region_name=REGION)
     Base.get_sagemaker_client(session=boto, region_name=None, service_name="sagemaker")
-    launcher = sm.SageMakerLauncher(session=Session(boto_session=boto, default_bucket=BUCKET))
+    launcher = SageMakerLauncher(session=Session(boto_session=boto, default_bucket=BUCKET))
     job = launcher.start(make_spec(tmp_path, "given-session", backend="gloo",
                                    sagemaker={"instance_type": "ml.m5.xlarge"}))
     assert job.request == wire_request()  # seen (and checked) by the gate
@@ -246,7 +247,7 @@ def test_magics_start_list_and_stop_a_sagemaker_job(aws, tmp_path, monkeypatch):
                          "print('hi')\n")
     assert result.error_in_exec is None and result.error_before_exec is None
     job = result.result
-    assert isinstance(job, sm.SageMakerJob) and job.spec.sagemaker["spot"] is True
+    assert isinstance(job, SageMakerJob) and job.spec.sagemaker["spot"] is True
     req = wire_request()
     assert req["TrainingJobName"] == job.training_job_name
     assert req["StoppingCondition"] == {"MaxRuntimeInSeconds": 600, "MaxWaitTimeInSeconds": 1200}
@@ -258,7 +259,7 @@ def test_magics_start_list_and_stop_a_sagemaker_job(aws, tmp_path, monkeypatch):
     from sdp_jupyter.launch import list_jobs
 
     listed = {j.name: j for j in list_jobs()}
-    assert isinstance(listed["magic-sm"], sm.SageMakerJob)
+    assert isinstance(listed["magic-sm"], SageMakerJob)
 
     def play_stop():  # SageMaker: Stopping, then Stopped
         wait_for(lambda: aws.status(job.training_job_name) == "Stopping", what="StopTrainingJob")
@@ -284,7 +285,7 @@ def test_setup_widget_launches_the_same_choices_on_sagemaker(aws, tmp_path):
     spec = form.spec
     job = form.launch()
     req = wire_request()
-    assert isinstance(job, sm.SageMakerJob) and req["TrainingJobName"] == job.training_job_name
+    assert isinstance(job, SageMakerJob) and req["TrainingJobName"] == job.training_job_name
     assert req["ResourceConfig"]["InstanceType"] == "ml.p4de.24xlarge" and req["ResourceConfig"]["InstanceCount"] == 2
     assert req["Environment"]["SDP_BACKEND"] == "smddp"
     assert req["HyperParameters"] == {k: v if isinstance(v, str) else json.dumps(v)

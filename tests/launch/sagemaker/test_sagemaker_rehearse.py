@@ -19,8 +19,10 @@ pytest.importorskip("moto.server")
 
 import sdp_jupyter  # noqa: E402
 from sdp_jupyter.launch import JobSpec, SpecError, launch  # noqa: E402
-from sdp_jupyter.launch.kernel import sagemaker as sm# noqa: E402
-from sdp_jupyter.launch.kernel.sagemaker import rehearse as sagemaker_rehearse  # noqa: E402
+from sdp_jupyter.launch.targets.sagemaker.job import SageMakerJob  # noqa: E402
+from sdp_jupyter.launch.targets.sagemaker.options import SAGEMAKER_OPTIONS  # noqa: E402
+from sdp_jupyter.launch.targets.sagemaker.plan import make_plan  # noqa: E402
+from sdp_jupyter.launch.targets.sagemaker import rehearse as sagemaker_rehearse  # noqa: E402
 from sdp_jupyter.testing import sagemaker_standin  # noqa: E402
 from sdp_jupyter.testing.sagemaker_standin import MotoAWS  # noqa: E402
 
@@ -89,7 +91,7 @@ def test_two_host_rehearsal_from_the_magic_brings_the_result_back(tmp_path, data
         f"--rehearse-data s3://my-real-bucket/data/train={data} --hp steps=5\n" + CELL)
     assert result.error_in_exec is None and result.error_before_exec is None
     job = result.result
-    assert isinstance(job, sm.SageMakerJob) and job.rehearsal["hosts"] == 2
+    assert isinstance(job, SageMakerJob) and job.rehearsal["hosts"] == 2
     assert job.wait(180) == "succeeded", (job.error, job.logs(0), job.logs(1))
     # the same request a real submission sends, validated by the gate and kept in the job directory
     request = job.request
@@ -178,9 +180,9 @@ def test_script_failing_on_host_2_is_named(tmp_path, data):
 
 def test_rehearse_data_needs_rehearse(tmp_path, data):
     with pytest.raises(SpecError, match="--rehearse-data.*serves data to a rehearsal only"):
-        sm.make_plan(spec(tmp_path, "x", sagemaker={"rehearse": False,
+        make_plan(spec(tmp_path, "x", sagemaker={"rehearse": False,
                                                     "rehearse_data": [f"s3://b/p={data}"]}))
-    assert "--rehearse" in {o.flag for o in sm.SAGEMAKER_OPTIONS}
+    assert "--rehearse" in {o.flag for o in SAGEMAKER_OPTIONS}
     assert sagemaker_rehearse.NOT_CHECKED
 
 
@@ -212,7 +214,7 @@ def test_a_poller_whose_set_up_fails_once_retries_instead_of_leaving_the_job_pen
     """The job's poller creates its boto client in its own thread while the rehearsal's submit may
     still be restoring os.environ (boto iterates it: a KeyError once, in a full run). A failure
     there is retried like a failed poll; the job ends (it stayed "pending" for good)."""
-    original, failed = sm.SageMakerJob._boto, []
+    original, failed = SageMakerJob._boto, []
 
     def flaky(job):
         import threading
@@ -221,7 +223,7 @@ def test_a_poller_whose_set_up_fails_once_retries_instead_of_leaving_the_job_pen
             raise KeyError("AWS_ACCESS_KEY_ID")  # what os.environ's iterator raised
         return original(job)
 
-    monkeypatch.setattr(sm.SageMakerJob, "_boto", flaky)
+    monkeypatch.setattr(SageMakerJob, "_boto", flaky)
     s = spec(tmp_path, "flaky-poller", code=SMDDP_CELL, backend="smddp",
              sagemaker={"instance_type": "ml.p4d.24xlarge", "inputs": []})
     job = launch(s)

@@ -11,11 +11,11 @@ from sdp_jupyter.launch.kernel.job import JobError
 from sdp_jupyter.launch.kernel.preparation import create_job, prepared
 from sdp_jupyter.launch.kernel.push import pickle_push
 from sdp_jupyter.launch.options import SpecError
-from sdp_jupyter.launch.kernel.sagemaker.aws import resolve_aws
-from sdp_jupyter.launch.kernel.sagemaker.job import SageMakerJob
-from sdp_jupyter.launch.kernel.sagemaker.options import CONTAINER_CHECKPOINT_DIR, ENTRY_SCRIPT, REQUEST_FILE, validate_request
-from sdp_jupyter.launch.kernel.sagemaker.plan import Plan, make_plan, metric_definitions
-from sdp_jupyter.launch.kernel.sagemaker.source import build_source_dir
+from sdp_jupyter.launch.targets.sagemaker.aws import resolve_aws
+from sdp_jupyter.launch.targets.sagemaker.job import SageMakerJob
+from sdp_jupyter.launch.targets.sagemaker.options import CONTAINER_CHECKPOINT_DIR, ENTRY_SCRIPT, REQUEST_FILE, validate_request
+from sdp_jupyter.launch.targets.sagemaker.plan import Plan, make_plan, metric_definitions
+from sdp_jupyter.launch.targets.sagemaker.source import build_source_dir
 from sdp_jupyter.launch.spec import JobSpec
 
 
@@ -106,7 +106,7 @@ class SageMakerLauncher:
         for note in plan.warnings:
             print(f"[sdp_jupyter] note: {note}")
         if plan.opts.rehearse:
-            from sdp_jupyter.launch.kernel.sagemaker.rehearse import rehearse
+            from sdp_jupyter.launch.targets.sagemaker.rehearse import rehearse
 
             return rehearse(self, plan, push_bytes)
         return self.submit(plan, push_bytes)

@@ -2,8 +2,6 @@
 the spec, pushed variables and sdp_jupyter (a pure-Python copy, or with our engine a source package)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import gzip
 import io
 import secrets
@@ -15,10 +13,8 @@ import sdp_jupyter
 from sdp_jupyter import jobdir
 from sdp_jupyter._engine_sources import NATIVE_FILES, SOURCES_DIR, SOURCES_TOP
 from sdp_jupyter.launch.options import SpecError
-from sdp_jupyter.launch.kernel.sagemaker.options import ENTRY_SCRIPT, SECRET_FILE, SOURCE_DIR
+from sdp_jupyter.launch.targets.sagemaker.options import ENTRY_SCRIPT, SECRET_FILE, SOURCE_DIR
 
-if TYPE_CHECKING:
-    from sdp_jupyter.launch.kernel.sagemaker.plan import Plan
 
 
 _PACKAGE_FILES = (".py", ".json", ".txt", ".md")
@@ -95,8 +91,8 @@ def _plain_member(info: tarfile.TarInfo) -> tarfile.TarInfo:
     return info
 
 
-def build_source_dir(job_dir: Path, plan: Plan) -> Path:
-    """The code channel: script.py, sdp_entry.py, spec.json, push.pkl, requirements.txt, and
+def build_source_dir(job_dir: Path, plan) -> Path:
+    """The code channel of `plan` (plan.py's Plan, which imports this module): script.py, sdp_entry.py, spec.json, push.pkl, requirements.txt, and
     sdp_jupyter: its pure-Python files as sdp_jupyter/ (SageMaker's smddp, gloo, nccl), or with our
     engine (plan.engine "sdp") a source package the entry installs, compiling the engine."""
     src = job_dir / SOURCE_DIR
@@ -104,7 +100,7 @@ def build_source_dir(job_dir: Path, plan: Plan) -> Path:
         shutil.rmtree(src)
     src.mkdir(parents=True)
     shutil.copy2(job_dir / jobdir.SCRIPT, src / jobdir.SCRIPT)
-    shutil.copy2(Path(__file__).parents[2] / "rank" / "sagemaker_entry.py", src / ENTRY_SCRIPT)
+    shutil.copy2(Path(__file__).parent / "entry.py", src / ENTRY_SCRIPT)
     (src / jobdir.SPEC).write_text(plan.spec.to_json())
     if (job_dir / jobdir.PUSH).is_file():
         shutil.copy2(job_dir / jobdir.PUSH, src / jobdir.PUSH)

@@ -11,8 +11,8 @@ from typing import Any
 from sdp_jupyter import jobdir
 from sdp_jupyter.instances import host_counts
 from sdp_jupyter.launch.kernel.job import Job, JobError
-from sdp_jupyter.launch.kernel.sagemaker.aws import boto_session
-from sdp_jupyter.launch.kernel.sagemaker.options import DEFAULT_POLL_INTERVAL, METRICS_POLL_INTERVAL, REQUEST_FILE
+from sdp_jupyter.launch.targets.sagemaker.aws import boto_session
+from sdp_jupyter.launch.targets.sagemaker.options import DEFAULT_POLL_INTERVAL, METRICS_POLL_INTERVAL, REQUEST_FILE
 
 
 _FINAL_STATES = {"Completed": "succeeded", "Failed": "failed", "Stopped": "stopped"}
@@ -197,7 +197,7 @@ class SageMakerJob(Job):
         if engine:
             extra += f"\n{engine}"
         if self.rehearsal:
-            from sdp_jupyter.launch.kernel.sagemaker.rehearse import describe
+            from sdp_jupyter.launch.targets.sagemaker.rehearse import describe
 
             extra += "\n" + describe(self.rehearsal)
         return line + extra

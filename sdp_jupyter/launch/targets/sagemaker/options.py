@@ -10,7 +10,7 @@ from typing import Any
 from sdp_jupyter import jobdir
 from sdp_jupyter._env import env_float, parse_bool
 from sdp_jupyter.launch.options import Option, SpecError
-from sdp_jupyter.launch.kernel.sagemaker.validate import check as check_request
+from sdp_jupyter.launch.targets.sagemaker.validate import check as check_request
 
 OPERATION = "CreateTrainingJob"
 SOURCE_DIR = jobdir.SAGEMAKER_SOURCE     # in the job directory: what goes up as the code channel

@@ -10,7 +10,7 @@ the remote run of launch/kernel/remote.py. See docs/ray.md.
 
 Warm starts (docs/warm.md): the notebook holds one PoolActor per Ray node (pinned to it, no CPU
 reserved), whose child is that node's warm pool server; the job's agent there forks the ranks from it.
-The actors' classes are in launch/kernel/ray_actors.py.
+The actors' classes are in launch/targets/ray/actors.py.
 The actor is owned by the notebook's Ray driver, so it and its pool end with the notebook.
 
 Ray is optional: `pip install '.[ray]'` from a checkout (the test extra includes it).
@@ -22,17 +22,17 @@ import queue
 import socket
 import threading
 
-from sdp_jupyter.launch import channel, target_options
+from sdp_jupyter.launch import channel
 from sdp_jupyter.launch.kernel import remote
 from sdp_jupyter.launch.kernel.job import Job
 from sdp_jupyter.launch.kernel.preparation import prepared
 from sdp_jupyter.launch.kernel.push import pickle_push
-from sdp_jupyter.launch.kernel.ray_actors import AgentActor, PoolActor, PoolChannel
+from sdp_jupyter.launch.targets.ray.actors import AgentActor, PoolActor, PoolChannel
 from sdp_jupyter.launch.kernel.link import CONNECT_TIMEOUT
 from sdp_jupyter import backends
 from sdp_jupyter.launch.spec import JobSpec, SpecError
 
-RAY_OPTIONS, KEYS = target_options.RAY_OPTIONS, target_options.RAY_KEYS
+from sdp_jupyter.launch.targets.ray import KEYS, OPTIONS as RAY_OPTIONS  # noqa: E402  (the record's rows)
 PLACEMENT_TIMEOUT = 30   # seconds for the cluster to place every node's bundle
 RECV_WAIT = 0.2          # seconds an actor holds a poll for frames
 

@@ -1,4 +1,4 @@
-"""What runs inside the Ray target's actors, on the Ray nodes (launch/kernel/ray.py starts them).
+"""What runs inside the Ray target's actors, on the Ray nodes (launch/targets/ray/launcher.py starts them).
 
 AgentActor starts the per-host agent (launch/host/agent.py) as its child and relays its frames both ways;
 PoolActor holds a node's warm pool server (launch/host/warm.py) for as long as the notebook holds the

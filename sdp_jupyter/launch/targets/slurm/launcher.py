@@ -30,16 +30,15 @@ import subprocess
 import sys
 import time
 
-from sdp_jupyter.launch import target_options
 from sdp_jupyter.launch.kernel import remote
 from sdp_jupyter.launch.kernel.job import Job
 from sdp_jupyter.launch.kernel.preparation import create_job, prepared
 from sdp_jupyter.launch.kernel.push import pickle_push
-from sdp_jupyter.launch.kernel.ssh import CONNECTED, SSHLink
+from sdp_jupyter.launch.targets.ssh.launcher import CONNECTED, SSHLink
 from sdp_jupyter import backends
 from sdp_jupyter.launch.spec import JobSpec, SpecError
 
-KEYS = target_options.SLURM_KEYS
+from sdp_jupyter.launch.targets.slurm import KEYS  # noqa: E402  (the record's keys)
 POLL = 1.0        # seconds between looks at the queue while the job waits
 HOLD_IDLE = 20    # the holder ends the allocation after this many seconds without an agent in it
 HOLD_FIRST = 120  # ... or when no agent came this long after it started (the notebook went away)
@@ -351,7 +350,8 @@ class SlurmRun(remote.RemoteRun):
         if self.inside:
             self.slurm_id = self.inside
             fields = job_state(self.inside)
-            job.update_status(slurm_job_id=self.inside, slurm_state="RUNNING", slurm_inside=True)
+            job.update_status(slurm_job_id=self.inside, allocation=f"slurm job {self.inside}", slurm_state="RUNNING",
+                              slurm_inside=True)
             return hostnames(fields.get("NodeList") or os.environ.get("SLURM_JOB_NODELIST", ""))
         p = run(sbatch_argv(self.spec, job.name), stdin=HOLDER)
         if p.returncode != 0:
@@ -360,7 +360,8 @@ class SlurmRun(remote.RemoteRun):
                 return no_controller_sentence(why)
             return f"sbatch refused the job: {p.stderr.strip()}"
         self.slurm_id = p.stdout.strip().split(";")[0]
-        job.update_status(slurm_job_id=self.slurm_id, slurm_state="PENDING", state="pending",
+        job.update_status(slurm_job_id=self.slurm_id, allocation=f"slurm job {self.slurm_id}", slurm_state="PENDING",
+                          state="pending",
                           slurm_jobs=(job.status.get("slurm_jobs") or []) + [self.slurm_id])
         while not self._stop.is_set():
             fields = job_state(self.slurm_id)

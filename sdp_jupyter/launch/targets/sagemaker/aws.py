@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from sdp_jupyter.launch.options import SpecError
-from sdp_jupyter.launch.kernel.sagemaker.options import validate_request
+from sdp_jupyter.launch.targets.sagemaker.options import validate_request
 
 if TYPE_CHECKING:
-    from sdp_jupyter.launch.kernel.sagemaker.plan import Plan
+    from sdp_jupyter.launch.targets.sagemaker.plan import Plan
 
 
 def boto_session(region: str | None = None):

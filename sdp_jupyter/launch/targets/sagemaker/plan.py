@@ -12,11 +12,11 @@ from sdp_jupyter import jobdir
 from sdp_jupyter import backends
 from sdp_jupyter.launch.options import SpecError
 from sdp_jupyter.instances import host_counts
-from sdp_jupyter.launch.kernel.sagemaker.engine import choose_engine
-from sdp_jupyter.launch.kernel.sagemaker.options import (CONTAINER_CHECKPOINT_DIR, DEFAULT_INSTANCE_TYPES, DEFAULT_MAX_RUN, MAX_NAME,
+from sdp_jupyter.launch.targets.sagemaker.engine import choose_engine
+from sdp_jupyter.launch.targets.sagemaker.options import (CONTAINER_CHECKPOINT_DIR, DEFAULT_INSTANCE_TYPES, DEFAULT_MAX_RUN, MAX_NAME,
                                                   NAME_SUFFIX, SMDDP_FRAMEWORK_VERSION, SageMakerOptions,
                                                   validate_request)
-from sdp_jupyter.launch.kernel.sagemaker.source import no_sources_error, source_tree
+from sdp_jupyter.launch.targets.sagemaker.source import no_sources_error, source_tree
 from sdp_jupyter.launch.spec import JobSpec
 
 

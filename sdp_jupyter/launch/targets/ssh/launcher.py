@@ -22,7 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from sdp_jupyter.launch import process, target_options
+from sdp_jupyter.launch import process
 from sdp_jupyter.launch.kernel import remote
 from sdp_jupyter.launch.kernel.job import Job
 from sdp_jupyter.launch.kernel.preparation import prepared
@@ -31,7 +31,7 @@ from sdp_jupyter.launch.kernel.link import CONNECT_TIMEOUT, CONNECTED, ProcessLi
 from sdp_jupyter.launch.spec import JobSpec, SpecError
 
 
-SSH_OPTIONS, KEYS = target_options.SSH_OPTIONS, target_options.SSH_KEYS
+from sdp_jupyter.launch.targets.ssh import KEYS, OPTIONS as SSH_OPTIONS  # noqa: E402  (the record's rows)
 _HOST_RE = re.compile(r"^(?:[A-Za-z0-9_.-]+@)?[A-Za-z0-9_][A-Za-z0-9_.:-]*$")
 
 
