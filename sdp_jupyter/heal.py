@@ -34,7 +34,7 @@ The records (jobdir.heal_record_path) are JSON files the launcher writes in the 
 {generation, members, joining, left}; `members` lists the ranks left first, in job order, then those
 joining, so the group's rank 0 is always a rank that lived through the change. On a remote target each
 host's agent writes them into its own job folder and sends back what the ranks write there (ready,
-formed, finished; launch/kernel/remote_heal.py), so a rank reads and writes files wherever it runs.
+formed, finished; launch/kernel/agent_run/heal_channel.py), so a rank reads and writes files wherever it runs.
 """
 from __future__ import annotations
 

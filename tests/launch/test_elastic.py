@@ -61,26 +61,34 @@ class _Run:
         self.hosts = ["a", "b", "c"]
         self.conns = [type("Link", (), {"node": n, "host": h, "last_heard": time.monotonic(), "inbox": None,
                                         "close": lambda self, wait=0: None})() for n, h in enumerate(self.hosts)]
-        self.inbox, self._stop, self._stop_reason = queue.Queue(), threading.Event(), None
-        self.members, self._left, self.preflight_missing, self._membership = None, {}, {}, None
-        self._left_at = {}
+        self.inbox, self._stop, self.stop_reason = queue.Queue(), threading.Event(), None
+        self.members, self._lost, self.preflight_missing, self.membership = None, {}, {}, None
         self.heartbeat_timeout, self.hello_timeout = 10.0, 1.0
         self.status, self.outcomes, self.formed = {}, list(outcomes), []
         self.job = type("Job", (), {"update_status": lambda _, **kw: self.status.update(kw), "dir": Path("job")})()
         self.markers = []  # what the dashboard would read
-        self._mirror_files = type("Mirror", (), {"append": lambda _, path, text: self.markers.append(json.loads(text))})()
         self.ended = None
 
-    def _attempt(self, attempt):
+    @property
+    def stopping(self):
+        return self._stop.is_set()
+
+    def write_metrics(self, name, text):
+        self.markers.append(json.loads(text))
+
+    def lost(self):
+        return dict(self._lost)
+
+    def attempt(self, attempt):
         self.formed.append([self.hosts[n] for n in self.members])
         state, error, left = self.outcomes.pop(0)
-        self._left, self._left_at = left, {n: time.time() for n in left}
+        self._lost = {n: (why, time.time()) for n, why in left.items()}
         return state, error, []
 
     def reopen(self, node, inbox):
         return None  # a lost host stays lost
 
-    def _eof_reason(self, node, message):
+    def eof_reason(self, node, message):
         return "gone"
 
     def rejoined(self, node, link):
@@ -237,9 +245,35 @@ def test_a_host_whose_client_cannot_start_is_tried_again(monkeypatch):
 
     run = Failing([])
     membership = elastic.Membership(run, lambda s: None)
-    run._membership = membership
+    run.membership = membership
     membership.lose(2, "its agent was killed")
     deadline = time.monotonic() + 5
     while len(calls) < 2 and time.monotonic() < deadline:
         time.sleep(0.02)
     assert calls == [2, 2]
+
+
+def test_membership_reaches_the_run_only_through_its_door():
+    """elastic.Membership uses of its run only what ElasticRun names (no private attribute), and the run
+    every target shares has all of it: the door is the whole interface, both ways."""
+    import ast
+    import inspect
+    import typing
+
+    from sdp_jupyter.launch.kernel import elastic
+    from sdp_jupyter.launch.kernel.agent_run.run import AgentRun
+
+    door = set(typing.get_type_hints(elastic.ElasticRun, include_extras=False)) | {
+        n for n, v in vars(elastic.ElasticRun).items() if not n.startswith("_") and (callable(v) or isinstance(v, property))}
+    used = set()
+    for node in ast.walk(ast.parse(inspect.getsource(elastic))):
+        if isinstance(node, ast.Attribute):
+            owner = node.value
+            if (isinstance(owner, ast.Name) and owner.id == "run") or (
+                    isinstance(owner, ast.Attribute) and owner.attr == "run"
+                    and isinstance(owner.value, ast.Name) and owner.value.id == "self"):
+                used.add(node.attr)
+    assert used and used <= door, f"Membership uses what its door does not name: {sorted(used - door)}"
+    missing = [n for n in door if not hasattr(AgentRun, n) and n not in AgentRun.__init__.__code__.co_names]
+    assert not missing, f"the run lacks what the door names: {missing}"
+    assert "lost" in used and "attempt" in used  # the check sees real uses

@@ -232,7 +232,7 @@ def test_an_agents_metrics_frames_rebuild_the_files_in_the_notebooks_job_directo
 
     from sdp_jupyter.launch import channel
     from sdp_jupyter.launch.host.agent import Agent
-    from sdp_jupyter.launch.kernel.remote import RemoteRun
+    from sdp_jupyter.launch.kernel.agent_run.run import AgentRun
 
     host, notebook = tmp_path / "host", tmp_path / "notebook"
     (host / "metrics").mkdir(parents=True)
@@ -254,7 +254,7 @@ def test_an_agents_metrics_frames_rebuild_the_files_in_the_notebooks_job_directo
     assert len(frames) > 2 and all(len(f["lines"]) <= jobdir.READ_CAP for f in frames)
     run = types.SimpleNamespace(_mirror_files=jobdir.Mirror(), job=types.SimpleNamespace(dir=notebook))
     for frame in frames + [{"type": "metrics", "file": "../../escape.jsonl", "lines": "x\n"}]:
-        RemoteRun._metrics(run, frame)
+        AgentRun._metrics(run, frame)
     run._mirror_files.close()
     assert jobdir.rank_metrics_path(notebook, 0).read_bytes() == big
     assert jobdir.node_metrics_path(notebook, 1).read_bytes() == b'{"t":1.0,"kind":"system","node":1}\n'

@@ -16,7 +16,7 @@ import pytest
 from helpers.heal_job import HEAL_JOB, check_remote_heal
 from helpers.remote_jobs import RUN_FUNCTION, TRAIN, drive, drive_cells, drive_session, next_line, tell
 from sdp_jupyter.launch import JobSpec, SpecError
-from sdp_jupyter.launch.kernel import link, remote
+from sdp_jupyter.launch.kernel.agent_run import link, run as remote
 from sdp_jupyter.testing.cluster import signal_all
 
 

@@ -194,7 +194,7 @@ def test_a_queued_job_shows_slurms_reason_then_runs_and_stop_works_pending_and_r
 
 @pytest.mark.slow
 def test_a_lost_node_is_named_and_the_time_limit_is_reported_as_such(slurm_hosts, tmp_path):
-    from sdp_jupyter.launch.kernel.remote import HEARTBEAT_TIMEOUT
+    from sdp_jupyter.launch.kernel.agent_run.run import HEARTBEAT_TIMEOUT
 
     long = {**os.environ, "STEPS": "100000", "STEP_SLEEP": "0.2"}
     d = _drive(slurm_hosts, tmp_path, name="lost", nodes=3, env=long)

@@ -15,7 +15,7 @@ import pytest
 from helpers.remote_jobs import ELASTIC_TRAIN, REPO, TRAIN, drive, drive_session, next_line, tell
 from sdp_jupyter.launch import JobSpec, SpecError
 from sdp_jupyter.launch import channel
-from sdp_jupyter.launch.kernel import link, remote
+from sdp_jupyter.launch.kernel.agent_run import link, run as remote
 from sdp_jupyter.launch.targets.ssh import launcher as ssh_target
 
 def _drive(hosts, jobs, **launch_args):
@@ -214,7 +214,7 @@ def test_each_link_kind_has_its_own_time_to_connect_and_then_the_agent_its_own_t
 
             threading.Thread(target=later, daemon=True).start()
 
-    class Run(remote.RemoteRun):
+    class Run(remote.AgentRun):
         def open_links(self):
             return [Silent(0, self.inbox, 1), Late(1, self.inbox), Silent(2, self.inbox, 3)]
 

@@ -1,7 +1,7 @@
 """The launcher's half of the backend check (the rank's half: launch/rank/backend_check.py): read
 each rank's "backend" record of the last attempt and turn them into the job's end status,
 `backend_used`, `collectives` and `warnings` (a script that chose another backend, ranks that
-trained independently). Called by the run of every agent-run target (launch/kernel/remote.py) when a job ends.
+trained independently). Called by the run of every agent-run target (launch/kernel/agent_run/run.py) when a job ends.
 """
 from __future__ import annotations
 

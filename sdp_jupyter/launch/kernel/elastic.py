@@ -1,6 +1,6 @@
 """Elastic jobs, `--nodes MIN:MAX`: a lost node costs a re-formation, not the job.
 
-A job's run (launch/kernel/remote.py; the local target's is one too, its nodes the agents it started)
+A job's run (launch/kernel/agent_run/run.py; the local target's is one too, its nodes the agents it started)
 holds one link per host it may use: up to MAX of them are the formation (`run.members`, in node order),
 the others are spares. Membership drives the attempts:
 
@@ -29,15 +29,51 @@ import json
 import queue
 import threading
 import time
-from typing import Callable
+from typing import Callable, Protocol
 
-from sdp_jupyter import jobdir
 from sdp_jupyter.launch import channel
 from sdp_jupyter.launch.kernel import supervise
 
 REFORM_GRACE = 8.0   # seconds a re-formation waits for lost hosts being tried again
 RETRY_EVERY = 5.0    # seconds between tries to reach a missing host again
 MEMBERSHIP_METRICS = "membership.jsonl"  # in the job's metrics folder: the dashboard's markers
+
+
+class ElasticRun(Protocol):
+    """What Membership asks of the run it drives, all of it: the door of the run every target shares
+    (launch/kernel/agent_run/run.py's AgentRun), which elastic membership reaches through nothing else.
+    tests/launch/test_elastic.py drives Membership with a stand-in that has exactly these."""
+
+    spec: "object"                  # the job's JobSpec (min_nodes, nodes, elastic_wait, max_restarts, ...)
+    job: "object"                   # its Job: update_status(...)
+    hosts: list[str]                # every host the run may use, by index
+    conns: list                     # one link per host (a Link: node, last_heard, inbox, close())
+    inbox: queue.Queue              # where the run reads its links' frames
+    members: list[int] | None       # the formation: indexes of conns, node order
+    preflight_missing: dict[int, str]  # hosts the first preflight found unusable: {index: why}
+    heartbeat_timeout: float        # a link quiet this long is lost
+    hello_timeout: float            # how long an agent may take to say hello
+    membership: "Membership | None"  # set while Membership drives the run
+
+    @property
+    def stopping(self) -> bool: ...
+
+    @property
+    def stop_reason(self) -> str | None: ...
+
+    def attempt(self, attempt: int) -> tuple[str, str | None, list]: ...
+
+    def lost(self) -> dict[int, tuple[str, float]]: ...
+
+    def eof_reason(self, node: int, message: dict) -> str: ...
+
+    def reopen(self, node: int, inbox: queue.Queue): ...
+
+    def rejoined(self, node: int, link) -> None: ...
+
+    def elastic_ended(self, state: str) -> None: ...
+
+    def write_metrics(self, name: str, text: str) -> None: ...
 
 
 def _clock(t: float) -> str:
@@ -47,7 +83,7 @@ def _clock(t: float) -> str:
 class Membership:
     """The formation of one elastic run and the attempts over it (`attempts()` replaces with_restarts)."""
 
-    def __init__(self, run, announce: Callable[[str], None]):
+    def __init__(self, run: ElasticRun, announce: Callable[[str], None]):
         self.run, self.announce = run, announce
         self.spec = run.spec
         self.missing: dict[int, dict] = {}  # index of run.conns -> {"why", "t"}: hosts not usable now
@@ -60,7 +96,7 @@ class Membership:
     # ---------------------------------------------------------------- the attempts
     def attempts(self) -> tuple:
         run, spec, job = self.run, self.spec, self.run.job
-        run._membership = self
+        run.membership = self
         attempt, failures, causes = 0, 0, []
         self._change: dict = {"why": "started"}
         state = "failed"
@@ -69,27 +105,27 @@ class Membership:
                 if run.conns:  # else the target makes its links in its attempt (a Slurm allocation), then formed()
                     members = self._form(run.members or [], self._change)
                     if isinstance(members, str):  # below MIN for --elastic-wait, or stopped while waiting
-                        state = "stopped" if run._stop.is_set() else "failed"
+                        state = "stopped" if run.stopping else "failed"
                         return state, members, []
                     run.members = members
-                state, error, codes = run._attempt(attempt)
-                if run._stop.is_set() and state != "succeeded":
+                state, error, codes = run.attempt(attempt)
+                if run.stopping and state != "succeeded":
                     state = "stopped"
-                    return state, run._stop_reason, codes
+                    return state, run.stop_reason, codes
                 if state not in ("failed", "reform") or run.members is None:
                     return state, error, codes
                 if state == "failed" and error and error.startswith("timed out"):
                     return state, error, codes
-                left = dict(run._left)
+                left = run.lost()
                 attempt += 1
-                for node, why in left.items():
-                    self.lose(node, why, since=run._left_at[node])
+                for node, (why, since) in left.items():
+                    self.lose(node, why, since=since)
                 if state == "reform" or left:  # a host came back with room for it, or nodes were lost:
                     # a membership change, not a failure
                     self._change = {"why": error.splitlines()[0] if error else "re-formed"}
                     if left:
-                        self._change["lost"] = {run.hosts[n]: why for n, why in left.items()}
-                        self._change["lost_at"] = {run.hosts[n]: run._left_at[n] for n in left}
+                        self._change["lost"] = {run.hosts[n]: why for n, (why, _t) in left.items()}
+                        self._change["lost_at"] = {run.hosts[n]: t for n, (_why, t) in left.items()}
                     continue
                 if failures >= spec.max_restarts:
                     return state, error, codes
@@ -97,7 +133,7 @@ class Membership:
                 supervise.count_restart(job, failures, spec.max_restarts, error, causes, self.announce)
                 self._change = {"why": f"restart {failures} of {spec.max_restarts}"}
         finally:
-            run._membership = None  # the retry threads end at their next look, closing what they opened
+            run.membership = None  # the retry threads end at their next look, closing what they opened
             with self._lock:
                 self._trying.clear()
             while (node := self._take_returned(timeout=0)) is not None:
@@ -120,7 +156,7 @@ class Membership:
         run.preflight_missing = {}
         if self.missing and previous:  # give the hosts lost just now a moment to come back
             deadline = time.monotonic() + REFORM_GRACE
-            while self.missing and time.monotonic() < deadline and not run._stop.is_set():
+            while self.missing and time.monotonic() < deadline and not run.stopping:
                 self._take_returned(timeout=0.2)
         while self._take_returned(timeout=0) is not None:
             pass
@@ -139,7 +175,7 @@ class Membership:
                               f"waiting up to {spec.elastic_wait:g} s (--elastic-wait) for hosts to return\n")
                 run.job.update_status(state="waiting", waiting_for=self._missing_text())
                 told = True
-            if run._stop.is_set():
+            if run.stopping:
                 return f"stopped while waiting for hosts: {self._missing_text()}"
             if time.monotonic() - waited_from > spec.elastic_wait:
                 return (f"fewer than {spec.min_nodes} node(s) (--nodes {spec.min_nodes}:{spec.nodes}) were usable "
@@ -168,7 +204,7 @@ class Membership:
             # the dashboard's marker (monitor/reader.py reads every metrics file)
             label = (", ".join(f"{h} lost" for h in change.get("lost", {})) or change["why"])[:60]
             line = {"t": now, "kind": "membership", "nodes": len(members), "label": f"{label}: {len(members)} nodes"}
-            run._mirror_files.append(run.job.dir / jobdir.METRICS / MEMBERSHIP_METRICS, json.dumps(line) + "\n")
+            run.write_metrics(MEMBERSHIP_METRICS, json.dumps(line) + "\n")
 
     def _missing_text(self) -> str:
         return "; ".join(f"{self.run.hosts[n]} (since {_clock(m['t'])}: {m['why']})"
@@ -191,7 +227,7 @@ class Membership:
 
     def spare_lost(self, node: int, message: dict) -> None:
         """A spare's link ended (its host went away while it waited)."""
-        self.lose(node, self.run._eof_reason(node, message))
+        self.lose(node, self.run.eof_reason(node, message))
         self.run.job.update_status(spares_missing=self._missing_text())
 
     def _retry(self, node: int) -> None:
@@ -212,7 +248,7 @@ class Membership:
                     self._trying.discard(node)
                 return
             hello = self._await_hello(link, inbox, link.connect_timeout + run.hello_timeout)
-            if run._membership is not self:  # the job ended meanwhile
+            if run.membership is not self:  # the job ended meanwhile
                 link.close(wait=1.0)
                 return
             if hello is not None and hello.get("version") == channel.version():
@@ -227,7 +263,7 @@ class Membership:
 
     def _await_hello(self, link, inbox: queue.Queue, limit: float) -> dict | None:
         deadline = time.monotonic() + limit
-        while time.monotonic() < deadline and self.run._membership is self:
+        while time.monotonic() < deadline and self.run.membership is self:
             try:
                 _, message = inbox.get(timeout=0.2)
             except queue.Empty:

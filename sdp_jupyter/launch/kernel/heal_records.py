@@ -1,4 +1,4 @@
-"""A --heal job's membership as its launcher decides it (remote_heal.py, every agent-run target): the records its
+"""A --heal job's membership as its launcher decides it (agent_run/heal_channel.py, every agent-run target): the records its
 ranks read (sdp_jupyter.heal), and the words each change is announced with."""
 from __future__ import annotations
 

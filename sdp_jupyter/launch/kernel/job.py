@@ -1,7 +1,7 @@
 """Job: the handle of one distributed job, live in this process or reopened from its directory.
 
 A Job is a view over its job directory plus, while it runs in this process, the run that owns the
-worker processes (through its nodes' agents: remote.py, local.py). Everything a Job reports (state,
+worker processes (through its nodes' agents: launch/kernel/agent_run/). Everything a Job reports (state,
 exit codes, logs, result, metrics) can be read back from the directory alone, so a finished job can be
 reopened in a new kernel.
 """

@@ -51,7 +51,7 @@ class JobFlight:
     def hang(self, run=None) -> str | None:
         """While the job runs: the analyser's live sentence, or None; one analysis a second at most, of
         the lines written since the last one. With `run` (the job's supervisor, which can ask for stacks:
-        launch/kernel/remote_inspect.py), it ends saying where each rank the others wait for is, in its
+        launch/kernel/agent_run/rank_requests.py), it ends saying where each rank the others wait for is, in its
         own code ("rank 3 is in stuck_in_data_loading() at script.py:5"), from that rank's stack, asked
         once and again every LOCATE_EVERY seconds while the wait lasts, aside (a status read never waits)."""
         from sdp_jupyter import flight

@@ -193,7 +193,7 @@ class Stacks:
 
 
 def gather(run, job_dir, ranks: list[int] | None = None, wait: float = DEFAULT_WAIT) -> Stacks:
-    """Ask `run` (the supervisor of the job in `job_dir`: launch/kernel/remote_inspect.py) for `ranks`'
+    """Ask `run` (the supervisor of the job in `job_dir`: launch/kernel/agent_run/rank_requests.py) for `ranks`'
     stacks (None: every rank) and read its answers."""
     import time
 

@@ -1,7 +1,7 @@
 """What every target's supervisor does the same way: restarts, naming the rank that caused a
 failure, and stopping what runs at exit.
 
-A run (a RemoteRun: local, SSH, Ray, Slurm) registers itself while it runs; at interpreter exit every registered run's
+A run (a AgentRun: local, SSH, Ray, Slurm) registers itself while it runs; at interpreter exit every registered run's
 `kill_now()` is called and its job marked stopped. `with_restarts` is the attempt loop behind
 `--max-restarts`. When one rank fails, its peers' collectives fail too, and their exits often reach
 the supervisor first: each run waits up to SETTLE_S for the other exits, then `first_cause` picks the
@@ -56,6 +56,16 @@ class Run:
     def stop(self, reason: str | None = None) -> None:
         self._stop_reason = self._stop_reason or reason
         self._stop.set()
+
+    @property
+    def stopping(self) -> bool:
+        """True once `stop` was asked."""
+        return self._stop.is_set()
+
+    @property
+    def stop_reason(self) -> str | None:
+        """Why the run was asked to stop (the first reason given), None if not asked or said."""
+        return self._stop_reason
 
     def _supervise(self) -> None:
         raise NotImplementedError

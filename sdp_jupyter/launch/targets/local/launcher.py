@@ -3,7 +3,7 @@
 Each node's agent is a child of this process, reached over a pipe (its stdin and stdout) with the same
 frames as an SSH host's: the agent starts its ranks warm or cold, reads their output, watches their
 exits, stops them (SIGINT, SIGTERM, SIGKILL) and starts a dead one again, exactly as it does on a remote
-host; the run here (launch/kernel/remote.py) asks for the port, sends the start frames, restarts the job
+host; the run here (launch/kernel/agent_run/run.py) asks for the port, sends the start frames, restarts the job
 up to `max_restarts` times, replaces a session's dead rank and heals a --heal job. What differs locally
 is only the folder: the agents work in the job directory itself (`shared_dir`), so the ranks' logs,
 metrics, result, session answers and heal records are where the kernel reads them, with no copy.
@@ -25,10 +25,10 @@ from sdp_jupyter.launch import process
 from sdp_jupyter.launch.host.ranks import gpu_count
 from sdp_jupyter.launch.kernel import warm_pool
 from sdp_jupyter.launch.kernel.job import Job
-from sdp_jupyter.launch.kernel.link import ProcessLink
+from sdp_jupyter.launch.kernel.agent_run.link import ProcessLink
 from sdp_jupyter.launch.kernel.preparation import create_job, prepared
 from sdp_jupyter.launch.kernel.push import pickle_push
-from sdp_jupyter.launch.kernel.remote import HEARTBEAT_TIMEOUT, RemoteRun  # the loop's clock, as _silence says it
+from sdp_jupyter.launch.kernel.agent_run.run import HEARTBEAT_TIMEOUT, AgentRun  # the loop's clock, as _silence says it
 from sdp_jupyter.launch.spec import JobSpec, SpecError
 
 AGENT = "sdp_jupyter.launch.host.agent"
@@ -83,7 +83,7 @@ class LocalLink(ProcessLink):
         self.connected.set()  # nothing to reach: the interpreter starts at once
 
 
-class LocalRun(RemoteRun):
+class LocalRun(AgentRun):
     """The supervisor of one local job: one agent per node over a pipe, the job directory shared."""
 
     logs_written = True  # the agents' NodeRanks write each rank's log in the job directory
@@ -117,13 +117,13 @@ class LocalRun(RemoteRun):
         # every node's ranks share this machine's threads and GPUs (ranks.environment)
         return {"shared_dir": str(self.job.dir), "ranks_here": self.spec.world_size, "split_gpus": True}
 
-    def _attempt(self, attempt: int):
+    def attempt(self, attempt: int):
         (self.job.dir / jobdir.RESULT).unlink(missing_ok=True)
         self._pids = {}  # an elastic job's new formation may have fewer ranks
         (self.job.dir / jobdir.CHECKPOINTS).mkdir(exist_ok=True)
         if self.spec.checkpoint_dir:
             os.makedirs(os.path.expanduser(self.spec.checkpoint_dir), exist_ok=True)
-        return super()._attempt(attempt)
+        return super().attempt(attempt)
 
     def _spawned(self, rank: int, pid: int) -> None:
         super()._spawned(rank, pid)
@@ -172,7 +172,7 @@ class LocalRun(RemoteRun):
                 psutil.STATUS_ZOMBIE: "ended", "gone": "ended"}.get(state, f"{state}, not reading its channel")
         return f"its agent (pid {conn.proc.pid}) has not answered for {HEARTBEAT_TIMEOUT:g} s: {said}"
 
-    def _eof_reason(self, node: int, message: dict) -> str:
+    def eof_reason(self, node: int, message: dict) -> str:
         """A node agent that ended before the job (killed, out of memory): its ranks died with it."""
         said = "; ".join(line for line in list(self.conns[node].stderr)[-3:] if line)
         return (f"its agent (pid {self.conns[node].proc.pid}) {jobdir.describe_exit(message['code'])}, and its "

@@ -6,7 +6,7 @@ relays its frames: the same agent the SSH target reaches over ssh, reached here 
 The ranks are real processes in their own sessions, started by the agent exactly as the local
 launcher starts them; the job secret travels in the `start` frame of an actor call, never in a
 node's environment or a log. Everything else (preflight, mirroring, heartbeats, stop, restarts) is
-the remote run of launch/kernel/remote.py. See docs/ray.md.
+the remote run of launch/kernel/agent_run/run.py. See docs/ray.md.
 
 Warm starts (docs/warm.md): the notebook holds one PoolActor per Ray node (pinned to it, no CPU
 reserved), whose child is that node's warm pool server; the job's agent there forks the ranks from it.
@@ -23,12 +23,12 @@ import socket
 import threading
 
 from sdp_jupyter.launch import channel
-from sdp_jupyter.launch.kernel import remote
+from sdp_jupyter.launch.kernel.agent_run import run as agent_run
 from sdp_jupyter.launch.kernel.job import Job
 from sdp_jupyter.launch.kernel.preparation import prepared
 from sdp_jupyter.launch.kernel.push import pickle_push
 from sdp_jupyter.launch.targets.ray.actors import AgentActor, PoolActor, PoolChannel
-from sdp_jupyter.launch.kernel.link import CONNECT_TIMEOUT
+from sdp_jupyter.launch.kernel.agent_run.link import CONNECT_TIMEOUT
 from sdp_jupyter import backends
 from sdp_jupyter.launch.spec import JobSpec, SpecError
 
@@ -124,11 +124,11 @@ def connect(address: str, given: str | None = None):
     return ray
 
 
-class RayLink(remote.Link):
+class RayLink(agent_run.Link):
     kind = "ray"
     # `connected` comes with the actor's first answer, after Ray started a worker process for it:
     # on a busy node that alone can take longer than a connection does, so it has the hello's time
-    connect_timeout = remote.HELLO_TIMEOUT
+    connect_timeout = agent_run.HELLO_TIMEOUT
 
     def __init__(self, node: int, host: str, actor, inbox: queue.Queue):
         super().__init__(node, host, inbox)
@@ -147,7 +147,7 @@ class RayLink(remote.Link):
             if pending is None:
                 pending = self.actor.recv.remote(RECV_WAIT)
             try:
-                frames, ended, stderr = ray.get(pending, timeout=remote.HEARTBEAT_TIMEOUT)
+                frames, ended, stderr = ray.get(pending, timeout=agent_run.HEARTBEAT_TIMEOUT)
                 pending = None
             except ray.exceptions.GetTimeoutError:
                 continue  # the run's heartbeat check names a node that stays silent
@@ -178,7 +178,7 @@ class RayLink(remote.Link):
     def diagnose(self, code, python: str) -> str:
         said = " ".join(line for line in self.stderr if line)[-400:]
         if "No module named" in said and "sdp_jupyter" in said:
-            return ("sdp_jupyter is not importable by the Ray workers there. Fix: " + remote.install_fix(
+            return ("sdp_jupyter is not importable by the Ray workers there. Fix: " + agent_run.install_fix(
                 channel.version(), f"in the Python environment of the Ray node on {self.host}"))
         return super().diagnose(code, python)
 
@@ -207,7 +207,7 @@ def _describe_nodes(nodes: list[dict]) -> str:
                      f"{n['Resources'].get('GPU', 0):g} GPU)" for n in nodes) or "no node"
 
 
-class RayRun(remote.RemoteRun):
+class RayRun(agent_run.AgentRun):
     option = "--nodes"
     # No pool starts in the background after a job: nothing may touch Ray from another thread while
     # the notebook may call ray.shutdown() (Ray ends the process then). Pools start inside a --warm job.
@@ -219,7 +219,7 @@ class RayRun(remote.RemoteRun):
         self.pg = None
         self.node_ids: list = []  # the Ray node of each job node (their warm pools are per Ray node)
 
-    def open_links(self) -> list[remote.Link]:
+    def open_links(self) -> list[agent_run.Link]:
         ray = connect(self.address, given=(self.spec.ray or {}).get("address"))
         from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
@@ -337,5 +337,5 @@ class RayLauncher:
         _import_ray()
         spec = prepared(spec)
         push_bytes = pickle_push(spec.push, push or {})
-        return remote.start_job(RayRun(spec, self, address), push_bytes, ray_address=address)
+        return agent_run.start_job(RayRun(spec, self, address), push_bytes, ray_address=address)
 

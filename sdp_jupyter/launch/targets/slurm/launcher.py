@@ -3,7 +3,7 @@
 `sbatch` asks for the allocation (one task per node) with a holder script that keeps it while the
 notebook uses it; once Slurm runs it, `srun --overlap` starts the per-host agent (launch/host/agent.py)
 on each allocated node, reached over srun's stdin/stdout exactly as the SSH target reaches it over
-ssh's, so output, metrics, the result, Stop and "no orphans" are the remote targets' (remote.py).
+ssh's, so output, metrics, the result, Stop and "no orphans" are the agent run's (launch/kernel/agent_run/).
 Inside an allocation already (a notebook in `salloc`, or on a compute node: $SLURM_JOB_ID set) the
 agents run in that allocation and nothing is submitted.
 
@@ -30,7 +30,7 @@ import subprocess
 import sys
 import time
 
-from sdp_jupyter.launch.kernel import remote
+from sdp_jupyter.launch.kernel.agent_run import run as agent_run
 from sdp_jupyter.launch.kernel.job import Job
 from sdp_jupyter.launch.kernel.preparation import create_job, prepared
 from sdp_jupyter.launch.kernel.push import pickle_push
@@ -280,13 +280,13 @@ class SlurmLink(SSHLink):
                 "should work from this machine)")
 
     def diagnose(self, code, python: str) -> str:
-        said = remote.Link.diagnose(self, code, python)
+        said = agent_run.Link.diagnose(self, code, python)
         if said.startswith("sdp_jupyter is not installed"):
             return said + " (an environment the compute nodes share; docs/slurm.md)"
         return said.replace("the agent did not start", "srun could not run the agent")
 
 
-class SlurmRun(remote.RemoteRun):
+class SlurmRun(agent_run.AgentRun):
     """One allocation per attempt: submitted (or the one we are in), waited for, used, released. An
     elastic job keeps its allocation from one formation to the next: a node Slurm takes out of it
     (set down, its slurmd gone) is left out, and the job ends the allocation when it ends."""
@@ -300,17 +300,17 @@ class SlurmRun(remote.RemoteRun):
         self.slurm_id: str | None = None
         self.inside = os.environ.get("SLURM_JOB_ID")  # a notebook inside an allocation uses it
 
-    def open_links(self) -> list[remote.Link]:
+    def open_links(self) -> list[agent_run.Link]:
         return [SlurmLink(node, host, self, self.inbox) for node, host in enumerate(self.hosts)]
 
-    def reopen(self, node: int, inbox: queue.Queue) -> remote.Link:
+    def reopen(self, node: int, inbox: queue.Queue) -> agent_run.Link:
         """An elastic job's lost node, tried again in the same allocation (srun refuses a node Slurm took
         out of it: tried again later, the job goes on without it)."""
         return SlurmLink(node, self.hosts[node], self, inbox)
 
-    def _attempt(self, attempt: int) -> tuple[str, str | None, list]:
+    def attempt(self, attempt: int) -> tuple[str, str | None, list]:
         if self.spec.elastic and self.conns:  # a re-formation in the same allocation
-            return super()._attempt(attempt)
+            return super().attempt(attempt)
         job = self.job
         hosts = self._allocation(attempt)
         if hosts is None:
@@ -331,10 +331,10 @@ class SlurmRun(remote.RemoteRun):
                 return "failed", str(e), []
             job.update_status(hosts=self.hosts, host_names=[(c.hello or {}).get("hostname") for c in self.conns],
                               slurm_state="RUNNING", pending_reason=None)
-            if self._membership is not None:
-                self.members = self._membership.formed()
-            state, error, codes = super()._attempt(attempt)
-            keep = self._membership is not None
+            if self.membership is not None:
+                self.members = self.membership.formed()
+            state, error, codes = super().attempt(attempt)
+            keep = self.membership is not None
         finally:
             ended = None
             if not keep:

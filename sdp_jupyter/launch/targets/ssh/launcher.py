@@ -23,11 +23,11 @@ import sys
 from pathlib import Path
 
 from sdp_jupyter.launch import process
-from sdp_jupyter.launch.kernel import remote
+from sdp_jupyter.launch.kernel.agent_run import run as agent_run
 from sdp_jupyter.launch.kernel.job import Job
 from sdp_jupyter.launch.kernel.preparation import prepared
 from sdp_jupyter.launch.kernel.push import pickle_push
-from sdp_jupyter.launch.kernel.link import CONNECT_TIMEOUT, CONNECTED, ProcessLink
+from sdp_jupyter.launch.kernel.agent_run.link import CONNECT_TIMEOUT, CONNECTED, ProcessLink
 from sdp_jupyter.launch.spec import JobSpec, SpecError
 
 
@@ -164,7 +164,7 @@ class SSHLink(ProcessLink):
         return super().diagnose(code, python)
 
 
-class SSHRun(remote.RemoteRun):
+class SSHRun(agent_run.AgentRun):
     option = "--hosts"
 
     def __init__(self, spec: JobSpec, hosts: list[str], launcher: "SSHLauncher"):
@@ -173,11 +173,11 @@ class SSHRun(remote.RemoteRun):
             self.option = "--hostfile"  # an unreachable host is reported under the option that named it
         self.python = (spec.ssh or {}).get("python") or sys.executable
 
-    def open_links(self) -> list[remote.Link]:
+    def open_links(self) -> list[agent_run.Link]:
         # every client starts at once (Popen returns before ssh connects); the hellos are awaited together
         return [SSHLink(node, host, self.spec, self.inbox) for node, host in enumerate(self.hosts)]
 
-    def reopen(self, node: int, inbox: queue.Queue) -> remote.Link:
+    def reopen(self, node: int, inbox: queue.Queue) -> agent_run.Link:
         return SSHLink(node, self.hosts[node], self.spec, inbox)
 
     def pool_key(self, node: int) -> tuple:
@@ -209,4 +209,4 @@ class SSHLauncher:
 
     def start(self, spec: JobSpec, push: dict | None = None) -> Job:
         spec, hosts, _ = self.resolve(spec)
-        return remote.start_job(SSHRun(spec, hosts, self), pickle_push(spec.push, push or {}))
+        return agent_run.start_job(SSHRun(spec, hosts, self), pickle_push(spec.push, push or {}))

@@ -1,4 +1,4 @@
-"""An interactive session's channel on a remote run (launch/kernel/remote.py mixes it in): cells and
+"""An interactive session's channel on a remote run (launch/kernel/agent_run/run.py mixes it in): cells and
 interrupts out to every node's agent, dead ranks started again on their host, and a host gone for good
 kept apart for the session's choice (launch/kernel/session.py: shrink or stop)."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ from sdp_jupyter.launch import channel
 
 
 class SessionChannel:
-    """RemoteRun's side of launch/kernel/session.py (the contract is supervise.Run's)."""
+    """AgentRun's side of launch/kernel/session.py (the contract is supervise.Run's)."""
 
     def open_session(self, replace: bool = False) -> None:
         self._replace = replace

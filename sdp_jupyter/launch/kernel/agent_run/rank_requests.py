@@ -1,4 +1,4 @@
-"""What a remote run asks of its ranks on request, through each node's agent (launch/kernel/remote.py mixes
+"""What a remote run asks of its ranks on request, through each node's agent (launch/kernel/agent_run/run.py mixes
 it in; the local target's agents are the same): the flight recorders' rings (Job.flight()) and every
 rank's Python stack (Job.stacks(), launch/kernel/stacks.py; the agent's half is launch/host/rank_stacks.py).
 """
@@ -13,7 +13,7 @@ _LATE_S = 1.0  # what the link may add to an agent's own wait (a frame each way;
 
 
 class InspectChannel:
-    """RemoteRun's requests to its agents for what its ranks are doing now."""
+    """AgentRun's requests to its agents for what its ranks are doing now."""
 
     def request_flight(self) -> None:
         """Job.flight(): every host's ranks write their flight recorders' rings (they come back as metrics do)."""

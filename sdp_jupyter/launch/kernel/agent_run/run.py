@@ -1,8 +1,8 @@
-"""What every target but SageMaker shares: one agent per node (launch/host/agent.py) reached over a link.
+"""The run every target but SageMaker shares, local included: one agent per node (launch/host/agent.py)
+reached over a link.
 
-The local target's link is its agent's stdin/stdout (local.py), the SSH target's an ssh client's, the
-Ray target's an actor that runs the agent (launch/kernel/link.py). Either way the notebook side is this
-module: start every node's agent at once and check its hello (version, GPUs) before anything starts;
+The local target's link is its agent's stdin/stdout, the SSH target's an ssh client's, the Ray target's
+an actor that runs the agent (link.py beside this one). Either way the notebook side is this module: start every node's agent at once and check its hello (version, GPUs) before anything starts;
 then, per attempt, ask node 0 for a port, send each agent its `start`, mirror output, metrics and the
 result into the job directory, and name a rank that fails or a node that goes silent (HEARTBEAT_TIMEOUT).
 Stop, restarts and the exit hook: launch/kernel/supervise.py.
@@ -22,14 +22,14 @@ from sdp_jupyter.launch.kernel.rank_report import ViewCut, failure_message
 from sdp_jupyter.launch.kernel import supervise, warm_pool
 from sdp_jupyter.launch.kernel.job import Job
 from sdp_jupyter.launch.kernel.preparation import create_job
-from sdp_jupyter.launch.kernel.remote_heal import HealChannel
-from sdp_jupyter.launch.kernel.remote_inspect import InspectChannel
-from sdp_jupyter.launch.kernel.remote_mirror import MirrorChannel
-from sdp_jupyter.launch.kernel.remote_session import SessionChannel
+from sdp_jupyter.launch.kernel.agent_run.heal_channel import HealChannel
+from sdp_jupyter.launch.kernel.agent_run.rank_requests import InspectChannel
+from sdp_jupyter.launch.kernel.agent_run.mirror import MirrorChannel
+from sdp_jupyter.launch.kernel.agent_run.session_channel import SessionChannel
 from sdp_jupyter import backends
 from sdp_jupyter.launch.spec import JobSpec, SpecError
-# a Link, what a target subclasses, and its fix text: in launch/kernel/link.py, named here too for the targets
-from sdp_jupyter.launch.kernel.link import Link, install_fix
+# a Link, what a target subclasses, and its fix text: in launch/kernel/agent_run/link.py, named here too for the targets
+from sdp_jupyter.launch.kernel.agent_run.link import Link, install_fix
 
 # seconds from opening a link to the agent's hello (connect + interpreter start; on Ray also the actor's
 # worker process): a full suite run on a slow 2-core day saw all 4 Ray test hosts miss 30 s while the
@@ -38,7 +38,7 @@ HELLO_TIMEOUT = 60
 HEARTBEAT_TIMEOUT = 10.0   # a node silent this long is lost (the agent pings every second)
 
 
-def start_job(run: "RemoteRun", push_bytes: bytes | None, **status) -> Job:
+def start_job(run: "AgentRun", push_bytes: bytes | None, **status) -> Job:
     """Preflight `run`, make the job directory, start the run; nothing is left open on failure."""
     try:
         spec = run.preflight()
@@ -53,11 +53,14 @@ def start_job(run: "RemoteRun", push_bytes: bytes | None, **status) -> Job:
     return job
 
 
-class RemoteRun(MirrorChannel, SessionChannel, HealChannel, InspectChannel, supervise.Run):
-    """The supervisor of one remote job: its links (one agent per node), attempts, restarts and stop.
+class AgentRun(MirrorChannel, SessionChannel, HealChannel, InspectChannel, supervise.Run):
+    """The supervisor of one job run through node agents: its links (one agent per node), attempts,
+    restarts and stop.
 
     A target subclasses it with `open_links()` (start every node's agent; the links put frames into
-    `self.inbox`) and `option` (the flag an unusable node is reported under)."""
+    `self.inbox`) and `option` (the flag an unusable node is reported under). Elastic membership
+    (launch/kernel/elastic.py) drives it through its door, `elastic.ElasticRun`: `attempt(n)`, `lost()`,
+    `eof_reason`, `reopen`, `rejoined`, `elastic_ended`, `write_metrics`, `stopping`, `membership`."""
 
     option = "--nodes"
     python = sys.executable  # the interpreter named in "not installed" errors
@@ -84,9 +87,8 @@ class RemoteRun(MirrorChannel, SessionChannel, HealChannel, InspectChannel, supe
         self._lost: dict[int, str] = {}  # the session's dead ranks waiting for replace_rank: {rank: why}
         self._gone: dict[int, str] = {}  # the session's ranks lost with their host: {rank: why}
         self.members: list[int] | None = None  # an elastic job's formation: indexes of self.conns, node order
-        self._left: dict[int, str] = {}  # an elastic job's nodes lost in this attempt: {index of conns: why}
-        self._left_at: dict[int, float] = {}  # ... and when each was found lost (time.time())
-        self._membership = None  # an elastic job's elastic.Membership, while it runs
+        self._lost: dict[int, tuple[str, float]] = {}  # nodes lost in this attempt: {index of conns: (why, when)}
+        self.membership = None  # an elastic job's elastic.Membership, while it runs
         self.preflight_missing: dict[int, str] = {}  # an elastic job's hosts that failed preflight: {index: why}
         self._respawning: dict[int, str] = {}  # ranks asked to start again: {rank: why}, until their pid comes
         supervise.Run.__init__(self, f"sdp-{spec.target}-{spec.name}")
@@ -278,10 +280,10 @@ class RemoteRun(MirrorChannel, SessionChannel, HealChannel, InspectChannel, supe
                 from sdp_jupyter.launch.kernel import elastic
 
                 state, error, codes = elastic.Membership(self, announce).attempts()
-            elif spec.heal:  # dead ranks are replaced in place (remote_heal.py); --max-restarts counts them
-                state, error, codes = self._attempt(0)
+            elif spec.heal:  # dead ranks are replaced in place (agent_run/heal_channel.py); --max-restarts counts them
+                state, error, codes = self.attempt(0)
             else:  # a lost host is not restarted onto: the job names it and ends
-                state, error, codes = supervise.with_restarts(job, self._attempt, announce, self._stop,
+                state, error, codes = supervise.with_restarts(job, self.attempt, announce, self._stop,
                                                               final=self.final_errors)
         except Exception as e:  # our own bug or an OS error: the job fails with it, nothing left running
             state, error = "failed", f"the launcher failed: {type(e).__name__}: {e}"
@@ -295,12 +297,12 @@ class RemoteRun(MirrorChannel, SessionChannel, HealChannel, InspectChannel, supe
                               **backend_verdict.verdict(job.dir, self.spec.backend, self.spec.world_size,
                                                         state))
 
-    def _attempt(self, attempt: int) -> tuple[str, str | None, list]:
+    def attempt(self, attempt: int) -> tuple[str, str | None, list]:
         job, nodes = self.job, self.nodes()
         spec = self.spec if self.members is None else self.spec.replace(nodes=len(nodes))  # this formation's
         world = spec.world_size
         first = nodes[0]
-        self._left, self._left_at = {}, {}
+        self._lost = {}
         port = self._ask_port(first)
         script = channel.b64((job.dir / jobdir.SCRIPT).read_bytes())
         self._starts = {}
@@ -336,9 +338,9 @@ class RemoteRun(MirrorChannel, SessionChannel, HealChannel, InspectChannel, supe
                         self._leave(conn.node, why)
                         if not self._host_gone(members[conn.node], why):
                             return self._fail(self._host_lost(conn.host, members[conn.node], why), codes, done)
-                if self.members is not None and self._membership.grow_now(len(nodes)):
+                if self.members is not None and self.membership.grow_now(len(nodes)):
                     self._stop_all(done, codes)  # a host came back: the job re-forms with it (not a failure)
-                    return "reform", self._membership.grow_reason(), codes
+                    return "reform", self.membership.grow_reason(), codes
             if self._stop.is_set():
                 self._stop_all(done, codes)
                 return "stopped", self._stop_reason, codes
@@ -352,7 +354,7 @@ class RemoteRun(MirrorChannel, SessionChannel, HealChannel, InspectChannel, supe
             kind = message["type"]
             if node not in members:  # a spare of an elastic job (or a link replaced since): only its end matters
                 if kind == "eof" and self.members is not None:
-                    self._membership.spare_lost(node, message)
+                    self.membership.spare_lost(node, message)
                 continue
             if self._mirror(message) or self._heal_answer(node, message):
                 continue
@@ -381,9 +383,9 @@ class RemoteRun(MirrorChannel, SessionChannel, HealChannel, InspectChannel, supe
                                   codes, done)
             elif kind == "eof":
                 done.add(node)
-                self._leave(node, self._eof_reason(node, message))
-                if not self._host_gone(members[node], self._left[node]):
-                    return self._fail(self._host_lost(self.hosts[node], members[node], self._left[node]), codes, done)
+                self._leave(node, self.eof_reason(node, message))
+                if not self._host_gone(members[node], self._lost[node][0]):
+                    return self._fail(self._host_lost(self.hosts[node], members[node], self._lost[node][0]), codes, done)
         if failed:
             return self._fail(supervise.job_error(self.job, failed, codes, self._who, self._host), codes, done)
         return "succeeded", None, codes
@@ -391,16 +393,19 @@ class RemoteRun(MirrorChannel, SessionChannel, HealChannel, InspectChannel, supe
     def _leave(self, node: int, why: str, first: bool = False) -> None:
         """conns[node] is lost in this attempt, found now (an elastic job's timeline says since when);
         `first`: unless it was found lost already (the earlier cause and time stand)."""
-        if first and node in self._left:
+        if first and node in self._lost:
             return
-        self._left[node] = why
-        self._left_at[node] = time.time()
+        self._lost[node] = (why, time.time())
+
+    def lost(self) -> dict[int, tuple[str, float]]:
+        """The nodes lost in the attempt that ended last: {index of conns: (why, when it was found, time.time())}."""
+        return dict(self._lost)
 
     def _silence(self, conn: Link) -> str:
         """Why a node that stopped answering is lost (the job's error, an elastic job's timeline)."""
         return f"has not answered for {HEARTBEAT_TIMEOUT:g} s: its link or the host is down"
 
-    def _eof_reason(self, node: int, message: dict) -> str:
+    def eof_reason(self, node: int, message: dict) -> str:
         conn = self.conns[node]
         said = "; ".join(line for line in list(conn.stderr)[-3:] if line)
         return f"{message['why']} ({conn.kind} exit {message['code']}{': ' + said if said else ''})"
@@ -434,7 +439,7 @@ class RemoteRun(MirrorChannel, SessionChannel, HealChannel, InspectChannel, supe
 
     def _stop_all(self, done: set, codes: list | None = None) -> None:
         """Every agent stops its ranks; wait (bounded) until each says done, keeping their last output and
-        their exit codes (into `codes`). A node that ends its link or never says done is lost (`_left`:
+        their exit codes (into `codes`). A node that ends its link or never says done is lost (`lost()`:
         an elastic job leaves it out)."""
         g1, g2 = self.launcher.sigint_grace, self.launcher.sigterm_grace
         nodes = {conn.node for conn in self.nodes()}
@@ -450,7 +455,7 @@ class RemoteRun(MirrorChannel, SessionChannel, HealChannel, InspectChannel, supe
             if node not in nodes or self._mirror(message):
                 continue
             if message["type"] == "eof":
-                self._leave(node, self._eof_reason(node, message), first=True)
+                self._leave(node, self.eof_reason(node, message), first=True)
             if message["type"] == "exit" and codes is not None and int(message["rank"]) < len(codes):
                 codes[int(message["rank"])] = int(message["code"])
             if message["type"] in ("done", "eof"):

@@ -1,4 +1,4 @@
-"""A --heal job on a remote run (launch/kernel/remote.py mixes it in): the launcher keeps the membership
+"""A --heal job on a remote run (launch/kernel/agent_run/run.py mixes it in): the launcher keeps the membership
 (heal_records.py) as for a local job, and the agents carry its files both ways. Each record goes to every
 node's agent, which writes it where its ranks read it (sdp_jupyter.heal); what the ranks write for the
 launcher (a replacement is ready, a member formed its group, training finished) comes back as frames
@@ -12,7 +12,7 @@ from sdp_jupyter.launch.kernel.heal_records import HealRecords, heal_line, left_
 
 
 class HealChannel:
-    """RemoteRun's side of a --heal job: `_heal` is None for any other job."""
+    """AgentRun's side of a --heal job: `_heal` is None for any other job."""
 
     _heal: HealRecords | None = None
 

@@ -1,7 +1,7 @@
 """One node's agent as the notebook side sees it (a Link), for every remote target: the SSH target's link
 is an ssh client's stdin/stdout (launch/targets/ssh/launcher.py), the Ray target's an actor running the agent
 (launch/targets/ray/launcher.py), the Slurm target's an srun step (launch/targets/slurm/launcher.py). The run that drives the
-links is launch/kernel/remote.py.
+links is launch/kernel/agent_run/run.py.
 """
 from __future__ import annotations
 
