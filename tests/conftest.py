@@ -32,7 +32,7 @@ pytest_plugins = ["helpers.terminate", "helpers.cluster", "helpers.sshd", "helpe
 # xdist's own xdist_group mark is not used: with pytest 9.2 it no longer groups anything
 # (pytest-dev/pytest-xdist#1386).
 NOTEBOOK_GROUP = ("tests/notebook/test_notebooks.py", "tests/notebook/test_newcomer_path.py",
-                  "tests/notebook/test_setup_widget.py", "tests/launch/sagemaker/test_sagemaker_notebook.py",
+                  "tests/ui/test_setup_widget.py", "tests/launch/targets/sagemaker/test_sagemaker_notebook.py",
                   "tests/house/test_docs_site.py", "tests/torch/test_integrations.py")
 GROUPS_DIR = "SDP_TEST_GROUPS_DIR"
 # The groups given out first (the rest follow in collection order): the longest, so that no worker is

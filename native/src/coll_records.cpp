@@ -5,23 +5,24 @@
 namespace sdp {
 
 const std::vector<CollRecord>& coll_records() {
-  // {code, name, reduces, rooted, root_blocks, needs_src, span, algorithm, doc}
+  // {code, name, reduces, rooted, root_blocks, needs_src, span, alone, algorithm, doc}; a code is a
+  // collective's for good (it travels in frame headers): a new one takes the next
   static const std::vector<CollRecord> records = {
-      {Coll::ALLREDUCE, "all_reduce", true, false, false, false, Span::ALL, &Collectives::all_reduce,
+      {Coll{1}, "all_reduce", true, false, false, false, Span::ALL, Alone::KEEP, &Collectives::all_reduce,
        "every rank's buffer <- the reduction of every rank's buffer"},
-      {Coll::BROADCAST, "broadcast", false, true, false, false, Span::ALL, &Collectives::broadcast,
+      {Coll{2}, "broadcast", false, true, false, false, Span::ALL, Alone::KEEP, &Collectives::broadcast,
        "every rank's buffer <- the root's"},
-      {Coll::ALLGATHER, "all_gather", false, false, false, false, Span::ALL, &Collectives::all_gather,
+      {Coll{3}, "all_gather", false, false, false, false, Span::ALL, Alone::KEEP, &Collectives::all_gather,
        "in place on world_size blocks: block r <- rank r's block r"},
-      {Coll::REDUCE_SCATTER, "reduce_scatter", true, false, false, false, Span::ALL, &Collectives::reduce_scatter,
+      {Coll{4}, "reduce_scatter", true, false, false, false, Span::ALL, Alone::KEEP, &Collectives::reduce_scatter,
        "in place on world_size blocks: rank r's block r <- the reduction of every rank's block r"},
-      {Coll::GATHER, "gather", false, true, true, false, Span::ONE_NODE, &Collectives::gather,
+      {Coll{5}, "gather", false, true, true, false, Span::ONE_NODE, Alone::BUF_TO_BLOCK, &Collectives::gather,
        "the root's block r <- rank r's buffer"},
-      {Coll::SCATTER, "scatter", false, true, true, false, Span::NODE_PART, &Collectives::scatter,
+      {Coll{6}, "scatter", false, true, true, false, Span::NODE_PART, Alone::BLOCK_TO_BUF, &Collectives::scatter,
        "rank r's buffer <- the root's block r"},
-      {Coll::ALLTOALL, "all_to_all", false, false, false, true, Span::NODE_PART, &Collectives::all_to_all,
+      {Coll{7}, "all_to_all", false, false, false, true, Span::NODE_PART, Alone::SRC_TO_BUF, &Collectives::all_to_all,
        "block r of the output <- block rank of rank r's input"},
-      {Coll::BARRIER, "barrier", false, false, false, false, Span::ALL, &Collectives::barrier,
+      {Coll{8}, "barrier", false, false, false, false, Span::ALL, Alone::KEEP, &Collectives::barrier,
        "returns once every rank has called it; moves none of the caller's data"},
   };
   return records;

@@ -14,6 +14,7 @@
 #include <cstring>
 #include <random>
 
+#include "sdp/coll_records.h"
 #include "sdp/collectives.h"
 #include "sdp/common.h"
 
@@ -164,9 +165,12 @@ void Collectives::gather(const Work& w) { rooted(w, true); }
 
 void Collectives::one_rank(const Work& w) {
   size_t bytes = w.count * dtype_size(w.dtype);
-  if (w.coll == Coll::GATHER && w.blocks[0] != w.buf) std::memcpy(w.blocks[0], w.buf, bytes);
-  if (w.coll == Coll::SCATTER && w.blocks[0] != w.buf) std::memcpy(w.buf, w.blocks[0], bytes);
-  if (w.coll == Coll::ALLTOALL && w.src != w.buf) std::memcpy(w.buf, w.src, bytes);
+  switch (coll_record(w.coll).alone) {  // what the record says a group of one does
+    case Alone::KEEP: break;
+    case Alone::BUF_TO_BLOCK: if (w.blocks[0] != w.buf) std::memcpy(w.blocks[0], w.buf, bytes); break;
+    case Alone::BLOCK_TO_BUF: if (w.blocks[0] != w.buf) std::memcpy(w.buf, w.blocks[0], bytes); break;
+    case Alone::SRC_TO_BUF: if (w.src != w.buf) std::memcpy(w.buf, w.src, bytes); break;
+  }
 }
 void Collectives::scatter(const Work& w) { rooted(w, false); }
 

@@ -19,9 +19,8 @@ from __future__ import annotations
 import os
 
 from sdp_jupyter._env import env_float, env_int
-from sdp_jupyter.comm.codes import (COLL_ALLGATHER, COLL_ALLREDUCE, COLL_ALLTOALL, COLL_BARRIER, COLL_BROADCAST,
-                                    COLL_GATHER, COLL_REDUCE_SCATTER, COLL_SCATTER, COLL_TAG, DEFAULT_CHUNK_BYTES,
-                                    DEFAULT_TIMEOUT, DTYPE_SIZES, DTYPES, OPS, SMALL_BYTES, EngineError, SmddpError)
+from sdp_jupyter.comm.codes import (COLL_TAG, COLLECTIVES, COLLS, DEFAULT_CHUNK_BYTES, DEFAULT_TIMEOUT, DTYPE_SIZES,
+                                    DTYPES, OPS, SMALL_BYTES, EngineError, SmddpError)
 from sdp_jupyter.comm.communicator import Communicator, bind_address, node_key
 from sdp_jupyter.comm.secret import JobSecret, SecretError, env_secret
 from sdp_jupyter.comm.usage import live as _live  # noqa: F401 - the tests' view of the open communicators
@@ -65,6 +64,5 @@ def shutdown() -> None:
 
 
 __all__ = ["Communicator", "Work", "SmddpError", "EngineError", "JobSecret", "init", "shutdown", "usage", "DTYPES",
-           "OPS", "DTYPE_SIZES", "SMALL_BYTES", "DEFAULT_TIMEOUT", "DEFAULT_CHUNK_BYTES", "COLL_TAG", "COLL_ALLREDUCE",
-           "COLL_BROADCAST", "COLL_ALLGATHER", "COLL_REDUCE_SCATTER", "COLL_GATHER", "COLL_SCATTER", "COLL_ALLTOALL",
-           "COLL_BARRIER", "node_key", "bind_address"]
+           "OPS", "DTYPE_SIZES", "SMALL_BYTES", "DEFAULT_TIMEOUT", "DEFAULT_CHUNK_BYTES", "COLL_TAG", "COLLS",
+           "COLLECTIVES", "node_key", "bind_address"]

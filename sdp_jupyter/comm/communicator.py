@@ -16,8 +16,7 @@ from sdp_jupyter import _engine
 from sdp_jupyter._env import env_float, env_int, env_str
 from sdp_jupyter._net import port_range
 from sdp_jupyter.comm import flight, usage
-from sdp_jupyter.comm.codes import (COLL_ALLGATHER, COLL_ALLREDUCE, COLL_BARRIER, COLL_BROADCAST, COLL_REDUCE_SCATTER,
-                                    DEFAULT_CHUNK_BYTES, DEFAULT_TIMEOUT, DTYPES, NUMPY_DTYPES, OPS, EngineError,
+from sdp_jupyter.comm.codes import (COLLS, DEFAULT_CHUNK_BYTES, DEFAULT_TIMEOUT, DTYPES, NUMPY_DTYPES, OPS, EngineError,
                                     SmddpError)
 from sdp_jupyter.comm.routing import Routes
 from sdp_jupyter.comm.secret import (FROM_CALLER, FROM_ENV, FROM_FILE, JobSecret, SecretError, check_secret,
@@ -323,21 +322,21 @@ class Communicator(Routes):
         `arr` is a C-contiguous, writable numpy array (or buffer) of a dtype in DTYPES. Returns None once
         done, or with async_op the Work to wait on."""
         a, code = self._buffer(arr)
-        return self._done(self.submit(COLL_ALLREDUCE, a.ctypes.data, a.size, code, self._op(op), 0, a), async_op)
+        return self._done(self.submit(COLLS["all_reduce"], a.ctypes.data, a.size, code, self._op(op), 0, a), async_op)
 
     def broadcast(self, arr, root: int = 0, async_op: bool = False):
         """Copy rank `root`'s `arr` into every rank's `arr`, in place. Returns None once done, or with
         async_op the Work to wait on."""
         a, code = self._buffer(arr)
         self._check_root(root)
-        return self._done(self.submit(COLL_BROADCAST, a.ctypes.data, a.size, code, 0, root, a), async_op)
+        return self._done(self.submit(COLLS["broadcast"], a.ctypes.data, a.size, code, 0, root, a), async_op)
 
     def reduce(self, arr, root: int = 0, op: str = "sum", async_op: bool = False):
         """Only `root` receives the result; other ranks' arrays are left unchanged."""
         a, code = self._buffer(arr)
         self._check_root(root)
         target = a if self.rank == root else a.copy()
-        return self._done(self.submit(COLL_ALLREDUCE, target.ctypes.data, a.size, code, self._op(op), 0, target),
+        return self._done(self.submit(COLLS["all_reduce"], target.ctypes.data, a.size, code, self._op(op), 0, target),
                           async_op)
 
     def all_gather(self, out, inp, async_op: bool = False):
@@ -357,7 +356,7 @@ class Communicator(Routes):
                              f"elements of {i.dtype}; got {o.size} of {o.dtype}")
         n = i.size
         o.reshape(-1)[self.rank * n:(self.rank + 1) * n] = i.reshape(-1)
-        return self._done(self.submit(COLL_ALLGATHER, o.ctypes.data, n, code, 0, 0, o), async_op)
+        return self._done(self.submit(COLLS["all_gather"], o.ctypes.data, n, code, 0, 0, o), async_op)
 
     def reduce_scatter(self, out, inp, op: str = "sum", async_op: bool = False):
         """out (n elements) <- this rank's n-element block of the reduction of inp (world_size * n)."""
@@ -369,7 +368,7 @@ class Communicator(Routes):
 
         def take():
             o.reshape(-1)[:] = tmp[self.rank * n:(self.rank + 1) * n]
-        return self._done(self.submit(COLL_REDUCE_SCATTER, tmp.ctypes.data, n, code, self._op(op), 0,
+        return self._done(self.submit(COLLS["reduce_scatter"], tmp.ctypes.data, n, code, self._op(op), 0,
                                       (tmp, o), take), async_op)
 
     def send(self, arr, dst: int, tag: int = 0, async_op: bool = False):
@@ -404,7 +403,7 @@ class Communicator(Routes):
 
     def barrier(self, async_op: bool = False):
         """Return once every rank has called it; with async_op, the Work."""
-        return self._done(self.submit(COLL_BARRIER, 0, 0, DTYPES["uint8"]), async_op)
+        return self._done(self.submit(COLLS["barrier"], 0, 0, DTYPES["uint8"]), async_op)
 
     def close(self) -> None:
         """Shut this rank's engine and message mailbox down, and close the store when this communicator

@@ -26,8 +26,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from sdp_jupyter.comm.codes import (COLL_ALLTOALL, COLL_GATHER, COLL_SCATTER, COLL_TAG, COLLECTIVES, DTYPE_SIZES,
-                                    DTYPES, SMALL_BYTES)
+from sdp_jupyter.comm.codes import COLL_TAG, COLLECTIVES, COLLS, DTYPE_SIZES, DTYPES, SMALL_BYTES
 
 _SPAN = {r["code"]: r["span"] for r in COLLECTIVES.values()}
 
@@ -80,12 +79,12 @@ class Routes:
         nbytes = count * DTYPE_SIZES[dtype]
         if self.rank == root:
             self._check_count("gather on the root", outs)
-        if self._engine_part(COLL_GATHER) == "none":
+        if self._engine_part(COLLS["gather"]) == "none":
             if self.rank != root:
                 return self._exchange([(root, src, nbytes)], [], keepalive, finish)
             return self._exchange([], [(r, o, nbytes) for r, o in enumerate(outs) if r != root], keepalive, finish,
                                   (outs[root], src, nbytes))
-        h = self.submit_handle(COLL_GATHER, src, count, dtype, 0, root, blocks=outs if self.rank == root else ())
+        h = self.submit_handle(COLLS["gather"], src, count, dtype, 0, root, blocks=outs if self.rank == root else ())
         return self.messages_work((), keepalive, finish, (h,))
 
     def scatter_buffers(self, out: int, count: int, dtype: int, root: int, ins: Sequence[int] = (),
@@ -96,7 +95,7 @@ class Routes:
         me, nodes = self.rank, self.node_of_rank
         if me == root:
             self._check_count("scatter on the root", ins)
-        if self._engine_part(COLL_SCATTER) == "node" and (nbytes <= SMALL_BYTES or nodes.count(nodes[root]) == 1):
+        if self._engine_part(COLLS["scatter"]) == "node" and (nbytes <= SMALL_BYTES or nodes.count(nodes[root]) == 1):
             if me != root:
                 return self._exchange([], [(root, out, nbytes)], keepalive, finish)
             return self._exchange([(r, p, nbytes) for r, p in enumerate(ins) if r != root], [], keepalive, finish,
@@ -105,7 +104,7 @@ class Routes:
             sends, recvs = [(r, ins[r], nbytes) for r in self._remote(range(self.world_size))], []
         else:
             sends, recvs = [], [(r, out, nbytes) for r in self._remote([root])]
-        return self._split(sends, recvs, lambda: self.submit_handle(COLL_SCATTER, out, count, dtype, 0, root,
+        return self._split(sends, recvs, lambda: self.submit_handle(COLLS["scatter"], out, count, dtype, 0, root,
                                                                     blocks=ins if me == root else ()),
                            keepalive, finish)
 
@@ -118,7 +117,7 @@ class Routes:
             src, keepalive = self._copied(src, nb * self.world_size, keepalive)  # peers read it while it is written
         remote = self._remote(range(self.world_size))
         return self._split([(r, src + r * nb, nb) for r in remote], [(r, out + r * nb, nb) for r in remote],
-                           lambda: self.submit_handle(COLL_ALLTOALL, out, count, dtype, 0, 0, src=src),
+                           lambda: self.submit_handle(COLLS["all_to_all"], out, count, dtype, 0, 0, src=src),
                            keepalive, finish)
 
     def all_to_all_blocks(self, outs: Sequence[Block], ins: Sequence[Block], keepalive: Any = None, finish=()):

@@ -161,6 +161,12 @@ def check_engine(r: Report) -> None:
         r.add("engine", WARN, f"{path}: cannot read its ELF file ({e})", "rebuild it: " + _BUILD_FIX,
               brief="engine unreadable")
         return
+    try:  # before the engine reads it: its kernel choice refuses a bad value too, and is kept once made
+        no_simd = env_bool("SDP_NO_SIMD", False)
+    except ValueError as e:  # the engine refuses it the same way when a process group starts
+        r.add("engine", FAIL, f"{native.summary()}; {path}", f"{e}; set it to 1 or 0, or unset it",
+              brief="SDP_NO_SIMD not a boolean")
+        return
     isa = _engine.kernel_isa()
     compiler = _compiler_of(path)
     what = (f"{native.summary()}; kernels {isa}; links {', '.join(native.needed) or 'nothing'}"
@@ -168,11 +174,6 @@ def check_engine(r: Report) -> None:
     problem = native.problem()
     if problem is not None:
         r.add("engine", FAIL, what, problem, brief="engine exports std:: symbols")
-        return
-    try:
-        no_simd = env_bool("SDP_NO_SIMD", False)
-    except ValueError as e:  # the engine refuses it the same way when a process group starts
-        r.add("engine", FAIL, what, f"{e}; set it to 1 or 0, or unset it", brief="SDP_NO_SIMD not a boolean")
         return
     if isa == "portable" and "avx2" in _cpu_flags() and not no_simd:
         r.add("engine", WARN, what, "the CPU has AVX2 but the engine runs its portable kernels (slower reductions): "

@@ -10,8 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from sdp_jupyter.comm import (COLL_ALLGATHER, COLL_ALLREDUCE, COLL_BARRIER, COLL_BROADCAST, COLL_REDUCE_SCATTER, DTYPES,
-                              OPS, Communicator, SmddpError)
+from sdp_jupyter.comm import COLLS, DTYPES, OPS, Communicator, SmddpError
 from sdp_jupyter.torch.tensors import (Staging, block, dtype_code, moved, op_code, send_buffer, stage_chunk_bytes_from_env,
                                        staged, staged_all)
 from sdp_jupyter.torch.compiled import run_eagerly
@@ -85,7 +84,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         return SmddpWork(self._completer, work, result)
 
     def _allreduce_tensor(self, t: torch.Tensor, op):
-        return self._staged_submit(COLL_ALLREDUCE, t, op_code(op, t.dtype), 0)
+        return self._staged_submit(COLLS["all_reduce"], t, op_code(op, t.dtype), 0)
 
     def _staged_submit(self, coll: int, t: torch.Tensor, op: int, root: int):
         """The engine's collective `coll` in place on t: a contiguous CPU tensor as it is, a large
@@ -146,7 +145,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
     def broadcast(self, tensors, opts=None):
         """dist.broadcast: copy rank opts.rootRank's tensors (default 0) into every rank's, in place."""
         root = opts.rootRank if opts is not None else 0
-        return self._joined([self._staged_submit(COLL_BROADCAST, t, 0, root) for t in tensors], tensors)
+        return self._joined([self._staged_submit(COLLS["broadcast"], t, 0, root) for t in tensors], tensors)
 
     def reduce(self, tensors, opts=None):
         """dist.reduce: the reduction reaches the root's tensors only; other ranks' tensors are left
@@ -159,7 +158,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
                 works.append(self._allreduce_tensor(t, op))
             else:  # non-root tensors are left as they were: the root's collective on a copy, staged alike
                 tmp = t.detach().clone(memory_format=torch.contiguous_format)
-                works.append(self._staged_submit(COLL_ALLREDUCE, tmp, op_code(op, t.dtype), 0))
+                works.append(self._staged_submit(COLLS["all_reduce"], tmp, op_code(op, t.dtype), 0))
         return self._joined(works, tensors)
 
     def _gather_flat(self, flat: torch.Tensor, inp: torch.Tensor, finish=None):
@@ -167,7 +166,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         world blocks of n elements (this rank's block filled first)."""
         n = inp.numel()
         flat.view(-1)[self._rank * n:(self._rank + 1) * n].copy_(inp.reshape(-1))
-        return self.comm.submit(COLL_ALLGATHER, flat.data_ptr(), n, dtype_code(inp), 0, 0, flat, finish)
+        return self.comm.submit(COLLS["all_gather"], flat.data_ptr(), n, dtype_code(inp), 0, 0, flat, finish)
 
     def allgather(self, output_tensors, input_tensors, opts=None):
         """dist.all_gather: output_tensors[0][r] receives rank r's input tensor."""
@@ -233,7 +232,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         def take():
             out.copy_(flat[self._rank * n:(self._rank + 1) * n].view_as(out))
         # the engine's reduce_scatter: in place on world blocks of n, this rank's block reduced
-        return self._work(self.comm.submit(COLL_REDUCE_SCATTER, flat.data_ptr(), n, dtype_code(flat),
+        return self._work(self.comm.submit(COLLS["reduce_scatter"], flat.data_ptr(), n, dtype_code(flat),
                                            op_code(op, flat.dtype), 0, flat, take), result)
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
@@ -354,7 +353,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
 
     def barrier(self, opts=None):
         """dist.barrier: done once every rank has reached it (the engine's barrier)."""
-        return self._work(self.comm.submit(COLL_BARRIER, 0, 0, DTYPES["uint8"]), [])
+        return self._work(self.comm.submit(COLLS["barrier"], 0, 0, DTYPES["uint8"]), [])
 
     def shutdown(self) -> None:
         """Close the group: stop completing its futures and close its communicator (the engine's

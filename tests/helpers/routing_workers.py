@@ -17,15 +17,15 @@ def node_blocks(n: int):
     try:
         mine = np.arange(n, dtype=np.float64) + 1000.0 * r
         blocks = [np.zeros(n) for _ in range(w)] if r == w - 1 else []
-        c.submit(comm.COLL_GATHER, mine.ctypes.data, n, comm.DTYPES["float64"], root=w - 1, keepalive=blocks,
+        c.submit(comm.COLLS["gather"], mine.ctypes.data, n, comm.DTYPES["float64"], root=w - 1, keepalive=blocks,
                  blocks=[b.ctypes.data for b in blocks]).wait()
         pieces = [np.full(n, 7.0 * k) + np.arange(n) for k in range(w)] if r == 0 else []
         got = np.zeros(n)
-        c.submit(comm.COLL_SCATTER, got.ctypes.data, n, comm.DTYPES["float64"], root=0, keepalive=pieces,
+        c.submit(comm.COLLS["scatter"], got.ctypes.data, n, comm.DTYPES["float64"], root=0, keepalive=pieces,
                  blocks=[p.ctypes.data for p in pieces]).wait()
         src = np.arange(w * n, dtype=np.float64) + 1e6 * r
         out = np.zeros(w * n)
-        c.submit(comm.COLL_ALLTOALL, out.ctypes.data, n, comm.DTYPES["float64"], keepalive=src,
+        c.submit(comm.COLLS["all_to_all"], out.ctypes.data, n, comm.DTYPES["float64"], keepalive=src,
                  src=src.ctypes.data).wait()
         return {"gather": [b.tolist() for b in blocks], "scatter": got.tolist(), "all_to_all": out.tolist(),
                 "peer_read_bytes": c.stats()["peer_read_bytes"]}

@@ -1,5 +1,5 @@
 """What the SageMaker tests share: specs, waiting, the request as moto received it, the S3 keys and
-channels the SDK writes (tests/launch/sagemaker/)."""
+channels the SDK writes (tests/launch/targets/sagemaker/)."""
 from __future__ import annotations
 
 import json

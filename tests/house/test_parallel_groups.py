@@ -20,8 +20,8 @@ pytest.importorskip("xdist", reason="pytest-xdist comes with the test extra (pip
 def test_the_groups_follow_the_files():
     from conftest import NOTEBOOK_GROUP, xdist_group_of
 
-    on_hosts = {"tests/launch/test_ssh.py", "tests/engine/test_cluster.py"}
-    assert xdist_group_of("tests/launch/test_ssh.py", on_hosts) == xdist_group_of("tests/engine/test_cluster.py",
+    on_hosts = {"tests/launch/targets/test_ssh.py", "tests/engine/test_cluster.py"}
+    assert xdist_group_of("tests/launch/targets/test_ssh.py", on_hosts) == xdist_group_of("tests/engine/test_cluster.py",
                                                                                   on_hosts) == "hosts"
     assert xdist_group_of("tests/browser/test_setup_browser.py", on_hosts) == "browser"
     assert {xdist_group_of(f, on_hosts) for f in NOTEBOOK_GROUP} == {"notebooks"}

@@ -66,7 +66,7 @@ dist.destroy_process_group()
 """
 
 # The rehearsed job's cell (cell.py), and the script NEW's python runs in the working folder: a 2-host
-# rehearsal with our engine through the launch API (as tests/launch/sagemaker/test_sagemaker_rehearse.py
+# rehearsal with our engine through the launch API (as tests/launch/targets/sagemaker/test_sagemaker_rehearse.py
 # drives it), then the stand-in closed as that module's fixture does (else the process waits on moto's server)
 CELL = """\
 import sys, torch, torch.distributed as dist, sdp_jupyter, sdp_jupyter._engine

@@ -226,7 +226,7 @@ def test_mirror_and_tail_meet(tmp_path):
 
 
 def test_an_agents_metrics_frames_rebuild_the_files_in_the_notebooks_job_directory(tmp_path):
-    """The agent tails its host's metrics files with the tailer, a frame per bounded read; remote.py
+    """The agent tails its host's metrics files with the tailer, a frame per bounded read; the agent run
     writes them with the mirror writer: the notebook's files end up the same, names checked."""
     import types
 
@@ -253,6 +253,7 @@ def test_an_agents_metrics_frames_rebuild_the_files_in_the_notebooks_job_directo
     assert {f["file"] for f in frames} == {"rank-0.jsonl", "system-node-1.jsonl"}
     assert len(frames) > 2 and all(len(f["lines"]) <= jobdir.READ_CAP for f in frames)
     run = types.SimpleNamespace(_mirror_files=jobdir.Mirror(), job=types.SimpleNamespace(dir=notebook))
+    run.write_metrics = lambda name, text: AgentRun.write_metrics(run, name, text)
     for frame in frames + [{"type": "metrics", "file": "../../escape.jsonl", "lines": "x\n"}]:
         AgentRun._metrics(run, frame)
     run._mirror_files.close()

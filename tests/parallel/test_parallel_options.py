@@ -63,7 +63,7 @@ def test_not_passed_to_ray_silently():
     assert "--env SDP_SHARD_OPTIMIZER=optimizer" in str(info.value)
     # the old way still works everywhere: --env without the options is passed through unchanged
     assert JobSpec(code="x", target="ray", env={"SDP_TP": "2"}).env == {"SDP_TP": "2"}
-    # SageMaker jobs take them (tests/launch/sagemaker/test_sagemaker.py checks the request's Environment)
+    # SageMaker jobs take them (tests/launch/targets/sagemaker/test_sagemaker.py checks the request's Environment)
     assert JobSpec(code="x", target="sagemaker", parallel={"tp": 2}).parallel == {"tp": 2}
 
 

@@ -2,9 +2,9 @@
 // call gives, what the engine covers in each layout, and its algorithm. Every "which collectives..."
 // question reads these records: the engine's checks and dispatch (engine.cpp), a collective's
 // description and the fields its ranks must agree on (frame.cpp), the binding, and through it
-// Python's tables and routing (sdp_jupyter/comm/codes.py). Adding a collective: a code in common.h,
-// its algorithm (a Collectives method in its own .cpp), its record in coll_records.cpp, and the
-// torch method (docs/architecture.md, "Adding a collective").
+// Python's tables and routing (sdp_jupyter/comm/codes.py). Adding a collective: its algorithm (a
+// Collectives method in its own .cpp, declared in collectives.h), its record in coll_records.cpp (its
+// code is the record's), and the torch method (docs/architecture.md, "Adding a collective").
 #pragma once
 #include <cstdint>
 #include <vector>
@@ -22,6 +22,14 @@ enum class Span : uint8_t {
                   // messages at the same time
 };
 
+// What a group of one rank does: nothing to move between ranks, only the caller's own copy.
+enum class Alone : uint8_t {
+  KEEP = 0,           // in place: the buffer already holds the answer
+  BUF_TO_BLOCK = 1,   // the root's block 0 <- the buffer (gather)
+  BLOCK_TO_BUF = 2,   // the buffer <- the root's block 0 (scatter)
+  SRC_TO_BUF = 3,     // the buffer <- the separate input (all_to_all)
+};
+
 struct CollRecord {
   Coll code;
   const char* name;
@@ -30,6 +38,7 @@ struct CollRecord {
   bool root_blocks;  // the root gives one buffer per rank (`blocks`)
   bool needs_src;    // reads a separate input buffer (`src`)
   Span span;
+  Alone alone;       // in a group of one rank
   void (Collectives::*run)(const Work&);  // the algorithm (it picks its path by layout)
   const char* doc;                          // one line: what it does (the Python side's docstring)
 };

@@ -21,8 +21,9 @@ enum class ReduceOp : uint8_t { SUM = 0, AVG = 1, MAX = 2, MIN = 3, PRODUCT = 4 
 // sends block r of every rank's `src` to block `rank` of rank r's `buf` (world_size blocks of count
 // elements on every rank) for every r on the same node as `rank`. Across nodes the caller moves
 // the other blocks.
-enum class Coll : uint8_t { ALLREDUCE = 1, BROADCAST = 2, ALLGATHER = 3, REDUCE_SCATTER = 4, GATHER = 5, SCATTER = 6,
-                            ALLTOALL = 7, BARRIER = 8 };
+// A collective's code, as every frame header carries it. The codes and everything else about each
+// collective are its record's (coll_records.cpp): no name here.
+enum class Coll : uint8_t {};
 
 size_t dtype_size(DType t);
 const char* dtype_name(DType t);

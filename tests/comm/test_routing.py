@@ -22,7 +22,7 @@ def test_the_engines_numbers_are_bound_not_copied():
     assert SMALL * 4 <= comm.SMALL_BYTES < LARGE * 4
 
 
-@pytest.mark.parametrize("world,per_node", [(3, 3), (4, 2), (2, 1)])
+@pytest.mark.parametrize("world,per_node", [(3, 3), (4, 2), (2, 1), (1, 1)])  # (1, 1): each record's `alone`
 def test_gather_scatter_all_to_all_route_by_topology(world, per_node):
     vals = assert_all_ok(run_ranks("routing_workers:routed_blocks", world, per_node, args=([SMALL, LARGE],),
                                    timeout=150))
