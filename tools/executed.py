@@ -219,14 +219,42 @@ def stale() -> dict[str, str]:
     return found
 
 
+
+def kernel_env() -> dict:
+    """The kernel's environment: ours without PYTEST_CURRENT_TEST (ipykernel would stop capturing
+    subprocess output) and with this checkout importable."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return env
+
+
+def execute(path: Path, out_dir: Path, timeout: int = 600, prepare=None, km=None):
+    """Execute a notebook in a fresh kernel (cwd: its folder); write the executed copy to out_dir,
+    scrubbed (tools/executed.py: no secrets, no paths of this machine), also when a cell fails. Returns
+    the notebook as executed, unscrubbed. `prepare(nb)`, when given, edits the notebook in memory
+    first. `km`, when given, is the kernel manager to start the kernel with (another kernelspec: a
+    kernel on a test host), instead of python3's; its kernel is shut down at the end all the same."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(path, as_version=4)
+    if prepare is not None:
+        prepare(nb)
+    client = NotebookClient(nb, km=km, timeout=timeout, kernel_name="python3",
+                            resources={"metadata": {"path": str(path.parent)}})
+    try:
+        client.execute(env=kernel_env(), cleanup_kc=True)  # nbclient leaves a kernel it did not make running
+    finally:
+        write(nb, out_dir / path.name)
+    return nb
+
+
 def refresh(names=PUBLISHED, timeout: int = 600) -> int:
     """Run each notebook of `names` in a fresh kernel (its folder the working directory, a private jobs
     folder, SageMaker against the local moto server) and store its scrubbed, stamped copy in OUTPUTS.
     A notebook that fails, or whose copy would still name this machine, keeps its old copy. Returns the
     number that failed."""
     import nbformat
-
-    from tools.main_job import execute
 
     failed = 0
     for name in names:
@@ -308,6 +336,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    if str(REPO) not in sys.path:  # run as `python tools/executed.py`: tools.main_job is found from the checkout
-        sys.path.insert(0, str(REPO))
     sys.exit(main(sys.argv[1:]))

@@ -10,7 +10,6 @@ sdp_jupyter.doctor` (run after the notebook, so it takes no CPU from the timed c
 """
 from __future__ import annotations
 
-import os
 import sys
 import time
 from datetime import datetime
@@ -19,17 +18,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as `python tools/main_job.py`: tools.executed is found from the checkout
     sys.path.insert(0, str(REPO))
-from tools.executed import EXECUTED, write  # noqa: E402
+from tools.executed import EXECUTED, execute  # noqa: E402
 
 NOTEBOOK = REPO / "notebooks" / "01_quickstart.ipynb"
-
-
-def kernel_env() -> dict:
-    """The kernel's environment: ours without PYTEST_CURRENT_TEST (ipykernel would stop capturing
-    subprocess output) and with this checkout importable."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    return env
 
 
 WARM_TAG = "sdp-main-warm-rerun"
@@ -51,27 +42,6 @@ def add_warm_rerun(nb) -> None:
                  new_code_cell("%sdp_warm", metadata=meta),
                  new_code_cell(train.source, metadata=meta),
                  new_code_cell(evaluate.source, metadata=meta)]
-
-
-def execute(path: Path, out_dir: Path, timeout: int = 600, prepare=None, km=None):
-    """Execute a notebook in a fresh kernel (cwd: its folder); write the executed copy to out_dir,
-    scrubbed (tools/executed.py: no secrets, no paths of this machine), also when a cell fails. Returns
-    the notebook as executed, unscrubbed. `prepare(nb)`, when given, edits the notebook in memory
-    first. `km`, when given, is the kernel manager to start the kernel with (another kernelspec: a
-    kernel on a test host), instead of python3's; its kernel is shut down at the end all the same."""
-    import nbformat
-    from nbclient import NotebookClient
-
-    nb = nbformat.read(path, as_version=4)
-    if prepare is not None:
-        prepare(nb)
-    client = NotebookClient(nb, km=km, timeout=timeout, kernel_name="python3",
-                            resources={"metadata": {"path": str(path.parent)}})
-    try:
-        client.execute(env=kernel_env(), cleanup_kc=True)  # nbclient leaves a kernel it did not make running
-    finally:
-        write(nb, out_dir / path.name)
-    return nb
 
 
 def cell_seconds(cell) -> float | None:

@@ -26,7 +26,7 @@ def sdp_kernel(jobs):
     from jupyter_client.manager import start_new_kernel
 
     from conftest import wait_no_processes
-    from tools.main_job import kernel_env
+    from tools.executed import kernel_env
 
     env = kernel_env()
     env["SDP_JOBS_DIR"] = str(jobs)

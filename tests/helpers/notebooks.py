@@ -61,7 +61,7 @@ def notebook_run(name: str, request) -> NotebookRun:
 
 
 def _run(path: Path, request) -> NotebookRun:
-    from tools.main_job import execute
+    from tools.executed import execute
 
     folder = request.getfixturevalue("tmp_path_factory").mktemp(path.stem)
     jobs = folder / "jobs"

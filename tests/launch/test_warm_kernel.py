@@ -12,7 +12,7 @@ import pytest
 
 from helpers.kernel import execute
 from sdp_jupyter.jobdir import log_path
-from tools.main_job import kernel_env
+from tools.executed import kernel_env
 
 pytestmark = pytest.mark.slow
 

@@ -156,7 +156,7 @@ def test_step0_the_readme_first_job_prints_what_the_readme_shows(tmp_path, monke
     from nbclient import NotebookClient
 
     from conftest import wait_no_processes
-    from tools.main_job import kernel_env
+    from tools.executed import kernel_env
 
     cells, shown = readme_first_job()
     assert len(cells) == 3 and len(shown) == 2, "README's first job: load, train, show weights; two outputs"

@@ -11,7 +11,7 @@ import pytest
 from conftest import wait_no_processes
 from helpers.debug_cells import BREAKS_ON_1, FAILS_ON_1
 from helpers.kernel import execute
-from tools.main_job import kernel_env
+from tools.executed import kernel_env
 
 pytestmark = pytest.mark.slow
 

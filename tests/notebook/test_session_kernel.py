@@ -17,7 +17,7 @@ import pytest
 
 from conftest import wait_no_processes, worker_processes
 from helpers.kernel import execute, sdp_kernel
-from tools.main_job import kernel_env
+from tools.executed import kernel_env
 
 pytestmark = pytest.mark.slow
 

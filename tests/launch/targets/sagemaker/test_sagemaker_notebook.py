@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_sagemaker_notebook_runs_without_aws_from_any_folder(tmp_path, monkeypatch):
-    from tools.main_job import execute
+    from tools.executed import execute
 
     # no credentials anywhere boto3 looks, and no flag: the notebook must choose the stand-in itself
     monkeypatch.delenv("SDP_SAGEMAKER_MOTO", raising=False)
