@@ -16,7 +16,7 @@ import ipywidgets as W
 
 from sdp_jupyter import backends, instances, scaling
 from sdp_jupyter.launch import targets
-from sdp_jupyter.jobsetup import TEXT_NUMBERS, JobSetup
+from sdp_jupyter.jobsetup.model import TEXT_NUMBERS, JobSetup
 
 _MODE_LABELS = {"keep per-GPU batch": "keep_per_gpu", "keep global batch": "keep_global"}
 _LAYOUT = W.Layout(width="360px")

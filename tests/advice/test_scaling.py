@@ -286,7 +286,7 @@ def test_processes_per_node_has_one_name_and_the_old_one_still_works_with_a_warn
     JobSetup, %sdp_setup); gpus_per_node, the setup's old name for it, still works and says so."""
     import sdp_jupyter
     from sdp_jupyter.jobsetup import setup_from_line
-    from sdp_jupyter.setup_options import setup_arguments
+    from sdp_jupyter.jobsetup.setup_options import setup_arguments
 
     with pytest.warns(FutureWarning, match="gpus_per_node is now procs_per_node"):
         assert Plan(gpus_per_node=4).procs_per_node == 4

@@ -30,7 +30,7 @@ KNOWN_PRIVATE: set[str] = set()
 LAZY_VIEWS: dict[str, tuple[str, ...]] = {
     "sdp_jupyter.launch.kernel.job": ("view", "dashboard"),
     "sdp_jupyter.launch.targets.sagemaker.job": ("view",),
-    "sdp_jupyter.jobsetup": ("view",),
+    "sdp_jupyter.jobsetup.model": ("view",),
 }
 
 

@@ -65,7 +65,7 @@ def test_sixteen_ranks_print_the_shared_line_once_and_their_own_lines_each(job16
 
 def test_the_error_groups_the_ranks_that_raised_and_names_no_cascade(job16):
     from sdp_jupyter.launch.kernel.rank_groups import describe
-    from sdp_jupyter.magics import _JobTable
+    from sdp_jupyter.magics.job_magics import _JobTable
 
     job, _ = job16
     error = job.error

@@ -10,7 +10,7 @@ from sdp_jupyter.launch.options import Option
 
 @dataclass(frozen=True)
 class FormField:
-    """A field a target adds to the setup form (sdp_jupyter/jobsetup.py, ui/setup.py) and to %sdp_setup:
+    """A field a target adds to the setup form (sdp_jupyter/jobsetup/model.py, ui/setup.py) and to %sdp_setup:
     `name` is the setup's field (and %sdp_setup's dest), `option` the %%sdp_train option row it mirrors
     (flag, help, metavar; its field "<JobSpec field>.<key>" says where a filled value goes), `label` and
     `placeholder` what the form shows. Empty: the key is left out of the spec (the target's default)."""

@@ -11,7 +11,7 @@ from IPython.display import display
 
 from sdp_jupyter.launch import JobSpec, SpecError
 from sdp_jupyter.launch.kernel.session_calls import CellStream
-from sdp_jupyter.magic_args import parse_line, syntax_error_message, with_options
+from sdp_jupyter.magics.magic_args import parse_line, syntax_error_message, with_options
 from sdp_jupyter._display import widgets_enabled
 
 

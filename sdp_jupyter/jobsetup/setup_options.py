@@ -1,4 +1,4 @@
-"""`%sdp_setup`'s options: the fields of a JobSetup (sdp_jupyter/jobsetup.py) as command-line options.
+"""`%sdp_setup`'s options: the fields of a JobSetup (sdp_jupyter/jobsetup/model.py) as command-line options.
 
 One option per field: each ``scaling.Plan`` field with its meaning (``FIELD_HELP``), its choices
 (``FIELD_CHOICES``, the lists Plan itself checks against) and its default (from Plan), plus the script,

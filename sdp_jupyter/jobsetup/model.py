@@ -30,7 +30,7 @@ from sdp_jupyter import instances, scaling
 from sdp_jupyter._display import Shown
 from sdp_jupyter._renamed import renamed
 from sdp_jupyter.launch import targets
-from sdp_jupyter.setup_options import setup_arguments
+from sdp_jupyter.jobsetup.setup_options import setup_arguments
 
 #: code of cells stored with %%sdp_cell NAME, by name
 CELLS: dict[str, str] = {}
@@ -386,7 +386,7 @@ class JobSetup(Shown):
 
 
 # --------------------------------------------------------------------------- the magics' side
-# (%sdp_setup's options, one per field, are sdp_jupyter/setup_options.py's; here a line of them becomes a setup)
+# (%sdp_setup's options, one per field, are sdp_jupyter/jobsetup/setup_options.py's; here a line of them becomes a setup)
 def setup_from_options(values: dict) -> JobSetup:
     """A JobSetup from parsed `%sdp_setup` options (argparse dests; None = not given)."""
     kwargs = {k: v for k, v in values.items() if v is not None}

@@ -18,8 +18,8 @@ from sdp_jupyter.launch import Job, JobError, JobSpec, SpecError
 from sdp_jupyter.launch.host import warm
 from sdp_jupyter.launch.kernel import warm_pool
 from sdp_jupyter.launch.kernel.run_function import wait_shown
-from sdp_jupyter.magic_args import parse_line, syntax_error_message, usage as _usage, with_options
-from sdp_jupyter.session_magics import SessionMagics, with_notebook_code
+from sdp_jupyter.magics.magic_args import parse_line, syntax_error_message, usage as _usage, with_options
+from sdp_jupyter.magics.session_magics import SessionMagics, with_notebook_code
 
 
 def _with_setup_options(func):
