@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 from sdp_jupyter.launch.kernel.job import JobError
 
+POLL = 0.02  # seconds at most between looks at the job and the output stream; an answer wakes the wait at once
+
 
 class SessionError(JobError):
     """A cell failed (on the ranks named), or the session cannot do what was asked."""
