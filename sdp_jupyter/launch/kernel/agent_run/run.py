@@ -19,13 +19,14 @@ from sdp_jupyter.launch import channel
 from sdp_jupyter import jobdir
 from sdp_jupyter.launch.kernel import backend_verdict
 from sdp_jupyter.launch.kernel.rank_report import ViewCut, failure_message
-from sdp_jupyter.launch.kernel import supervise, warm_pool
+from sdp_jupyter.launch.kernel import supervise
 from sdp_jupyter.launch.kernel.job import Job
 from sdp_jupyter.launch.kernel.preparation import create_job
 from sdp_jupyter.launch.kernel.agent_run.heal_channel import HealChannel
 from sdp_jupyter.launch.kernel.agent_run.rank_requests import InspectChannel
 from sdp_jupyter.launch.kernel.agent_run.mirror import MirrorChannel
 from sdp_jupyter.launch.kernel.agent_run.session_channel import SessionChannel
+from sdp_jupyter.launch.kernel.agent_run.warm_starts import WarmStarts
 from sdp_jupyter import backends
 from sdp_jupyter.launch.spec import JobSpec, SpecError
 # a Link, what a target subclasses, and its fix text: in launch/kernel/agent_run/link.py, named here too for the targets
@@ -53,7 +54,7 @@ def start_job(run: "AgentRun", push_bytes: bytes | None, **status) -> Job:
     return job
 
 
-class AgentRun(MirrorChannel, SessionChannel, HealChannel, InspectChannel, supervise.Run):
+class AgentRun(MirrorChannel, SessionChannel, HealChannel, InspectChannel, WarmStarts, supervise.Run):
     """The supervisor of one job run through node agents: its links (one agent per node), attempts,
     restarts and stop.
 
@@ -180,59 +181,6 @@ class AgentRun(MirrorChannel, SessionChannel, HealChannel, InspectChannel, super
         """An elastic job's reopened link to conns[node] said hello and takes its place (a target whose
         new link may reach another machine names it here)."""
 
-    def pool_key(self, node: int) -> tuple | None:
-        """The key of node's host's warm pool (launch/host/warm.py), None where the target has none."""
-        return None
-
-    def warm_pool(self, node: int, preload: list[str] | tuple = ()):
-        raise NotImplementedError
-
-    def _warm_fields(self) -> dict[int, dict]:
-        """Per node, the start frame's warm fields: its host's pool's address, or why its ranks start
-        cold. Pools that are still starting (a --warm job, or new --preload modules) start at once on
-        every host and are waited for together, up to warm_pool.READY_TIMEOUT, while _keep_alive pings the agents
-        (an agent that hears nothing for its heartbeat timeout stops)."""
-        pools = {}
-        for conn in self.nodes():
-            key = self.pool_key(conn.node)
-            if key is not None and warm_pool.wanted(self.warm_choice, key):
-                pools[conn.node] = self.warm_pool(conn.node, warm_pool.job_preload(self.spec))  # in the background
-        deadline = time.monotonic() + warm_pool.READY_TIMEOUT
-        for pool in pools.values():
-            while not pool.started() and time.monotonic() < deadline and not self._stop.is_set():
-                pool.ready(timeout=channel.HEARTBEAT_EVERY)
-        fields = {}
-        for node, pool in pools.items():
-            refused = warm_pool.refusal(pool, self.spec.backend)
-            address, reason = (None, refused) if refused else pool.address(timeout=0)
-            fields[node] = {"warm": address} if address else {"cold_reason": reason}
-        return fields
-
-    def _started(self, node: int, message: dict) -> None:
-        """A node said how its ranks started: the job is warm when every node's were (as locally)."""
-        self._starts[node] = (bool(message.get("warm")), message.get("reason"))
-        reason = message.get("reason") or ""
-        if reason.startswith("the installed code changed"):
-            warm_pool.discard(self.pool_key(node))  # the next job starts a new pool there
-        if len(self._starts) < len(self.nodes()) or self.job.status.get("start"):
-            return
-        cold = [(n, why) for n, (is_warm, why) in sorted(self._starts.items()) if not is_warm]  # n: a link's index
-        if not cold:
-            self.job.update_status(start="warm")
-        elif all(why is None for _, why in cold):
-            self.job.update_status(start="cold")
-        else:
-            n, why = next((n, why) for n, why in cold if why)
-            self.job.update_status(start="cold", start_reason=f"warm start not possible{self._started_where(n)}: {why}")
-
-    def _started_where(self, node: int) -> str:  # in "warm start not possible on h2: ..."
-        return f" on {self.hosts[node]}"
-
-    def _warm_after(self) -> None:
-        """After the job: start the hosts' pools for the next (warm_pool.job_done decides)."""
-        if self.warm_after_job and self.pool_key(0) is not None:
-            warm_pool.job_done(self.warm_choice, warm_pool.job_preload(self.spec), start=self._warm_next)
-
     def links_in_run(self) -> None:  # a target whose agents start in the run's thread (local) does it here
         pass
 
@@ -244,10 +192,6 @@ class AgentRun(MirrorChannel, SessionChannel, HealChannel, InspectChannel, super
         why = self._respawning.pop(rank, None)
         if why is not None:
             self._out(rank, f"[sdp_jupyter] rank {rank} started again (pid {pid}) after: {why.splitlines()[0]}\n")
-
-    def _warm_next(self, preload) -> None:
-        for node in range(len(self.hosts)):
-            self.warm_pool(node, preload)
 
     def _keep_alive(self) -> None:
         """Ping every agent each HEARTBEAT_EVERY from the links' start to close_all: an agent that hears
