@@ -4,7 +4,7 @@ Torch-free and engine-free (it runs in the notebook's kernel, in `sdp-train`, or
 
     python -m sdp_jupyter.flight JOBDIR        # the cause in one sentence, the last operations per rank, a straggler
 
-Each rank writes `metrics/flight-rank-<RANK>.jsonl` (sdp_jupyter/comm/flight.py, docs/failures.md): its
+Each rank writes `metrics/flight-rank-<RANK>.jsonl` (sdp_jupyter/comm/recorder.py, docs/failures.md): its
 ring of recent collectives when something fails, when it is stopped, when a wait passes SDP_HANG_WARN_S
 and on request, and every SDP_HANG_WARN_S a live line saying whether it waits in a collective or runs its
 own code after one. From those, `analyse()` says, in this order of precedence:
@@ -68,7 +68,7 @@ class Op:
     def name(self) -> str:
         return f"{self.op} #{self.seq}"
 
-    # `arg` says which kind of collective this is (comm/flight.py's entry()): a rooted one's root (an
+    # `arg` says which kind of collective this is (comm/recorder.py's entry()): a rooted one's root (an
     # int), a reducing one's op (its name), else None
     @property
     def rooted(self) -> bool:

@@ -102,7 +102,7 @@ def flight_metrics_name(rank: int) -> str:
 
 
 def flight_metrics_path(job_dir: str | os.PathLike, rank: int) -> Path:
-    """A rank's flight recorder lines (sdp_jupyter/comm/flight.py): its rings and what it waits for.
+    """A rank's flight recorder lines (sdp_jupyter/comm/recorder.py): its rings and what it waits for.
     Beside the metrics, so that it travels back from remote hosts as they do; not a metrics file."""
     return Path(job_dir) / METRICS / flight_metrics_name(rank)
 
@@ -111,7 +111,7 @@ def flight_paths(job_dir: str | os.PathLike) -> list[Path]:
     return sorted((Path(job_dir) / METRICS).glob("flight-rank-*.jsonl"))
 
 
-# one entry of a flight record's ring, in this order (sdp_jupyter/comm/flight.py writes, sdp_jupyter/flight.py reads)
+# one entry of a flight record's ring, in this order (sdp_jupyter/comm/recorder.py writes, sdp_jupyter/flight.py reads)
 FLIGHT_FIELDS = ("seq", "op", "dtype", "count", "arg", "state", "posted", "started", "ended")
 FLIGHT_REQUEST = "flight-request"
 

@@ -1,7 +1,7 @@
 """Who comes last to the collectives: the stragglers analysis over the ranks' "arrivals" metrics lines.
 
 Each rank writes, every SDP_ARRIVALS_S, when it came to its recent collectives of the default group and
-how long it waited in them (sdp_jupyter/comm/flight.py, docs/failures.md). Lined up by sequence
+how long it waited in them (sdp_jupyter/comm/recorder.py, docs/failures.md). Lined up by sequence
 number, those say which rank comes last, how late it is then, and what that costs the others:
 `stragglers(records)` from metrics lines in any order. Torch-free and engine-free, and a leaf: the
 dashboard's per-rank panel (through monitor/reader.py), a job's `straggler` and
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 @dataclass
 class Stragglers:
     """Who comes last to the collectives of the default group, from the ranks' "arrivals" metrics lines
-    (sdp_jupyter/comm/flight.py): per rank, the share of collectives it came to last, how late it was
+    (sdp_jupyter/comm/recorder.py): per rank, the share of collectives it came to last, how late it was
     then (against the median of the others), and the share of its time spent waiting inside them."""
 
     collectives: int = 0                                  # collectives every rank reported

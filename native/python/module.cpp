@@ -177,7 +177,7 @@ PYBIND11_MODULE(_engine, m) {
       .def(
           "flight",
           // (seq, coll, dtype, op, count, root, state, posted, started, ended) per entry, oldest
-          // first; the codes are the enums above and FlightState's (sdp_jupyter/comm/flight.py)
+          // first; the codes are the enums above and FlightState's (sdp_jupyter/comm/recorder.py)
           [](Engine& e, size_t last) {
             py::list out;
             for (const FlightEntry& f : e.flight(last))

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from sdp_jupyter.advisor.inputs import (DEFAULT_OVERHEAD, HEADROOM, OPTIMIZERS, PRECISIONS, Cluster, GiB, ModelShape,
                                         Workload, shape_of)
-from sdp_jupyter.advisor.memory import bubble_fraction, in_flight, memory_by_stage
+from sdp_jupyter.advisor.memory_model import bubble_fraction, in_flight, memory_by_stage
 from sdp_jupyter.advisor.references import REFERENCES, Reference
 from sdp_jupyter.advisor.results import Estimate, Finding, StageMemory, Term
 from sdp_jupyter.advisor.rules import estimate, min_nodes, validate, validate_layout

@@ -11,7 +11,7 @@ import math
 from dataclasses import replace
 
 from sdp_jupyter.advisor.inputs import DEFAULT_OVERHEAD, HEADROOM, GiB, Cluster, Workload
-from sdp_jupyter.advisor.memory import bubble_fraction, memory_by_stage
+from sdp_jupyter.advisor.memory_model import bubble_fraction, memory_by_stage
 from sdp_jupyter.advisor.results import Estimate, Finding
 from sdp_jupyter.parallel_config import ParallelConfig
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from sdp_jupyter.advisor.inputs import DEFAULT_OVERHEAD, HEADROOM, GiB, Cluster, Workload
-from sdp_jupyter.advisor.memory import bubble_fraction
+from sdp_jupyter.advisor.memory_model import bubble_fraction
 from sdp_jupyter.advisor.results import Estimate
 from sdp_jupyter.advisor.rules import estimate
 from sdp_jupyter.parallel_config import ParallelConfig

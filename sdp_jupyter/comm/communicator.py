@@ -15,7 +15,7 @@ import numpy as np
 from sdp_jupyter import _engine
 from sdp_jupyter._env import env_float, env_int, env_str
 from sdp_jupyter._net import port_range
-from sdp_jupyter.comm import flight, usage
+from sdp_jupyter.comm import recorder, usage
 from sdp_jupyter.comm.codes import (COLLS, DEFAULT_CHUNK_BYTES, DEFAULT_TIMEOUT, DTYPES, NUMPY_DTYPES, OPS, EngineError,
                                     SmddpError)
 from sdp_jupyter.comm.routing import Routes
@@ -97,16 +97,16 @@ class Communicator(Routes):
             self._job_secret.released()  # failed: the one-host file must not outlive the attempt
         self._channels = Channels(self._engine, self._mailbox, error, self._failed)
         usage.opened(self)
-        flight.watch(self)
+        recorder.watch(self)
 
     def _failed(self, message: str) -> None:
         """Every failed collective or message: the flight recorder's ring goes into the job directory."""
-        flight.failed(self, message)
+        recorder.failed(self, message)
 
     def flight(self, last: int = 0) -> list[list]:
         """The engine's flight recorder: its newest `last` collectives (all it keeps when 0), oldest
-        first, each a list in sdp_jupyter.comm.flight.FIELDS' order."""
-        return flight.ring(self, last)
+        first, each a list in sdp_jupyter.comm.recorder.FIELDS' order."""
+        return recorder.ring(self, last)
 
     def _connect(self, rank, world_size, store, node, bind_addr, chunk, spin) -> None:
         secret = self._secret
@@ -409,7 +409,7 @@ class Communicator(Routes):
         """Shut this rank's engine and message mailbox down, and close the store when this communicator
         owns it (comm.init's does). Leaving a `with Communicator(...)` block calls it."""
         usage.closing(self)
-        flight.forget(self)
+        recorder.forget(self)
         self._engine.shutdown()
         self._mailbox.shutdown()
         if self._close_store and hasattr(self._store, "close"):

@@ -118,11 +118,11 @@ class Metrics:
                 self.sources.setdefault(node, ev.get("source", "?"))
             elif kind == "sampler":
                 self.sources[ev.get("node", 0)] = ev.get("source", "?")
-            elif kind == "cell":  # a session's cell began (launch/rank/session.py): a marker on the timeline
+            elif kind == "cell":  # a session's cell began (launch/rank/cell_loop.py): a marker on the timeline
                 self.cells.append((t, ev.get("cell")))
             elif kind == "membership":  # an elastic job re-formed (launch/kernel/elastic.py): a marker too
                 self.changes.append((t, str(ev.get("label", ""))))
-            elif kind == "arrivals":  # when a rank came to its collectives (comm/flight.py): stragglers
+            elif kind == "arrivals":  # when a rank came to its collectives (comm/recorder.py): stragglers
                 self.arrivals.append(ev)
                 self._stragglers = None  # recomputed at the next frame, not at every frame
             else:

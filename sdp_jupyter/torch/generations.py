@@ -1,5 +1,5 @@
 """Making the default process group again, of other ranks, in a process that lives on: what an
-interactive session does after a shrink (launch/rank/session.py) and a --heal job after a death or a
+interactive session does after a shrink (launch/rank/cell_loop.py) and a --heal job after a death or a
 join (sdp_jupyter.heal). Each membership is a numbered generation: smddp rendezvouses under the
 generation (one store prefix for the process's life, process_group.set_generation); another backend
 under a store prefix per generation, so keys an earlier generation left are never read.

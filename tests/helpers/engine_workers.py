@@ -79,9 +79,9 @@ def mismatch(kind: str):
     except comm.SmddpError as exc:
         assert np.array_equal(x, before), "buffer changed although the collective failed"
         if kind == "barrier":
-            from sdp_jupyter.comm import flight
+            from sdp_jupyter.comm import recorder
 
-            return str(exc) + " | " + flight.entry(tuple(c._engine.flight(1)[0]))[1]
+            return str(exc) + " | " + recorder.entry(tuple(c._engine.flight(1)[0]))[1]
         return str(exc)
     finally:
         comm.shutdown()

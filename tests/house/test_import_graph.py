@@ -29,7 +29,7 @@ KNOWN_PRIVATE: set[str] = set()
 # The allowed lazy back-edges (docs/architecture.md, "Dependencies"): module -> functions whose imports are not edges.
 LAZY_VIEWS: dict[str, tuple[str, ...]] = {
     "sdp_jupyter.launch.kernel.job": ("view", "dashboard"),
-    "sdp_jupyter.launch.targets.sagemaker.job": ("view",),
+    "sdp_jupyter.launch.targets.sagemaker.training_job": ("view",),
     "sdp_jupyter.jobsetup.model": ("view",),
 }
 

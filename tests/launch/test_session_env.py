@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from sdp_jupyter.launch.rank.session import RankSession
+from sdp_jupyter.launch.rank.cell_loop import RankSession
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
 """A session's rank that dies is started again and joins the process group in place
-(launch/kernel/session.py, launch/rank/session.py): the others keep their variables, the failing
+(launch/kernel/session.py, launch/rank/cell_loop.py): the others keep their variables, the failing
 cell says what was lost, and the group works on the next cell with every rank."""
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ def _dump(rank_main: str, user: list[str]) -> str:
     return "\n".join([header,
                       "Thread 0x00007f0000000002 (most recent call first):",
                       f'  File "{LIB}threading.py", line 320 in wait',
-                      '  File "/pkg/sdp_jupyter/comm/flight.py", line 251 in _watchdog',
+                      '  File "/pkg/sdp_jupyter/comm/recorder.py", line 251 in _watchdog',
                       "",
                       "Current thread 0x00007f0000000001 (most recent call first):",
                       *rank_main, *user,

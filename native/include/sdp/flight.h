@@ -6,7 +6,7 @@
 // against the build before the recorder: no cost measurable, docs/benchmarks.md section 16; SDP_FLIGHT_ENTRIES=0
 // turns it off). Python reads it to dump a rank's ring into the job
 // directory after a failure or on request, and to say while a job looks hung who waits where
-// (sdp_jupyter/comm/flight.py); a torch-free analyser turns the ranks' rings into one sentence
+// (sdp_jupyter/comm/recorder.py); a torch-free analyser turns the ranks' rings into one sentence
 // (sdp_jupyter/flight.py).
 #pragma once
 #include <cstddef>

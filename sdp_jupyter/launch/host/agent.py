@@ -379,7 +379,7 @@ class Agent:
 
     def _interrupt(self) -> None:
         from sdp_jupyter.launch.host.ranks import signal_rank
-        from sdp_jupyter.launch.rank.session import INTERRUPT
+        from sdp_jupyter.launch.rank.cell_loop import INTERRUPT
 
         for proc in (self._node.procs if self._node is not None else []):
             signal_rank(proc, INTERRUPT)

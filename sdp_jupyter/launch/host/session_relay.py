@@ -1,7 +1,7 @@
 """An interactive session's cells and answers between a node's agent and its ranks, as frames.
 
 The agent of a session's node (launch/host/agent.py) listens on an abstract Unix socket (no file, no
-port; its name reaches the node's ranks as SDP_SESSION_CHANNEL). Each rank (launch/rank/session.py)
+port; its name reaches the node's ranks as SDP_SESSION_CHANNEL). Each rank (launch/rank/cell_loop.py)
 connects once, says who it is (its rank, the job's secret, the first cell it waits for) and then reads
 cells and writes answers on that connection, blocking: no folder is polled on either side. The agent
 hands every cell the launcher sends to each rank of its node (a writer thread per rank, so a rank busy

@@ -26,7 +26,10 @@ TAIL_LINES = 2000  # lines per rank kept in memory for views opened late; the lo
 
 
 #: modules that moved, as a job directory's status.json may still name them (`job_class`): old -> new prefix
-_MOVED = {"sdp_jupyter.launch.kernel.sagemaker.": "sdp_jupyter.launch.targets.sagemaker."}
+_MOVED = {"sdp_jupyter.launch.kernel.sagemaker.job:": "sdp_jupyter.launch.targets.sagemaker.training_job:",
+          "sdp_jupyter.launch.targets.sagemaker.job:": "sdp_jupyter.launch.targets.sagemaker.training_job:",
+          "sdp_jupyter.launch.kernel.sagemaker.": "sdp_jupyter.launch.targets.sagemaker."}
+
 
 class JobError(RuntimeError):
     """The job failed, was stopped or cannot do what was asked. Shown without our internals' traceback."""

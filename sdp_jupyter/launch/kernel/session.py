@@ -1,7 +1,7 @@
 """Interactive sessions: ranks that keep their process group and their variables from cell to cell.
 
 `Session.start(spec)` launches a job like any other (every target whose ranks an agent or this
-kernel starts: local, SSH, Ray, Slurm) whose script is the rank's cell loop (launch/rank/session.py); the
+kernel starts: local, SSH, Ray, Slurm) whose script is the rank's cell loop (launch/rank/cell_loop.py); the
 job's view, logs, dashboard, Stop and the end-with-the-kernel rule are a job's. `session.run(code)`
 hands a cell to the ranks and waits for every rank's answer; `%%sdp_px` is that call in a cell. Cells
 and answers travel as frames over the agents' channels (launch/host/session_relay.py), not files.
@@ -9,7 +9,7 @@ and answers travel as frames over the agents' channels (launch/host/session_rela
 A cell that raised or was interrupted somewhere can leave a collective half done: ranks that
 finished wait forever for the ones that left. So after a failed cell the session compares what the
 ranks' groups have issued and, when it differs or a rank is still inside the cell, interrupts the
-ranks still running and reconnects the process group on every rank (launch/rank/session.py says what
+ranks still running and reconnects the process group on every rank (launch/rank/cell_loop.py says what
 that keeps). The session stays up. On smddp a rank that dies is started again by its node's agent:
 it joins the group the others reconnect, with an empty namespace, and the cell's error says what it
 lost. On another backend (a gloo collective can wait on a dead peer until
@@ -33,7 +33,7 @@ from sdp_jupyter.launch.kernel.session_mend import SessionMending, ranks_text
 from sdp_jupyter.launch.kernel.session_result import POLL, CellResult, SessionError
 from sdp_jupyter.launch import targets
 from sdp_jupyter.launch.options import SpecError
-from sdp_jupyter.launch.rank.session import SCRIPT
+from sdp_jupyter.launch.rank.cell_loop import SCRIPT
 from sdp_jupyter.launch.spec import JobSpec
 
 TARGETS = targets.having("sessions")  # where this kernel or an agent starts the ranks

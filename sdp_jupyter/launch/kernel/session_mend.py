@@ -114,7 +114,7 @@ class SessionMending:
 
     def shrink(self) -> CellResult:
         """Go on without the ranks lost with their host: every rank left makes the process group again of
-        the ranks left (launch/rank/session.py: shrink), keeping its variables and its session number."""
+        the ranks left (launch/rank/cell_loop.py: shrink), keeping its variables and its session number."""
         self._check_alive()
         if not self.stranded:
             raise SessionError(f"session {self.job.name}: no rank was lost with its host, so there is nothing to "

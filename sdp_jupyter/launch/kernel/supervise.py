@@ -81,7 +81,7 @@ class Run:
         raise NotImplementedError
 
     def interrupt_ranks(self) -> None:
-        """A KeyboardInterrupt in the cell each rank is running (launch/rank/session.py: INTERRUPT)."""
+        """A KeyboardInterrupt in the cell each rank is running (launch/rank/cell_loop.py: INTERRUPT)."""
         raise NotImplementedError
 
     def lost_ranks(self) -> dict:

@@ -6,7 +6,7 @@ it needs no GIL and no Python code to run, so it answers while the main thread w
 sleeps, or loops in C code, and nothing attaches to the process (no ptrace, no debugger).
 
 SIGNAL is a real-time signal: SIGUSR1 is what Slurm's `--signal`, PyTorch Lightning's requeue and
-submitit use, SIGUSR2 is a session's cell interrupt (launch/rank/session.py); torch, Ray and glibc use
+submitit use, SIGUSR2 is a session's cell interrupt (launch/rank/cell_loop.py); torch, Ray and glibc use
 none of the real-time signals above glibc's own. Its default action kills, so the agent signals only a
 rank whose handler is in place (`armed`), and only the rank itself, never its process group: a
 DataLoader worker (forked, so it inherits the handler but not a reason to answer) is left alone.
@@ -31,7 +31,7 @@ HEADER = "# sdp-stacks "
 
 def library_folders() -> list[str]:
     """The folders of code that is not the user's: the standard library, site-packages, sdp_jupyter; and
-    a session's job script, which is sdp_jupyter's loop that runs the cells (launch/rank/session.py)."""
+    a session's job script, which is sdp_jupyter's loop that runs the cells (launch/rank/cell_loop.py)."""
     import sdp_jupyter
     from sdp_jupyter._env import env_str
 

@@ -97,7 +97,7 @@ def main() -> int:
         where = f" at {frames[-1].filename}, line {frames[-1].lineno}" if frames else ""
         print(f"[sdp_jupyter] rank {os.environ.get('RANK', '?')} interrupted (SIGINT){where}", file=sys.stderr)
         sys.stderr.flush()
-        flight = sys.modules.get("sdp_jupyter.comm.flight")  # only a rank that made an smddp group has one
+        flight = sys.modules.get("sdp_jupyter.comm.recorder")  # only a rank that made an smddp group has one
         if flight is not None:
             flight.dump_all("stopped")
         signal.signal(signal.SIGINT, signal.SIG_DFL)

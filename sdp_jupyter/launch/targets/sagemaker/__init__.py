@@ -34,7 +34,7 @@ check), validate (botocore's service model), engine (instance types; who serves 
 (ModelTrainer, the request gate, SageMakerLauncher), job (SageMakerJob, SageMakerRun), entry (the
 container entry), rehearse (--rehearse) and standin (the local AWS stand-in). This __init__ is the
 target's record only (a leaf the registry reads); import the names from their modules
-(``from sdp_jupyter.launch.targets.sagemaker.job import SageMakerJob``).
+(``from sdp_jupyter.launch.targets.sagemaker.training_job import SageMakerJob``).
 """
 from sdp_jupyter.launch.targets.record import Target
 

@@ -12,7 +12,7 @@ from sdp_jupyter.launch.kernel.preparation import create_job, prepared
 from sdp_jupyter.launch.kernel.push import pickle_push
 from sdp_jupyter.launch.options import SpecError
 from sdp_jupyter.launch.targets.sagemaker.aws import resolve_aws
-from sdp_jupyter.launch.targets.sagemaker.job import SageMakerJob
+from sdp_jupyter.launch.targets.sagemaker.training_job import SageMakerJob
 from sdp_jupyter.launch.targets.sagemaker.options import CONTAINER_CHECKPOINT_DIR, ENTRY_SCRIPT, REQUEST_FILE, validate_request
 from sdp_jupyter.launch.targets.sagemaker.plan import Plan, make_plan, metric_definitions
 from sdp_jupyter.launch.targets.sagemaker.source import build_source_dir

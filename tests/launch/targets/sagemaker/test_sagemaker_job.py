@@ -17,7 +17,7 @@ pytest.importorskip("sagemaker.train")
 pytest.importorskip("moto.server")
 
 from sdp_jupyter.launch import launch  # noqa: E402
-from sdp_jupyter.launch.targets.sagemaker.job import SageMakerJob  # noqa: E402
+from sdp_jupyter.launch.targets.sagemaker.training_job import SageMakerJob  # noqa: E402
 from sdp_jupyter.launch.targets.sagemaker.submit import SageMakerLauncher  # noqa: E402
 from sdp_jupyter.monitor import cloudwatch  # noqa: E402
 from helpers.sagemaker_jobs import CELL, make_spec, s3_json, wait_for, wire_request  # noqa: E402
@@ -332,3 +332,14 @@ def test_magic_wait_streams_host_one_and_raises_the_failure(aws, tmp_path, monke
     assert "[sagemaker] Training" in out
     err = result.error_in_exec
     assert err is not None and "ValueError: bad batch" in str(err)
+
+
+def test_a_job_directory_written_before_the_module_moved_reopens_as_its_class():
+    """status.json names the class that reopens a job (`job_class`); one written when SageMakerJob lived
+    in launch/kernel/sagemaker/job.py (or targets/sagemaker/job.py) still finds it."""
+    from sdp_jupyter.launch.kernel.job import Job
+
+    for where in ("sdp_jupyter.launch.kernel.sagemaker.job:SageMakerJob",
+                  "sdp_jupyter.launch.targets.sagemaker.job:SageMakerJob", SageMakerJob.class_record()):
+        assert Job.recorded_class({"job_class": where}) is SageMakerJob, where
+    assert Job.recorded_class({"job_class": "sdp_jupyter.launch.kernel.sagemaker.gone:SageMakerJob"}) is None

@@ -19,7 +19,7 @@ pytest.importorskip("moto.server")
 
 import sdp_jupyter  # noqa: E402
 from sdp_jupyter.launch import JobSpec, SpecError, launch  # noqa: E402
-from sdp_jupyter.launch.targets.sagemaker.job import SageMakerJob  # noqa: E402
+from sdp_jupyter.launch.targets.sagemaker.training_job import SageMakerJob  # noqa: E402
 from sdp_jupyter.launch.targets.sagemaker.options import SAGEMAKER_OPTIONS  # noqa: E402
 from sdp_jupyter.launch.targets.sagemaker.plan import make_plan  # noqa: E402
 from sdp_jupyter.launch.targets.sagemaker import rehearse as sagemaker_rehearse  # noqa: E402

@@ -49,7 +49,7 @@ from sdp_jupyter._env import env_float, env_str
 from sdp_jupyter.launch import channel
 from sdp_jupyter.launch.rank import postmortem
 
-SCRIPT = "from sdp_jupyter.launch.rank.session import serve as _sdp_serve\n_sdp_serve(globals())\n"
+SCRIPT = "from sdp_jupyter.launch.rank.cell_loop import serve as _sdp_serve\n_sdp_serve(globals())\n"
 INTERRUPT = signal.SIGUSR2
 
 
