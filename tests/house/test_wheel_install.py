@@ -79,7 +79,7 @@ REHEARSE = """\
 import json
 from pathlib import Path
 from sdp_jupyter.launch import JobSpec, launch
-from sdp_jupyter.launch.targets.sagemaker import source_tree
+from sdp_jupyter.launch.targets.sagemaker.source import source_tree
 from sdp_jupyter.testing import sagemaker_standin
 
 job = launch(JobSpec(code=Path("cell.py").read_text(), name="wheel-rehearsal", target="sagemaker", nodes=2,
