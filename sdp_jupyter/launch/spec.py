@@ -11,6 +11,7 @@ JobSpec field and one `Option` row there.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import importlib.util
 import json
@@ -72,6 +73,16 @@ def parse_key_values(field_name: str, items: Any, *, json_values: bool) -> dict:
     return out
 
 
+
+@functools.cache
+def _target_fields_of_jobspec() -> frozenset[str]:
+    return frozenset(f.name for f in dataclasses.fields(JobSpec)) - {"target_options"}
+
+
+def _own_field(top: str) -> bool:
+    """Whether a target's options field `top` is a field of JobSpec's own (ssh, ray, ...), not target_options'."""
+    return top in _target_fields_of_jobspec()
+
 @dataclass
 class JobSpec:
     """What to run and how. Build it with keywords; bad values raise SpecError at construction.
@@ -119,7 +130,7 @@ class JobSpec:
     def put_target_options(keywords: dict, top: str, options: dict) -> dict:
         """Merge `options` of the target whose field is `top` into JobSpec keywords (copying what it
         changes): under `top` for a field of JobSpec's own, else under target_options[top]. Returns them."""
-        if top in {f.name for f in dataclasses.fields(JobSpec)} and top != "target_options":
+        if _own_field(top):
             keywords[top] = {**(keywords.get(top) or {}), **options}
         else:
             mine = dict(keywords.get("target_options") or {})
@@ -129,8 +140,7 @@ class JobSpec:
 
     def options_of(self, top: str) -> dict:
         """The options of the target whose field is `top` (``spec.options_of("ssh") is spec.ssh``)."""
-        own = top != "target_options" and top in {f.name for f in dataclasses.fields(self)}
-        return getattr(self, top) if own else self.target_options.get(top, {})
+        return getattr(self, top) if _own_field(top) else self.target_options.get(top, {})
 
     def __post_init__(self):
         if isinstance(self.nodes, str) and ":" in self.nodes:

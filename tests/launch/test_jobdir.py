@@ -1,5 +1,5 @@
 """The job directory's contract (sdp_jupyter/jobdir.py): its names, the one JSON-lines tailer and
-the one mirror writer, which the reader, the agent, the SageMaker entry and job and remote.py use."""
+the one mirror writer, which the reader, the agent, the SageMaker entry and job and the agent run use."""
 from __future__ import annotations
 
 import io
